@@ -1,0 +1,202 @@
+"""The training-step dataflow graph: operators are nodes, storages are edges. No torch here.
+
+A `Tensor` is a *storage*: views and in-place results alias their base, so they are not tensors of their
+own; an op that reads a view lists the base storage among its inputs. Every tensor has at most one
+producer (None for parameters, buffers and inputs, which are resident for the whole step).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+PHASES = ("fwd", "bwd")
+# Tensor kinds. "param", "buffer" and "input" exist before the step; "activation" is any storage an op
+# produces; "grad" is a parameter gradient, an output of the step that lives until the step ends.
+KINDS = ("param", "buffer", "input", "activation", "grad")
+# Persistent categories a budget may count. Activations, inputs and buffers always count.
+COUNTABLE = ("parameters", "gradients", "optimizer_state")
+
+
+class GraphError(ValueError):
+    """A graph that breaks an invariant (unknown tensor, two producers, a cycle...)."""
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One storage: its stable name, its size in bytes, who produces it and what kind it is."""
+
+    name: str
+    size: int
+    kind: str = "activation"
+    producer: str | None = None
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operator of the training step.
+
+    `inputs` are the storages it reads (views resolved to their base), `outputs` the storages it creates.
+    `layer` is the module path it belongs to; `recomputable` is False for random and state-mutating ops.
+    `signature` identifies the op for the cost model: ops with equal signatures cost the same.
+    """
+
+    name: str
+    target: str
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    phase: str = "fwd"
+    layer: str = ""
+    recomputable: bool = True
+    flops: float = 0.0
+    signature: str = ""
+
+
+@dataclass(frozen=True)
+class Graph:
+    """A validated training-step graph. `ops` are in a valid (captured) topological order.
+
+    `resident` holds bytes present for the whole step that are not tensors of the graph, by category
+    (today "optimizer_state"); `counted` names which of COUNTABLE count toward the memory budget.
+    """
+
+    ops: tuple[Op, ...]
+    tensors: dict[str, Tensor]
+    resident: dict[str, int] = field(default_factory=dict)
+    counted: frozenset = frozenset(COUNTABLE)
+    loss: str | None = None
+
+    def __post_init__(self):
+        _validate(self)
+
+    # --- derived views, computed on demand (graphs are small; callers cache what they need) ---
+    def op_index(self) -> dict[str, int]:
+        """Op name -> position in the captured order."""
+        return {op.name: i for i, op in enumerate(self.ops)}
+
+    def consumers(self) -> dict[str, list[str]]:
+        """Tensor name -> names of the ops reading it, in captured order."""
+        out: dict[str, list[str]] = {t: [] for t in self.tensors}
+        for op in self.ops:
+            for t in op.inputs:
+                out[t].append(op.name)
+        return out
+
+    def candidates(self) -> list[str]:
+        """Activations that a policy decides about: produced in the forward pass, read in the backward."""
+        phase = {op.name: op.phase for op in self.ops}
+        cons = self.consumers()
+        return [
+            t.name
+            for t in self.tensors.values()
+            if t.kind == "activation"
+            and t.producer is not None
+            and phase[t.producer] == "fwd"
+            and any(phase[c] == "bwd" for c in cons[t.name])
+        ]
+
+    def counts(self, tensor: Tensor) -> bool:
+        """Whether a tensor's bytes count toward the budget (parameters and gradients may be left out)."""
+        if tensor.kind == "param":
+            return "parameters" in self.counted
+        if tensor.kind == "grad":
+            return "gradients" in self.counted
+        return True
+
+    def resident_bytes(self) -> int:
+        """Counted bytes resident for the whole step: parameters, buffers, inputs, optimizer state."""
+        total = sum(t.size for t in self.tensors.values() if t.producer is None and self.counts(t))
+        for cat, size in self.resident.items():
+            if cat not in COUNTABLE or cat in self.counted:
+                total += size
+        return total
+
+    def fingerprint(self) -> str:
+        """A hash of the graph's structure and sizes: equal fingerprints mean the same step."""
+        body = {
+            "ops": [[o.name, o.target, list(o.inputs), list(o.outputs), o.phase] for o in self.ops],
+            "tensors": sorted([t.name, t.size, t.kind] for t in self.tensors.values()),
+            "resident": sorted(self.resident.items()),
+            "counted": sorted(self.counted),
+        }
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+
+    # --- plain-data round trip (JSON-able), used by caches and worker processes ---
+    def to_dict(self) -> dict:
+        return {
+            "ops": [op.__dict__ | {"inputs": list(op.inputs), "outputs": list(op.outputs)} for op in self.ops],
+            "tensors": [t.__dict__ for t in self.tensors.values()],
+            "resident": dict(self.resident),
+            "counted": sorted(self.counted),
+            "loss": self.loss,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Graph":
+        ops = tuple(
+            Op(**(o | {"inputs": tuple(o["inputs"]), "outputs": tuple(o["outputs"])})) for o in d["ops"]
+        )
+        tensors = {t["name"]: Tensor(**t) for t in d["tensors"]}
+        return cls(ops, tensors, dict(d.get("resident", {})), frozenset(d.get("counted", COUNTABLE)), d.get("loss"))
+
+
+def _validate(g: Graph) -> None:
+    seen_ops: set[str] = set()
+    produced: set[str] = set()
+    bwd_outputs: set[str] = set()
+    for t in g.tensors.values():
+        if t.kind not in KINDS:
+            raise GraphError(f"tensor {t.name!r}: unknown kind {t.kind!r} (expected one of {KINDS})")
+        if t.size < 0:
+            raise GraphError(f"tensor {t.name!r}: negative size {t.size}")
+        if (t.producer is None) != (t.kind in ("param", "buffer", "input")):
+            raise GraphError(f"tensor {t.name!r}: kind {t.kind!r} and producer {t.producer!r} disagree")
+    for op in g.ops:
+        if op.name in seen_ops:
+            raise GraphError(f"op {op.name!r} appears twice")
+        if op.phase not in PHASES:
+            raise GraphError(f"op {op.name!r}: phase {op.phase!r} is not one of {PHASES}")
+        for t in op.inputs:
+            if t not in g.tensors:
+                raise GraphError(f"op {op.name!r} reads unknown tensor {t!r}")
+            if op.phase == "fwd" and t in bwd_outputs:
+                raise GraphError(f"forward op {op.name!r} reads {t!r}, produced in the backward pass")
+            src = g.tensors[t].producer
+            if src is not None and t not in produced:
+                raise GraphError(f"op {op.name!r} reads {t!r} before its producer {src!r} (ops not in order)")
+        for t in op.outputs:
+            if t not in g.tensors:
+                raise GraphError(f"op {op.name!r} writes unknown tensor {t!r}")
+            if g.tensors[t].producer != op.name:
+                raise GraphError(f"op {op.name!r} writes {t!r}, whose producer is {g.tensors[t].producer!r}")
+            produced.add(t)
+            if op.phase == "bwd":
+                bwd_outputs.add(t)
+        seen_ops.add(op.name)
+    for t in g.tensors.values():
+        if t.producer is not None and t.producer not in seen_ops:
+            raise GraphError(f"tensor {t.name!r}: producer {t.producer!r} is not an op of the graph")
+    if g.loss is not None and g.loss not in g.tensors:
+        raise GraphError(f"loss tensor {g.loss!r} is not in the graph")
+
+
+def chain(n: int, size: int = 1, *, name: str = "chain") -> Graph:
+    """A linear training step of n forward ops and their n backward ops (for tests and benchmarks).
+
+    Forward: a{i} = f{i}(a{i-1}); backward: g{i} = b{i}(g{i+1}, a{i-1}), the gradient flowing back.
+    Every forward output is read by exactly one backward op, as in a plain chain of layers.
+    """
+    tensors = {"x": Tensor("x", size, "input")}
+    ops = []
+    prev = "x"
+    for i in range(1, n + 1):
+        tensors[f"a{i}"] = Tensor(f"a{i}", size, "activation", f"f{i}")
+        ops.append(Op(f"f{i}", "fwd", (prev,), (f"a{i}",), "fwd", f"layer{i}", signature="f"))
+        prev = f"a{i}"
+    grad = prev
+    for i in range(n, 0, -1):
+        saved = f"a{i-1}" if i > 1 else "x"
+        tensors[f"g{i}"] = Tensor(f"g{i}", size, "activation", f"b{i}")
+        ops.append(Op(f"b{i}", "bwd", (grad, saved), (f"g{i}",), "bwd", f"layer{i}", signature="b"))
+        grad = f"g{i}"
+    return Graph(tuple(ops), tensors, loss=f"a{n}")
