@@ -91,6 +91,7 @@ class Graph:
             for t in self.tensors.values()
             if t.kind == "activation"
             and t.producer is not None
+            and t.name != self.loss
             and phase[t.producer] == "fwd"
             and any(phase[c] == "bwd" for c in cons[t.name])
         ]

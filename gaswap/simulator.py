@@ -1,0 +1,276 @@
+"""Predict step time and peak memory of one training step under a policy. No torch here.
+
+Three streams: compute runs ops in the policy's order; a device->host (d2h) and a host->device (h2d) copy
+stream overlap with it. Memory is counted in bytes on the device, in time order:
+
+- parameters, buffers, inputs and optimizer state are resident all step (as the graph counts them);
+- an op allocates its outputs when it starts; a tensor is freed when the last op reading it ends;
+  gradients and the loss live to the end of the step;
+- KEEP: the default above;
+- SWAP: a d2h copy starts when the producer ends (and the d2h stream is free); the device copy is freed once
+  that copy is done and no forward reader remains. The h2d copy back is issued, with its device memory
+  allocated, at the latest op before the first backward reader whose preceding compute covers the copy
+  (just-in-time prefetch); a reader waits for the copy to land;
+- RECOMPUTE: freed after its last forward reader; before its first backward reader its producer runs again,
+  first re-producing (recursively) inputs that are gone; re-produced tensors stay until their last reader.
+
+A tensor that must be re-produced but cannot be (its producer is random or mutates state, and it is
+neither resident nor on the host) makes the policy invalid: the result says why.
+"""
+from __future__ import annotations
+
+import bisect
+import heapq
+from dataclasses import dataclass
+
+from gaswap.costs import Costs
+from gaswap.graph import Graph
+
+KEEP, SWAP, RECOMPUTE = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Event:
+    """One interval on a stream, and why it happened."""
+
+    stream: str  # "compute" | "d2h" | "h2d"
+    kind: str  # "op" | "recompute" | "swap_out" | "swap_in" | "wait"
+    name: str  # the op or tensor concerned
+    start: float
+    end: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Predicted step time (s) and peak device bytes; `timeline` and `memory` only when traced."""
+
+    step_time: float
+    peak_bytes: int
+    compute_time: float  # seconds of compute, recomputation included
+    valid: bool = True
+    reason: str = ""  # why a policy is invalid
+    timeline: tuple[Event, ...] = ()
+    memory: tuple[tuple[float, int], ...] = ()  # (time, device bytes) after each change
+
+
+class Unrealizable(Exception):
+    """A tensor is needed again but the policy left no way to bring it back."""
+
+
+class Simulator:
+    """Holds the graph and costs as flat arrays, so that `run` evaluates many policies fast."""
+
+    def __init__(self, graph: Graph, costs: Costs):
+        self.graph = graph
+        self.costs = costs
+        names = list(graph.tensors)
+        tid = {t: k for k, t in enumerate(names)}
+        oid = graph.op_index()
+        self.tensor_names = names
+        self.op_names = [op.name for op in graph.ops]
+        self.op_time = [costs.op_time[op.name] for op in graph.ops]
+        self.op_in = [tuple(tid[t] for t in op.inputs) for op in graph.ops]
+        self.op_out = [tuple(tid[t] for t in op.outputs) for op in graph.ops]
+        self.op_fwd = [op.phase == "fwd" for op in graph.ops]
+        self.op_recomputable = [op.recomputable and op.phase == "fwd" for op in graph.ops]
+        tensors = list(graph.tensors.values())
+        self.size = [t.size if graph.counts(t) else 0 for t in tensors]
+        self.producer = [oid[t.producer] if t.producer is not None else -1 for t in tensors]
+        # persistent: resident from production (or the start) to the end of the step
+        self.persistent = [t.producer is None or t.kind == "grad" or t.name == graph.loss for t in tensors]
+        self.base_bytes = graph.resident_bytes()
+        self.candidates = [tid[t] for t in graph.candidates()]
+        self.d2h_time = [costs.copy_time(t.size, "d2h") for t in tensors]
+        self.h2d_time = [costs.copy_time(t.size, "h2d") for t in tensors]
+
+    def run(self, order, actions, *, trace: bool = False) -> SimResult:
+        """Simulate the ops in `order` (indices into graph.ops) with `actions` aligned with candidates."""
+        try:
+            return _Run(self, order, actions, trace).result()
+        except Unrealizable as err:
+            inf = float("inf")
+            return SimResult(inf, 2**62, inf, valid=False, reason=str(err))
+
+
+class _Run:
+    """The state of one simulation; a class so that recursion shares it without globals."""
+
+    def __init__(self, sim: Simulator, order, actions, trace: bool):
+        self.sim, self.order, self.trace = sim, order, trace
+        nt = len(sim.size)
+        self.act = act = [KEEP] * nt
+        for k, a in zip(sim.candidates, actions):
+            act[k] = a
+        self.events: list[Event] = []
+        self.memory: list[tuple[float, int]] = []
+        self.mem = sim.base_bytes
+        self.peak = self.mem
+        self.pending: list[tuple[float, int, int]] = []  # (time, tensor, bytes) frees waiting for a copy
+        self.resident = [p < 0 for p in sim.producer]  # parameters, buffers, inputs are there from the start
+        self.on_host = [False] * nt
+        self.ready = [0.0] * nt  # when a resident tensor's data is usable
+        self.d2h_end = [0.0] * nt
+        self.clock = self.d2h_free = self.h2d_free = 0.0
+        self.compute = 0.0
+        self.pos = 0  # position of the op being prepared or run
+
+    def result(self) -> SimResult:
+        sim, order, act = self.sim, self.order, self.act
+        nt, n = len(sim.size), len(order)
+        last_use, last_fwd, first_bwd = [-1] * nt, [-1] * nt, [n] * nt
+        for p, i in enumerate(order):
+            fwd = sim.op_fwd[i]
+            for t in sim.op_in[i]:
+                last_use[t] = p
+                if fwd:
+                    last_fwd[t] = p
+                elif first_bwd[t] > p:
+                    first_bwd[t] = p
+        self.last_use = last_use
+        pos_of = [0] * len(order)
+        for p, i in enumerate(order):
+            pos_of[i] = p
+        release: list[list[int]] = [[] for _ in range(n)]  # tensors to release after position p
+        for t in range(nt):
+            if sim.persistent[t] or sim.producer[t] < 0:
+                continue
+            made = pos_of[sim.producer[t]]
+            if act[t] != KEEP:
+                release[max(last_fwd[t], made)].append(t)
+            release[max(last_use[t], made)].append(t)
+        prefetch: list[list[int]] = [[] for _ in range(n)]
+        swapped = [t for t in sim.candidates if act[t] == SWAP]
+        if swapped:
+            prefix = [0.0]
+            for i in order:
+                prefix.append(prefix[-1] + sim.op_time[i])
+            for t in sorted(swapped, key=first_bwd.__getitem__):  # same position: first needed, first copied
+                c = first_bwd[t]
+                p = bisect.bisect_right(prefix, prefix[c] - sim.h2d_time[t]) - 1
+                prefetch[max(p, last_fwd[t] + 1, pos_of[sim.producer[t]] + 1, 0)].append(t)
+
+        op_in, op_out, op_time, names = sim.op_in, sim.op_out, sim.op_time, sim.op_names
+        size, trace = sim.size, self.trace
+        resident = self.resident
+        for p, i in enumerate(order):
+            self.pos = p
+            for t in prefetch[p]:
+                if resident[t]:
+                    continue
+                if self.d2h_end[t] > self.clock and p < first_bwd[t]:
+                    prefetch[p + 1].append(t)  # its device copy is still there: don't hold it twice
+                    continue
+                self.swap_in(t, self.clock, f"prefetch for {names[order[first_bwd[t]]]}")
+            for t in op_in[i]:
+                if not resident[t]:
+                    self.rematerialize(t, names[i])
+            self.run_op(i, self.start_time(op_in[i]), "op", f"position {p} of the order")
+            end = self.clock
+            for t in op_out[i]:
+                if act[t] == SWAP:
+                    self.swap_out(t, end)
+            for t in release[p]:
+                if resident[t]:
+                    self.release(t, end)
+        if self.pending:
+            for when, t, nbytes in sorted(self.pending):
+                self.mem -= nbytes
+                if trace:
+                    self.memory.append((when, self.mem))
+        step = max(self.clock, self.d2h_free, self.h2d_free)
+        return SimResult(step, self.peak, self.compute, timeline=tuple(self.events), memory=tuple(self.memory))
+
+    # --- memory ---
+    def alloc(self, nbytes: int, when: float) -> None:
+        pending = self.pending
+        while pending and pending[0][0] <= when:
+            freed_at, _, freed = heapq.heappop(pending)
+            self.mem -= freed
+            if self.trace:
+                self.memory.append((freed_at, self.mem))
+        self.mem += nbytes
+        if self.mem > self.peak:
+            self.peak = self.mem
+        if self.trace:
+            self.memory.append((when, self.mem))
+
+    def free(self, t: int, when: float) -> None:
+        self.resident[t] = False
+        self.mem -= self.sim.size[t]
+        if self.trace:
+            self.memory.append((when, self.mem))
+
+    def release(self, t: int, when: float) -> None:
+        """Free `t` after its last reader; a swapped tensor's device copy waits for its d2h copy."""
+        if self.act[t] == SWAP and self.on_host[t] and self.d2h_end[t] > when:
+            self.resident[t] = False
+            heapq.heappush(self.pending, (self.d2h_end[t], t, self.sim.size[t]))
+        else:
+            self.free(t, when)
+
+    # --- streams ---
+    def start_time(self, inputs) -> float:
+        """When an op reading `inputs` can start: compute is free and every input has landed."""
+        start = self.clock
+        for t in inputs:
+            if self.ready[t] > start:
+                start = self.ready[t]
+        return start
+
+    def run_op(self, i: int, start: float, kind: str, reason: str) -> None:
+        sim = self.sim
+        if self.trace and start > self.clock:
+            waited = [sim.tensor_names[t] for t in sim.op_in[i] if self.ready[t] > self.clock]
+            self.events.append(Event("compute", "wait", sim.op_names[i], self.clock, start,
+                                     "wait for swap-in of " + ", ".join(waited)))
+        end = start + sim.op_time[i]
+        nbytes = 0
+        for t in sim.op_out[i]:
+            nbytes += sim.size[t]
+        self.alloc(nbytes, start)
+        for t in sim.op_out[i]:
+            if self.resident[t]:  # a recomputed op re-produces an output that is already here: drop the copy
+                self.mem -= sim.size[t]
+            self.resident[t] = True
+            self.ready[t] = end
+        self.clock = end
+        self.compute += sim.op_time[i]
+        if self.trace:
+            self.events.append(Event("compute", kind, sim.op_names[i], start, end, reason))
+
+    def swap_out(self, t: int, when: float) -> None:
+        start = max(self.d2h_free, when)
+        self.d2h_free = self.d2h_end[t] = end = start + self.sim.d2h_time[t]
+        self.on_host[t] = True
+        if self.trace:
+            name = self.sim.tensor_names[t]
+            self.events.append(Event("d2h", "swap_out", name, start, end, f"swap-out {name} after its producer"))
+
+    def swap_in(self, t: int, when: float, reason: str) -> None:
+        self.alloc(self.sim.size[t], when)
+        self.resident[t] = True
+        start = max(self.h2d_free, when, self.d2h_end[t])
+        self.h2d_free = self.ready[t] = end = start + self.sim.h2d_time[t]
+        if self.trace:
+            name = self.sim.tensor_names[t]
+            self.events.append(Event("h2d", "swap_in", name, start, end, f"swap-in {name}: {reason}"))
+
+    # --- bringing tensors back ---
+    def rematerialize(self, t: int, reader: str) -> None:
+        """Make `t` resident again for `reader`: copy it back from the host or re-run its producer."""
+        sim = self.sim
+        if self.on_host[t]:
+            self.swap_in(t, self.clock, f"on demand for {reader}")
+            return
+        i = sim.producer[t]
+        if i < 0 or not sim.op_recomputable[i]:
+            why = "its producer is random or mutates state" if i >= 0 else "it has no producer"
+            raise Unrealizable(f"{sim.tensor_names[t]} is needed by {reader} but is gone and {why}")
+        for u in sim.op_in[i]:
+            if not self.resident[u]:
+                self.rematerialize(u, sim.op_names[i])
+        self.run_op(i, self.start_time(sim.op_in[i]), "recompute", f"recompute {sim.op_names[i]} for {reader}")
+        for u in sim.op_in[i] + sim.op_out[i]:  # drop what no later op reads
+            if self.resident[u] and self.last_use[u] < self.pos and not sim.persistent[u] and u != t:
+                self.free(u, self.clock)

@@ -1,0 +1,117 @@
+"""Exact timelines of the simulator on hand-worked graphs (sizes in bytes, times in seconds)."""
+from helpers import trace, unit_costs
+
+from gaswap.encoding import Action, Encoding
+from gaswap.graph import Graph, Op, Tensor, chain
+from gaswap.simulator import Simulator
+
+K, S, R = Action.KEEP, Action.SWAP, Action.RECOMPUTE
+
+
+def run(graph, actions, **costs):
+    enc = Encoding(graph)
+    order = enc.decode(enc.captured_keys())
+    return Simulator(graph, unit_costs(graph, **costs)).run(order, actions, trace=True)
+
+
+def test_keep_all_chain():
+    # chain(3): f1 f2 f3 | b3(a3, a2) b2(g3, a1) b1(g2, x); every tensor 1 byte, every op 1 s; x resident.
+    r = run(chain(3), (K, K))
+    assert trace(r) == [("compute", "op", n, float(i), float(i + 1)) for i, n in
+                        enumerate(["f1", "f2", "f3", "b3", "b2", "b1"])]
+    # a3 is the loss and stays; a2 goes after b3, g3 and a1 after b2, g2 and g1 (read by nobody) after b1.
+    assert r.memory == ((0, 2), (1, 3), (2, 4), (3, 5), (4, 4), (4, 5), (5, 4), (5, 3), (5, 4),
+                        (6, 3), (6, 2))
+    assert (r.step_time, r.peak_bytes, r.compute_time) == (6.0, 5, 6.0)
+
+
+def test_recompute_reruns_producer_before_backward_reader():
+    r = run(chain(3), (R, K))
+    assert trace(r)[3:6] == [("compute", "op", "b3", 3, 4), ("compute", "recompute", "f1", 4, 5),
+                             ("compute", "op", "b2", 5, 6)]
+    assert r.timeline[4].reason == "recompute f1 for b2"
+    # a1 freed after f2 (t=2), back at t=4 for b2, freed after it.
+    assert r.memory[:5] == ((0, 2), (1, 3), (2, 2), (2, 3), (3, 4))
+    assert (r.step_time, r.peak_bytes, r.compute_time) == (7.0, 5, 7.0)
+
+
+def test_recursive_recompute_runs_each_producer_once():
+    r = run(chain(3), (R, R))
+    assert [(e.kind, e.name, e.reason) for e in r.timeline if e.kind == "recompute"] == [
+        ("recompute", "f1", "recompute f1 for f2"), ("recompute", "f2", "recompute f2 for b3")]
+    # a1, recomputed on the way to a2, stays until b2 reads it: no second recompute.
+    assert (r.step_time, r.compute_time) == (8.0, 8.0)
+
+
+def test_swap_overlaps_and_prefetches_just_in_time():
+    r = run(chain(3), (S, S))
+    assert trace(r) == [
+        ("compute", "op", "f1", 0, 1), ("d2h", "swap_out", "a1", 1, 2), ("compute", "op", "f2", 1, 2),
+        ("d2h", "swap_out", "a2", 2, 3), ("compute", "op", "f3", 2, 3),
+        # both prefetches are issued after the last forward reader (f3); the one needed first goes first
+        ("h2d", "swap_in", "a2", 3, 4), ("h2d", "swap_in", "a1", 4, 5),
+        ("compute", "wait", "b3", 3, 4), ("compute", "op", "b3", 4, 5),
+        ("compute", "op", "b2", 5, 6), ("compute", "op", "b1", 6, 7)]
+    assert r.timeline[7].reason == "wait for swap-in of a2"
+    assert r.timeline[5].reason == "swap-in a2: prefetch for b3"
+    assert (r.step_time, r.peak_bytes, r.compute_time) == (7.0, 5, 6.0)
+
+
+def test_swapped_memory_is_freed_when_the_copy_lands_not_before():
+    # 2 s copies (bandwidth 0.5): a1's d2h copy runs 1..3, so its device bytes go at t=3, not at t=2.
+    r = run(chain(3), (S, K), bandwidth=0.5)
+    assert ("d2h", "swap_out", "a1", 1, 3) in trace(r)
+    assert r.memory[:6] == ((0, 2), (1, 3), (2, 4), (3, 3), (3, 4), (3, 5))
+    # the prefetch, due at f3 (t=2), waits until the device copy is gone rather than hold a1 twice
+    assert ("h2d", "swap_in", "a1", 3, 5) in trace(r)
+
+
+def test_prefetch_starts_early_enough_to_hide_the_copy():
+    # Long chain: a1 is needed by b2 at position 8; a 2 s copy is issued 2 ops ahead, at position 6.
+    g = chain(5)
+    r = run(g, (S, K, K, K), bandwidth=0.5)
+    swap_in = [e for e in r.timeline if e.kind == "swap_in"]
+    assert [(e.start, e.end) for e in swap_in] == [(6.0, 8.0)]
+    assert not [e for e in r.timeline if e.kind == "wait"]
+    assert r.step_time == 10.0
+
+
+def _dropout_graph():
+    """x -> drop -> d -> f -> t (loss); backward reads d first (bd), then t (bt)."""
+    tensors = {
+        "x": Tensor("x", 1, "input"),
+        "d": Tensor("d", 4, "activation", "drop"),
+        "t": Tensor("t", 2, "activation", "f"),
+        "L": Tensor("L", 1, "activation", "loss"),
+        "gd": Tensor("gd", 1, "activation", "bd"),
+        "gt": Tensor("gt", 1, "activation", "bt"),
+    }
+    ops = (
+        Op("drop", "dropout", ("x",), ("d",), "fwd", recomputable=False),
+        Op("f", "f", ("d",), ("t",), "fwd"),
+        Op("loss", "loss", ("t",), ("L",), "fwd"),
+        Op("bd", "bd", ("L", "d"), ("gd",), "bwd"),
+        Op("bt", "bt", ("gd", "t"), ("gt",), "bwd"),
+    )
+    return Graph(ops, tensors, loss="L")
+
+
+def test_random_op_outputs_are_never_recomputed():
+    enc = Encoding(_dropout_graph())
+    assert enc.candidates == ["d", "t"]
+    assert enc.allowed == [(K, S), (K, S, R)]
+
+
+def test_policy_that_needs_a_gone_random_output_is_invalid():
+    # t is recomputed for bt, which needs d; d was kept only until bd, and dropout may not run twice.
+    r = run(_dropout_graph(), (K, R))
+    assert not r.valid
+    assert r.reason == "d is needed by f but is gone and its producer is random or mutates state"
+
+
+def test_swapped_input_of_a_recompute_comes_back_on_demand():
+    r = run(_dropout_graph(), (S, R))
+    assert r.valid
+    kinds = [(e.kind, e.name) for e in r.timeline if e.kind in ("swap_in", "recompute")]
+    assert kinds == [("swap_in", "d"), ("swap_in", "d"), ("recompute", "f")]
+    assert r.timeline[[e.kind for e in r.timeline].index("swap_in", 7)].reason == "swap-in d: on demand for f"
