@@ -1,0 +1,239 @@
+"""Measure op times and host<->device copy bandwidth on the device at hand, caching figures on disk.
+
+Each distinct op signature is timed once per (device, torch version, cost-model version); the figures
+live in a `CostCache` (see costs.py), so measuring the same graph again times nothing. Inputs are
+rebuilt from the signature `{"target": "aten.mm.default", "args": [...], "kwargs": {...}}`:
+ - a tensor `{"shape": [...], "dtype": "float32", "stride": [...]?}` becomes random normal values for
+   floating/complex dtypes and zeros otherwise (so integer tensors are always valid indices);
+ - a string naming a torch dtype, layout or memory format ("torch.float16", "float16") becomes that
+   object, and a device string ("cuda:0", "cpu") becomes the device being measured;
+ - other JSON values (numbers, lists, null, other strings) are passed as they are.
+An op that cannot run standalone gets a roofline estimate from a shipped profile and is logged and
+listed in `Costs.estimated`; the failure is cached, so it is not retried.
+
+Note: ops are measured at their real shapes; on a CPU a huge op may take a while (once per cache).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import platform
+import statistics
+import time
+
+import torch
+
+from .costs import CostCache, Costs, HardwareProfile, load_profile, roofline
+from .graph import Graph
+
+log = logging.getLogger(__name__)
+MIN_REPEAT_SECONDS = 1e-3  # a timed repeat runs an op enough times to last at least this long
+MAX_CALLS_PER_REPEAT = 1000
+LINK_BYTES = 128 << 20
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """"auto" means cuda when available, else cpu."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device)
+
+
+def device_name(device: str | torch.device) -> str:
+    """A name for the hardware: the GPU's name, or "cpu: <model> (<n> threads)" (CPU timings depend on both)."""
+    dev = resolve_device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    if dev.type == "cpu":
+        return f"cpu: {_cpu_model()} ({torch.get_num_threads()} threads)"
+    return dev.type
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def measure(graph: Graph, device: str = "auto", cache_dir=None, *, progress=None, warmup=2, repeats=5) -> Costs:
+    """Measured Costs for every op of `graph`. `Costs.measured` is how many distinct signatures this call
+    tried to time (0 when all came from the cache); `Costs.estimated` names the ops given a roofline figure.
+
+    `progress` is None, a callable(done, total) or a tqdm-like object (its `total` is set, then `update(1)`
+    is called per signature). Figures are read from and added to the cache under `cache_dir`.
+    """
+    dev = resolve_device(device)
+    name = device_name(dev)
+    cache = CostCache(name, torch.__version__, cache_dir)
+    todo = sorted({op.signature for op in graph.ops} - cache.op_time.keys() - cache.failed.keys())
+    report = _reporter(progress, len(todo))
+    try:
+        for done, signature in enumerate(todo, 1):
+            _measure_signature(signature, dev, cache, warmup, repeats)
+            report(done)
+        if cache.link is None:
+            d2h, h2d = measure_link(dev)
+            cache.link = {"d2h": d2h, "h2d": h2d, "latency": _copy_latency(dev)}
+    finally:
+        cache.save()
+    return _costs(graph, cache, name, _fallback_profile(name), measured=len(todo))
+
+
+def _measure_signature(signature: str, dev: torch.device, cache: CostCache, warmup: int, repeats: int) -> None:
+    """Time one signature into the cache, or record why it cannot run standalone (out of memory is
+    not recorded: it may pass another time)."""
+    try:
+        cache.op_time[signature] = time_signature(signature, dev, warmup, repeats)
+    except Exception as e:  # any failure of a standalone run: fall back to the roofline
+        reason = f"{type(e).__name__}: {e}"[:500]
+        if not isinstance(e, torch.OutOfMemoryError):
+            cache.failed[signature] = reason
+        log.warning("cannot run %s standalone (%s); using a roofline estimate", signature[:200], reason)
+
+
+def _costs(graph: Graph, cache: CostCache, name: str, fallback: HardwareProfile, measured: int) -> Costs:
+    """Costs from the cached figures; ops whose signature has none get `fallback`'s roofline."""
+    op_time, estimated = {}, []
+    for op in graph.ops:
+        if op.signature in cache.op_time:
+            op_time[op.name] = cache.op_time[op.signature]
+        else:
+            op_time[op.name] = roofline(op, graph, fallback)
+            estimated.append(op.name)
+    if estimated:
+        log.warning("%d of %d ops got a roofline estimate (profile %s)",
+                    len(estimated), len(graph.ops), fallback.name)
+    return Costs(
+        op_time=op_time,
+        d2h_bandwidth=cache.link["d2h"],
+        h2d_bandwidth=cache.link["h2d"],
+        device=name,
+        source="measured",
+        copy_latency=cache.link["latency"],
+        measured=measured,
+        estimated=tuple(estimated),
+    )
+
+
+def _fallback_profile(name: str) -> HardwareProfile:
+    """The shipped profile nearest a device name: cpu, the named GPU model, else the A100."""
+    if name.startswith("cpu"):
+        return load_profile("cpu")
+    for model in ("v100-pcie-16gb", "a100-pcie-40gb", "h100-sxm-80gb"):
+        if model.split("-")[0] in name.lower():
+            return load_profile(model)
+    return load_profile("a100-pcie-40gb")
+
+
+def _reporter(progress, total: int):
+    """A function done -> None that forwards to a callable(done, total) or a tqdm-like object."""
+    if progress is None:
+        return lambda done: None
+    if hasattr(progress, "update"):
+        progress.total = total
+        return lambda done: progress.update(1)
+    return lambda done: progress(done, total)
+
+
+# --------------------------------------------------------------------------- timing one op
+
+
+def time_signature(signature: str, device: str | torch.device = "auto", warmup=2, repeats=5) -> float:
+    """Median seconds per call of the op a signature describes, on random inputs of its shapes."""
+    dev = resolve_device(device)
+    spec = json.loads(signature)
+    fn = _resolve_target(spec["target"])
+    args = [_decode(a, dev) for a in spec.get("args", [])]
+    kwargs = {k: _decode(v, dev) for k, v in spec.get("kwargs", {}).items()}
+    with torch.no_grad():
+        return _median_time(lambda: fn(*args, **kwargs), dev, warmup, repeats)
+
+
+def _resolve_target(target: str):
+    """"aten.convolution.default" -> torch.ops.aten.convolution.default."""
+    fn = torch.ops
+    for part in target.split("."):
+        fn = getattr(fn, part)
+    return fn
+
+
+def _decode(value, dev: torch.device):
+    """A signature value as a call argument (see the module docstring)."""
+    if isinstance(value, dict) and "shape" in value and "dtype" in value:
+        return _random_tensor(value["shape"], _torch_attr(value["dtype"]), value.get("stride"), dev)
+    if isinstance(value, list):
+        return [_decode(v, dev) for v in value]
+    if isinstance(value, str):
+        obj = _torch_attr(value)
+        if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+            return obj
+        if value.split(":")[0] in ("cpu", "cuda"):
+            return dev
+    return value
+
+
+def _torch_attr(name: str):
+    return getattr(torch, name.removeprefix("torch."), None)
+
+
+def _random_tensor(shape, dtype: torch.dtype, stride, dev: torch.device) -> torch.Tensor:
+    """Random normal floats (or complex), zeros for integers and bools, laid out with `stride` if given."""
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype in signature: {dtype!r}")
+    stride = stride or torch.empty(shape, device="meta").stride()
+    numel = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+    if dtype.is_floating_point or dtype.is_complex:
+        storage = torch.randn(numel, dtype=dtype, device=dev)
+    else:
+        storage = torch.zeros(numel, dtype=dtype, device=dev)
+    return storage.as_strided(shape, stride)
+
+
+def _median_time(fn, dev: torch.device, warmup: int, repeats: int) -> float:
+    """Median over `repeats` of the seconds per call, each repeat batching enough calls to last ~1 ms."""
+    for _ in range(warmup):
+        fn()
+    calls = min(MAX_CALLS_PER_REPEAT, max(1, math.ceil(MIN_REPEAT_SECONDS / _timed(fn, 1, dev))))
+    return statistics.median(_timed(fn, calls, dev) / calls for _ in range(repeats))
+
+
+def _timed(fn, calls: int, dev: torch.device) -> float:
+    """Wall seconds for `calls` calls of fn, synchronizing the device before and after."""
+    _sync(dev)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    _sync(dev)
+    return max(time.perf_counter() - start, 1e-9)
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+# --------------------------------------------------------------------------- the host<->device link
+
+
+def measure_link(device: str | torch.device = "auto", nbytes=LINK_BYTES, repeats=3) -> tuple[float, float]:
+    """(d2h, h2d) bytes/s, best of `repeats` copies of `nbytes`. On CUDA the host buffer is pinned and the
+    copies non-blocking; on a CPU the swap store is host memory, so it is a host-to-host copy."""
+    dev = resolve_device(device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=dev.type == "cuda")
+    on_device = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    d2h = nbytes / min(_timed(lambda: host.copy_(on_device, non_blocking=True), 1, dev) for _ in range(repeats))
+    h2d = nbytes / min(_timed(lambda: on_device.copy_(host, non_blocking=True), 1, dev) for _ in range(repeats))
+    return d2h, h2d
+
+
+def _copy_latency(dev: torch.device) -> float:
+    """Seconds one tiny host<->device copy takes: the fixed cost added to every copy."""
+    host = torch.empty(1, pin_memory=dev.type == "cuda")
+    on_device = torch.empty(1, device=dev)
+    return _median_time(lambda: host.copy_(on_device, non_blocking=True), dev, warmup=2, repeats=5)
