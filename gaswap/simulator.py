@@ -274,3 +274,16 @@ class _Run:
         for u in sim.op_in[i] + sim.op_out[i]:  # drop what no later op reads
             if self.resident[u] and self.last_use[u] < self.pos and not sim.persistent[u] and u != t:
                 self.free(u, self.clock)
+
+
+def lower_bound(graph: Graph) -> int:
+    """Bytes no policy can go below: resident memory plus the larger of all gradients (alive together at
+    the end of the step) and the biggest single op's inputs and outputs (alive together while it runs)."""
+    counted = {t.name: (t.size if graph.counts(t) else 0) for t in graph.tensors.values()}
+    grads = sum(counted[t.name] for t in graph.tensors.values() if t.kind == "grad")
+    working = max(
+        (sum(counted[t] for t in set(op.inputs) | set(op.outputs) if graph.tensors[t].producer is not None)
+         for op in graph.ops),
+        default=0,
+    )
+    return graph.resident_bytes() + max(grads, working)

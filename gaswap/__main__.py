@@ -1,0 +1,5 @@
+import sys
+
+from gaswap.cli import main
+
+sys.exit(main())

@@ -1,0 +1,133 @@
+"""The NSGA-II search, the policy file and the results folder on small synthetic graphs (no torch)."""
+import csv
+import json
+
+import pytest
+from helpers import unit_costs
+
+from gaswap import policy as policies
+from gaswap import results
+from gaswap.benchmark import residual_graph
+from gaswap.config import GASettings, load_search_space
+from gaswap.encoding import Action, Encoding
+from gaswap.graph import chain
+from gaswap.search import Evaluated, _add_to_archive, hypervolume, objectives, search
+
+GA = GASettings(population=24, generations=15)
+
+
+@pytest.fixture(scope="module")
+def problem():
+    g = residual_graph(40, size=100)
+    return g, unit_costs(g, bandwidth=200.0)
+
+
+def run(problem, budget, space="hybrid", **ga):
+    g, costs = problem
+    settings = GASettings(**(GA.__dict__ | ga))
+    return search(g, costs, load_search_space(space), settings, budget, seed=3)
+
+
+def test_same_seed_same_front_with_any_number_of_workers(problem):
+    one, two = run(problem, 1500), run(problem, 1500, workers=2)
+    assert [(e.step_time, e.peak_bytes, e.chromosome) for e in one.front] == \
+           [(e.step_time, e.peak_bytes, e.chromosome) for e in two.front]
+    def without_clock(history):
+        return [{k: v for k, v in h.items() if k != "seconds"} for h in history]
+
+    assert without_clock(one.history) == without_clock(two.history)
+
+
+def test_best_fits_and_beats_every_seed_that_fits(problem):
+    keep = run(problem, 10**9).seeds["keep_all"]
+    budget = int(0.6 * keep.peak_bytes)
+    r = run(problem, budget, generations=30)
+    assert r.best.peak_bytes <= budget
+    fitting = [e.step_time for e in r.seeds.values() if e.feasible(budget)]
+    assert fitting and r.best.step_time < min(fitting)
+    # the front is sorted fastest first and nobody on it dominates another
+    times = [e.step_time for e in r.front]
+    peaks = [e.peak_bytes for e in r.front]
+    assert times == sorted(times) and peaks == sorted(peaks, reverse=True)
+
+
+def test_recompute_only_space_never_swaps(problem):
+    r = run(problem, 1500, space="recompute_only")
+    assert all(e.counts()["swap"] == 0 for e in r.front)
+    enc = Encoding(problem[0])
+    assert all(e.chromosome.keys == enc.captured_keys() for e in r.front)
+
+
+def test_an_impossible_budget_gives_an_empty_front_and_the_smallest_peak(problem):
+    r = run(problem, 10)
+    assert r.front == () and r.best is None
+    assert r.smallest_peak > 10
+
+
+def test_objectives_fold_in_constraint_domination():
+    c = Encoding(chain(2)).uniform(Action.KEEP)
+    ok, over, worse, invalid = (Evaluated(c, 9.0, 100), Evaluated(c, 1.0, 120), Evaluated(c, 1.0, 150),
+                                Evaluated(c, 0.0, 0, valid=False))
+    fo, fa, fb, fi = (objectives(e, budget=100) for e in (ok, over, worse, invalid))
+    assert fo == (9.0, 100.0)
+    assert fo[0] < fa[0] < fb[0] < fi[0] and fo[1] < fa[1] < fb[1] < fi[1]
+
+
+def test_archive_keeps_only_nondominated_points():
+    enc = Encoding(chain(3))
+    archive = {}
+    points = [(5, 50), (4, 60), (6, 40), (5, 55), (3, 70), (4, 50)]
+    for k, (t, m) in enumerate(points):
+        c = enc.uniform(Action.KEEP)
+        c = type(c)(tuple(x + k for x in c.keys), c.actions)
+        _add_to_archive(archive, Evaluated(c, float(t), m))
+    assert sorted((e.step_time, e.peak_bytes) for e in archive.values()) == [(3, 70), (4, 50), (6, 40)]
+
+
+def test_hypervolume_by_hand():
+    assert hypervolume([(1, 3), (2, 1)], (4, 4)) == 3 * 1 + 2 * 2
+    assert hypervolume([(5, 1)], (4, 4)) == 0
+
+
+def test_policy_round_trip_and_refusal(problem, tmp_path):
+    g, _ = problem
+    enc = Encoding(g)
+    c = enc.uniform(Action.SWAP)
+    p = policies.from_result(g, enc.candidates, enc.decode(c.keys), c.actions, {"peak_bytes": 1}, {"x": 1})
+    policies.save(p, tmp_path / "p.yaml")
+    back = policies.load(tmp_path / "p.yaml", g)
+    assert back == p and back.action_codes(enc.candidates) == c.actions
+    assert back.order_indices(g) == enc.decode(c.keys)
+    with pytest.raises(policies.PolicyError, match="made for graph .* but this model and inputs give graph"):
+        policies.load(tmp_path / "p.yaml", chain(3))
+    text = (tmp_path / "p.yaml").read_text()
+    (tmp_path / "cut.yaml").write_text(text[: len(text) // 3].rsplit("\n", 1)[0] + "\n  - [broken")
+    with pytest.raises(policies.PolicyError, match="cut.yaml: (not a readable|missing)"):
+        policies.load(tmp_path / "cut.yaml")
+    (tmp_path / "v9.yaml").write_text(text.replace("gaswap_policy: 1", "gaswap_policy: 9"))
+    with pytest.raises(policies.PolicyError, match="version 9"):
+        policies.load(tmp_path / "v9.yaml")
+
+
+def test_results_folder(problem, tmp_path):
+    g, costs = problem
+    r = run(problem, 1500)
+    enc = Encoding(g)
+
+    def make_policy(e):
+        return policies.from_result(g, enc.candidates, enc.decode(e.chromosome.keys), e.chromosome.actions,
+                                    results.point(e, r.seeds["keep_all"]), {})
+
+    out = results.write(tmp_path / "exp", r, make_policy, {"experiment": "exp", "budget_bytes": 1500})
+    front = list(csv.DictReader(open(out / "front.csv")))
+    assert len(front) == len(r.front) and list(front[0]) == list(results.FRONT_COLUMNS)
+    assert all((out / row["policy"]).exists() for row in front)
+    history = list(csv.DictReader(open(out / "history.csv")))
+    assert len(history) == GA.generations
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["best"]["peak_bytes"] == r.best.peak_bytes <= 1500
+    assert summary["evaluations"] == r.evaluations
+    assert policies.load(out / "policy.yaml", g).predicted["step_time_s"] == r.best.step_time
+    # writing again replaces the folder whole, leaving no temporary folders behind
+    results.write(tmp_path / "exp", r, make_policy, {"experiment": "exp"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp"]
