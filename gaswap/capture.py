@@ -1,0 +1,475 @@
+"""Capture one whole training step of a model (forward and backward, ATen level) as a storage-level `Graph`.
+
+The step `loss = loss_fn(model(*inputs), target)` and the gradients of the loss w.r.t. the trainable
+parameters are traced with `make_fx(functionalize(grad_and_value(...)))` on fake CPU tensors: nothing
+is allocated, whatever device the model lives on (meta included). Functionalization turns in-place ops
+(ReLU(inplace), BatchNorm's running statistics) into out-of-place ops; the buffer updates become
+`copy_` ops at the end of the step. Ops are those of the CPU dispatch (e.g. dropout is bernoulli, div,
+mul rather than CUDA's fused native_dropout).
+
+Storages come from the fake tensors themselves: an fx node whose outputs share storage with an
+earlier tensor (views, reshapes, `_unsafe_view`, `getitem`...) creates no storage and no `Op`.
+
+Layers: global module hooks tag forward nodes with their module path (`fx.traceback.annotate`);
+hooks on the autograd nodes tag backward nodes with the sequence number of the autograd node they
+run for, which maps them to the forward node that created it (`meta["seq_nr"]`). Besides public
+APIs this relies on `FakeTensorMode`, `enable_python_dispatcher` (the decompositions AOTAutograd
+uses, e.g. functional BatchNorm) and `autograd.graph.Node._sequence_nr`.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import operator
+import re
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.fx.traceback as fx_traceback
+import torch.nn.functional as F
+from torch import fx, nn
+from torch._dispatch.python import enable_python_dispatcher
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.flop_counter import flop_registry
+
+from . import graph
+from .graph import Graph, Op, Tensor
+
+if not hasattr(fx_traceback, "annotate"):
+    raise ImportError(f"gaswap.capture needs torch >= 2.10 (torch.fx.traceback.annotate); found {torch.__version__}")
+
+LOSSES = ("cross_entropy", "mse", "sum")
+OPTIMIZERS = {"sgd": 0, "sgd_momentum": 1, "adam": 2}  # optimizer state, in multiples of parameter bytes
+
+
+class CaptureError(Exception):
+    """A model whose training step cannot be traced; the message says where and what to do."""
+
+
+@dataclass
+class Captured:
+    """A captured training step.
+
+    `gm` is the traced step, callable with real tensors: `gm(*args) -> (loss, *grads)`, where `args`
+    follow `placeholders` (parameters, then buffers, then inputs, then the target) and `grads` follow
+    the "param" placeholders. `placeholders` lists (fx name, kind, source) with kind "param" (trainable
+    parameter), "buffer" (buffer or frozen parameter) or "input", and source the parameter or buffer
+    path, "inputs.<i>" or "target". Calling `gm` updates the buffers it is given in place (BatchNorm
+    running statistics), as a training step does. `arguments` builds `args` from a model; `gm` was
+    traced on the CPU, so use `gm_on(device)` to run it elsewhere.
+    """
+
+    graph: Graph
+    gm: fx.GraphModule
+    seconds: float
+    placeholders: list[tuple[str, str, str]] = field(default_factory=list)
+
+    def arguments(self, model: nn.Module, inputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> list:
+        """The positional arguments of `gm` taken from a model with real tensors and real inputs."""
+        state = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+        data = {f"inputs.{i}": x for i, x in enumerate(inputs)} | {"target": target}
+        return [data[src] if kind == "input" else state[src] for _, kind, src in self.placeholders]
+
+    def gm_on(self, device) -> fx.GraphModule:
+        """A copy of `gm` whose device constants (e.g. `arange(..., device=cpu)`) name `device`."""
+        gm = copy.deepcopy(self.gm)
+        device = torch.device(device)
+        for node in gm.graph.nodes:
+            node.args, node.kwargs = fx.node.map_aggregate(
+                (node.args, node.kwargs), lambda a: device if isinstance(a, torch.device) else a
+            )
+        gm.recompile()
+        return gm
+
+
+def capture(
+    model: nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    target: torch.Tensor,
+    loss: str = "cross_entropy",
+    *,
+    optimizer: str = "sgd_momentum",
+    counted=graph.COUNTABLE,
+) -> Captured:
+    """Trace one training step of `model` (in its current train/eval mode) into a `Captured`.
+
+    Only shapes, dtypes and strides of the parameters, buffers and inputs are used: they may live on
+    any device, `meta` included. The model is not modified.
+    """
+    if loss not in LOSSES:
+        raise ValueError(f"unknown loss {loss!r}: expected one of {LOSSES}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}: expected one of {sorted(OPTIMIZERS)}")
+    start = time.perf_counter()
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    gm, placeholders = _trace(model, inputs, target, loss)
+    g = _build_graph(gm, placeholders, optimizer, counted)
+    return Captured(g, gm, time.perf_counter() - start, placeholders)
+
+
+def make_inputs(
+    specs: list[dict], target_spec: dict, batch_size: int, device="meta", generator: torch.Generator | None = None
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """Example inputs and target from specs like {"shape": ["batch", 3, 224, 224], "dtype": "float32"}.
+
+    "batch" in a shape becomes `batch_size`. On `meta` nothing is allocated; elsewhere floats are
+    randn and integers randint(0, spec["high"]), drawn from `generator` (on the same device) if given.
+    """
+    inputs = tuple(_make_tensor(s, batch_size, device, generator) for s in specs)
+    return inputs, _make_tensor(target_spec, batch_size, device, generator)
+
+
+def _make_tensor(spec: dict, batch_size: int, device, generator) -> torch.Tensor:
+    shape = [batch_size if d == "batch" else int(d) for d in spec["shape"]]
+    dtype = getattr(torch, spec.get("dtype", "float32"), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"input spec {spec}: unknown dtype {spec.get('dtype')!r}")
+    if torch.device(device).type == "meta":
+        return torch.empty(shape, dtype=dtype, device="meta")
+    if dtype.is_floating_point:
+        return torch.randn(shape, dtype=dtype, device=device, generator=generator)
+    if "high" not in spec:
+        raise ValueError(f"input spec {spec}: integer inputs need 'high' (values are drawn in [0, high))")
+    return torch.randint(0, spec["high"], shape, dtype=dtype, device=device, generator=generator)
+
+
+# --- tracing ---------------------------------------------------------------------------------------
+
+def _loss_fn(name: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    if name == "cross_entropy":
+        return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+    if name == "mse":
+        return F.mse_loss(output, target)
+    return output.sum()
+
+
+def _trace(model, inputs, target, loss) -> tuple[fx.GraphModule, list[tuple[str, str, str]]]:
+    """Trace the step on fake CPU tensors; return the GraphModule and its placeholders."""
+    mode = FakeTensorMode()
+    params = {k: _fake(p, mode) for k, p in model.named_parameters() if p.requires_grad}
+    fixed = {k: _fake(p, mode) for k, p in model.named_parameters() if not p.requires_grad}
+    fixed |= {k: _fake(b, mode) for k, b in model.named_buffers()}
+    data = [_fake(x, mode) for x in (*inputs, target)]
+    names, n_params, n_fixed = list(params), len(params), len(fixed)
+    layers = _Layers(model)
+
+    def loss_of(p, f, inputs, target):
+        out = torch.func.functional_call(model, (p, f), inputs)
+        with layers.annotated("loss"):
+            value = _loss_fn(loss, out, target)
+        layers.watch_backward(value)
+        return value
+
+    def step(*flat):
+        p = dict(zip(names, flat[:n_params]))
+        f = dict(zip(fixed, flat[n_params:n_params + n_fixed]))
+        grads, value = torch.func.grad_and_value(loss_of)(p, f, flat[n_params + n_fixed:-1], flat[-1])
+        return (value, *(grads[k] for k in names))
+
+    traced = torch.func.functionalize(step, remove="mutations")
+    try:
+        with _quiet_fake_tensor_log(), fx_traceback.preserve_node_meta(), enable_python_dispatcher(), layers.active():
+            gm = make_fx(traced, tracing_mode="fake")(*params.values(), *fixed.values(), *data)
+    except Exception as e:  # noqa: BLE001 - any tracing failure becomes one clear CaptureError
+        raise CaptureError(_explain(model, layers.failed_at, e)) from e
+    sources = [("param", k) for k in params] + [("buffer", k) for k in fixed]
+    sources += [("input", f"inputs.{i}") for i in range(len(inputs))] + [("input", "target")]
+    gm = _rename_placeholders(gm, [_placeholder_name(kind, src) for kind, src in sources])
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]  # as uniquified by fx
+    return gm, [(name, kind, src) for name, (kind, src) in zip(names, sources)]
+
+
+@contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    """Silence the fake-tensor logger, which logs a traceback for each failing op before raising it."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _fake(t: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
+    """A fake CPU tensor with t's shape, strides and dtype (t's data is never read)."""
+    with mode:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+
+
+class _Layers:
+    """Tags traced nodes with the module they run in (forward) or the autograd node they run for (backward).
+
+    Forward nodes get `meta["custom"]["layer"]` = module path (from global module hooks); backward
+    nodes get `meta["custom"]["grad_fn"]` = the sequence number of the autograd node, which equals the
+    `meta["seq_nr"]` of the forward node that created it.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.paths: dict[int, str] = {}
+        for name, module in model.named_modules(remove_duplicate=False):
+            self.paths.setdefault(id(module), name)
+        self.stack: list = []  # open annotation contexts
+        self.where: list[str] = []  # module paths entered and not left
+        self.failed_at: str | None = None
+
+    def _enter(self, key: str, value) -> None:
+        ctx = fx_traceback.annotate({key: value})
+        ctx.__enter__()
+        self.stack.append(ctx)
+
+    def _exit(self) -> None:
+        self.stack.pop().__exit__(None, None, None)
+
+    def _pre(self, module, args) -> None:
+        if id(module) in self.paths:
+            self.where.append(self.paths[id(module)])
+            self._enter("layer", self.paths[id(module)])
+
+    def _post(self, module, args, output) -> None:
+        if id(module) in self.paths:
+            self.where.pop()
+            self._exit()
+
+    @contextmanager
+    def annotated(self, layer: str) -> Iterator[None]:
+        """Tag the forward nodes traced inside with `layer` (used for the loss)."""
+        self.where.append(layer)
+        self._enter("layer", layer)
+        yield
+        self._exit()
+        self.where.pop()
+
+    def watch_backward(self, loss: torch.Tensor) -> None:
+        """Hook every autograd node behind `loss` so that its backward ops are tagged with its number."""
+        seen, todo = set(), [loss.grad_fn]
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            todo += [nxt for nxt, _ in node.next_functions]
+            node.register_prehook(lambda grads, seq=node._sequence_nr(): self._enter("grad_fn", seq))
+            node.register_hook(lambda grad_inputs, grad_outputs: self._exit())
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        pre = nn.modules.module.register_module_forward_pre_hook(self._pre)
+        post = nn.modules.module.register_module_forward_hook(self._post)
+        try:
+            yield
+        except BaseException:
+            self.failed_at = self.where[-1] if self.where else None
+            raise
+        finally:
+            pre.remove()
+            post.remove()
+            while self.stack:
+                self._exit()
+
+
+def _explain(model: nn.Module, layer: str | None, e: Exception) -> str:
+    """One message: where tracing failed (module path and type, op), why, and what to do."""
+    if layer is None:
+        where = "the training step"
+    elif layer == "loss":
+        where = "the loss function"
+    elif layer:
+        where = f"module '{layer}' ({type(model.get_submodule(layer)).__name__})"
+    else:
+        where = f"the top-level forward of {type(model).__name__}"
+    op = getattr(e, "func", None)
+    detail = (str(e).strip().splitlines() or [""])[0].rstrip(".")
+    what = [f"op {op}"] if op is not None else []
+    if detail and detail != str(op):
+        what.append(detail)
+    if isinstance(e, (DataDependentOutputException, DynamicOutputShapeException)) or "data-dependent" in str(e):
+        hint = ("the forward pass depends on tensor values (Python if/while on a tensor, .item(), .tolist(), "
+                "nonzero, boolean masks); make control flow depend on shapes only, e.g. with torch.where")
+    else:
+        hint = ("the step must be traceable by make_fx on fake tensors: no data-dependent control flow, "
+                "every tensor registered as a parameter or buffer, inputs and target of matching shapes")
+    return f"cannot capture {type(model).__name__}: in {where}, {': '.join(what) or type(e).__name__}. To fix: {hint}."
+
+
+def _placeholder_name(kind: str, source: str) -> str:
+    if source == "target":
+        return "target"
+    prefix = {"param": "p_", "buffer": "b_", "input": "input_"}[kind]
+    return re.sub(r"\W", "_", prefix + source.removeprefix("inputs."))
+
+
+def _rename_placeholders(gm: fx.GraphModule, names: list[str]) -> fx.GraphModule:
+    """A copy of gm whose placeholders are named `names` (other nodes keep their names and meta)."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    todo = iter(names)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = g.placeholder(next(todo))
+            env[node].meta = dict(node.meta)
+        else:
+            env[node] = g.node_copy(node, env.__getitem__)
+    return fx.GraphModule(gm, g)
+
+
+# --- graph construction ----------------------------------------------------------------------------
+
+def _build_graph(gm: fx.GraphModule, placeholders, optimizer: str, counted) -> Graph:
+    """The storage-level Graph of a traced step (see the module docstring)."""
+    nodes = list(gm.graph.nodes)
+    output = nodes[-1].args[0]
+    loss_node, grad_nodes = output[0], output[1:]
+    forward = _ancestors(loss_node)
+    layer_of = _layers(nodes, {name: src for name, kind, src in placeholders if kind == "buffer"})
+    storage: dict[StorageWeakRef, str] = {}  # storage -> tensor name
+    tensors: dict[str, Tensor] = {}
+    kinds = {name: kind for name, kind, _ in placeholders}
+    ops = []
+    for node in nodes:
+        if node.op in ("placeholder", "get_attr"):
+            t = node.meta["val"]
+            storage[_key(t)] = node.name
+            tensors[node.name] = Tensor(node.name, _nbytes(t), kinds.get(node.name, "buffer"))
+        elif node.op == "call_function":
+            op = _make_op(node, storage, tensors, node in forward, layer_of.get(node, ""))
+            if op is not None:
+                ops.append(op)
+    for node in grad_nodes:
+        name = storage[_key(node.meta["val"])]
+        if tensors[name].producer is not None:
+            tensors[name] = replace(tensors[name], kind="grad")
+    param_bytes = sum(t.size for t in tensors.values() if t.kind == "param")
+    # Ops that the loss does not depend on (e.g. BatchNorm's counter update) move after the forward
+    # ones: still a topological order, with the whole forward pass first.
+    ops.sort(key=lambda op: op.phase != "fwd")
+    return Graph(
+        tuple(ops),
+        tensors,
+        resident={"optimizer_state": OPTIMIZERS[optimizer] * param_bytes},
+        counted=frozenset(counted),
+        loss=storage[_key(loss_node.meta["val"])],
+    )
+
+
+def _make_op(node: fx.Node, storage, tensors, forward: bool, layer: str) -> Op | None:
+    """The Op of a call_function node, registering its new storages; None if it creates none and mutates nothing."""
+    target = node.target
+    is_aten = isinstance(target, torch._ops.OpOverload)
+    mutates = _mutates(node)
+    outputs = []
+    for name, t in _outputs(node):
+        if _key(t) not in storage:
+            storage[_key(t)] = name
+            tensors[name] = Tensor(name, _nbytes(t), "activation", node.name)
+            outputs.append(name)
+    if not outputs and not mutates:
+        return None
+    args = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+    random = is_aten and torch.Tag.nondeterministic_seeded in target.tags
+    return Op(
+        name=node.name,
+        target=str(target),
+        inputs=tuple(dict.fromkeys(storage[_key(a.meta["val"])] for a in args)),
+        outputs=tuple(outputs),
+        phase="fwd" if forward else "bwd",
+        layer=layer,
+        recomputable=not (random or mutates),
+        flops=_flops(node) if is_aten else 0.0,
+        signature=_signature(node),
+    )
+
+
+def _mutates(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
+
+
+def _key(t: torch.Tensor) -> StorageWeakRef:
+    return StorageWeakRef(t.untyped_storage())
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def _outputs(node: fx.Node) -> list[tuple[str, torch.Tensor]]:
+    """(name, value) of each tensor a node returns; tuple elements are named after their getitem node."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return [(node.name, val)]
+    if not isinstance(val, (tuple, list)):
+        return []
+    getitems = [u for u in node.users if u.target is operator.getitem]
+    names = {u.args[1]: u.name for u in reversed(getitems)}  # the first getitem of an index wins
+    return [(names.get(i, f"{node.name}.{i}"), v) for i, v in enumerate(val) if isinstance(v, torch.Tensor)]
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    """`node` and every node it depends on."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo += n.all_input_nodes
+    return seen
+
+
+def _layers(nodes: list[fx.Node], sources: dict[str, str]) -> dict[fx.Node, str]:
+    """Module path of each node: its own tag (forward), the tag of the forward node it differentiates
+    (backward), or, for an untagged buffer update, the module owning the buffer."""
+    created_in: dict[int, str] = {}  # autograd sequence number -> layer of the forward node that created it
+    out = {}
+    for n in nodes:
+        custom = n.meta.get("custom", {})
+        if "layer" in custom:
+            out[n] = custom["layer"]
+            created_in.setdefault(n.meta.get("seq_nr"), custom["layer"])
+        elif "grad_fn" in custom:
+            out[n] = created_in.get(custom["grad_fn"], "")
+        elif _mutates(n) and getattr(n.args[0], "name", None) in sources:
+            out[n] = sources[n.args[0].name].rpartition(".")[0]
+    return out
+
+
+def _flops(node: fx.Node) -> float:
+    formula = flop_registry.get(node.target.overloadpacket)
+    if formula is None:
+        return 0.0
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
+    return float(formula(*args, **kwargs, out_val=node.meta["val"]))
+
+
+def _signature(node: fx.Node) -> str:
+    """Canonical JSON of the op and its arguments (tensors as shape/dtype[/stride]): equal for equal work."""
+    body = {"target": str(node.target), "args": _jsonable(node.args), "kwargs": _jsonable(node.kwargs)}
+    return json.dumps(body, sort_keys=True)
+
+
+def _jsonable(a):
+    if isinstance(a, fx.Node):
+        a = a.meta.get("val")
+    if isinstance(a, torch.Tensor):
+        spec = {"shape": list(a.shape), "dtype": _dtype_name(a.dtype)}
+        if not a.is_contiguous():
+            spec["stride"] = list(a.stride())
+        return spec
+    if isinstance(a, (list, tuple)):
+        return [_jsonable(x) for x in a]
+    if isinstance(a, dict):
+        return {str(k): _jsonable(v) for k, v in a.items()}
+    if isinstance(a, torch.dtype):
+        return _dtype_name(a)
+    if a is None or isinstance(a, (bool, int, float, str)):
+        return a
+    return str(a)  # device, layout, memory_format
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
