@@ -83,16 +83,14 @@ class Graph:
         return out
 
     def candidates(self) -> list[str]:
-        """Activations that a policy decides about: produced in the forward pass, read in the backward."""
+        """Tensors a policy decides about: inputs and forward activations that the backward pass reads."""
         phase = {op.name: op.phase for op in self.ops}
         cons = self.consumers()
         return [
             t.name
             for t in self.tensors.values()
-            if t.kind == "activation"
-            and t.producer is not None
+            if (t.kind == "input" or (t.kind == "activation" and phase[t.producer] == "fwd"))
             and t.name != self.loss
-            and phase[t.producer] == "fwd"
             and any(phase[c] == "bwd" for c in cons[t.name])
         ]
 

@@ -67,15 +67,16 @@ class Evaluator:
     graph: Graph
     costs: Costs
     encoding: Encoding
+    budget: int | None = None
     workers: int = 1
     _pool: object = field(default=None, repr=False)
 
     def __enter__(self):
         if self.workers > 1:
             ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
-            self._pool = ctx.Pool(self.workers, _init_worker, (self.graph, self.costs, self.encoding))
+            self._pool = ctx.Pool(self.workers, _init_worker, (self.graph, self.costs, self.encoding, self.budget))
         else:
-            _init_worker(self.graph, self.costs, self.encoding)
+            _init_worker(self.graph, self.costs, self.encoding, self.budget)
         return self
 
     def __exit__(self, *exc):
@@ -93,8 +94,8 @@ class Evaluator:
 _WORKER: dict = {}
 
 
-def _init_worker(graph: Graph, costs: Costs, encoding: Encoding) -> None:
-    _WORKER.update(sim=Simulator(graph, costs), enc=encoding, orders={})
+def _init_worker(graph: Graph, costs: Costs, encoding: Encoding, budget: int | None) -> None:
+    _WORKER.update(sim=Simulator(graph, costs, budget), enc=encoding, orders={})
 
 
 def _evaluate(c: Chromosome) -> Evaluated:
@@ -162,7 +163,7 @@ def search(
     history: list[dict] = []
     smallest = [2**62]
     evaluations = 0
-    with Evaluator(graph, costs, encoding, ga.workers) as evaluate:
+    with Evaluator(graph, costs, encoding, budget, ga.workers) as evaluate:
 
         def assess(chromosomes: list[Chromosome]) -> list:
             nonlocal evaluations

@@ -61,7 +61,7 @@ class Unrealizable(Exception):
 class Simulator:
     """Holds the graph and costs as flat arrays, so that `run` evaluates many policies fast."""
 
-    def __init__(self, graph: Graph, costs: Costs):
+    def __init__(self, graph: Graph, costs: Costs, budget: int | None = None):
         self.graph = graph
         self.costs = costs
         names = list(graph.tensors)
@@ -81,6 +81,8 @@ class Simulator:
         self.persistent = [t.producer is None or t.kind == "grad" or t.name == graph.loss for t in tensors]
         self.base_bytes = graph.resident_bytes()
         self.candidates = [tid[t] for t in graph.candidates()]
+        self.out_bytes = [sum(self.size[t] for t in out) for out in self.op_out]
+        self.budget = budget  # prefetches wait while they would push memory over it
         self.d2h_time = [costs.copy_time(t.size, "d2h") for t in tensors]
         self.h2d_time = [costs.copy_time(t.size, "h2d") for t in tensors]
 
@@ -131,14 +133,14 @@ class _Run:
         pos_of = [0] * len(order)
         for p, i in enumerate(order):
             pos_of[i] = p
+        made = [pos_of[i] if i >= 0 else 0 for i in sim.producer]
         release: list[list[int]] = [[] for _ in range(n)]  # tensors to release after position p
         for t in range(nt):
-            if sim.persistent[t] or sim.producer[t] < 0:
-                continue
-            made = pos_of[sim.producer[t]]
-            if act[t] != KEEP:
-                release[max(last_fwd[t], made)].append(t)
-            release[max(last_use[t], made)].append(t)
+            if act[t] != KEEP:  # gone after its forward readers, back for the backward ones
+                release[max(last_fwd[t], made[t])].append(t)
+                release[max(last_use[t], made[t])].append(t)
+            elif not sim.persistent[t]:
+                release[max(last_use[t], made[t])].append(t)
         prefetch: list[list[int]] = [[] for _ in range(n)]
         swapped = [t for t in sim.candidates if act[t] == SWAP]
         if swapped:
@@ -148,19 +150,27 @@ class _Run:
             for t in sorted(swapped, key=first_bwd.__getitem__):  # same position: first needed, first copied
                 c = first_bwd[t]
                 p = bisect.bisect_right(prefix, prefix[c] - sim.h2d_time[t]) - 1
-                prefetch[max(p, last_fwd[t] + 1, pos_of[sim.producer[t]] + 1, 0)].append(t)
+                prefetch[max(p, last_fwd[t] + 1, made[t] + 1)].append(t)
+                if sim.producer[t] < 0:  # an input: its copy to the host starts with the step
+                    self.swap_out(t, 0.0)
 
-        op_in, op_out, op_time, names = sim.op_in, sim.op_out, sim.op_time, sim.op_names
-        size, trace = sim.size, self.trace
+        op_in, op_out, names = sim.op_in, sim.op_out, sim.op_names
+        size, budget, out_bytes = sim.size, sim.budget, sim.out_bytes
         resident = self.resident
         for p, i in enumerate(order):
             self.pos = p
             for t in prefetch[p]:
                 if resident[t]:
                     continue
-                if self.d2h_end[t] > self.clock and p < first_bwd[t]:
-                    prefetch[p + 1].append(t)  # its device copy is still there: don't hold it twice
-                    continue
+                if p < first_bwd[t]:
+                    if self.d2h_end[t] > self.clock:
+                        prefetch[p + 1].append(t)  # its device copy is still there: don't hold it twice
+                        continue
+                    if budget is not None:
+                        self.settle(self.clock)
+                        if self.mem + size[t] + out_bytes[i] > budget:
+                            prefetch[p + 1].append(t)  # no room under the budget yet
+                            continue
                 self.swap_in(t, self.clock, f"prefetch for {names[order[first_bwd[t]]]}")
             for t in op_in[i]:
                 if not resident[t]:
@@ -173,22 +183,22 @@ class _Run:
             for t in release[p]:
                 if resident[t]:
                     self.release(t, end)
-        if self.pending:
-            for when, t, nbytes in sorted(self.pending):
-                self.mem -= nbytes
-                if trace:
-                    self.memory.append((when, self.mem))
+        self.settle(float("inf"))
         step = max(self.clock, self.d2h_free, self.h2d_free)
         return SimResult(step, self.peak, self.compute, timeline=tuple(self.events), memory=tuple(self.memory))
 
     # --- memory ---
-    def alloc(self, nbytes: int, when: float) -> None:
+    def settle(self, when: float) -> None:
+        """Apply the frees of swapped-out tensors whose copies have landed by `when`."""
         pending = self.pending
         while pending and pending[0][0] <= when:
             freed_at, _, freed = heapq.heappop(pending)
             self.mem -= freed
             if self.trace:
                 self.memory.append((freed_at, self.mem))
+
+    def alloc(self, nbytes: int, when: float) -> None:
+        self.settle(when)
         self.mem += nbytes
         if self.mem > self.peak:
             self.peak = self.mem
@@ -272,18 +282,22 @@ class _Run:
                 self.rematerialize(u, sim.op_names[i])
         self.run_op(i, self.start_time(sim.op_in[i]), "recompute", f"recompute {sim.op_names[i]} for {reader}")
         for u in sim.op_in[i] + sim.op_out[i]:  # drop what no later op reads
-            if self.resident[u] and self.last_use[u] < self.pos and not sim.persistent[u] and u != t:
+            transient = not sim.persistent[u] or self.act[u] != KEEP
+            if self.resident[u] and self.last_use[u] < self.pos and transient and u != t:
                 self.free(u, self.clock)
 
 
 def lower_bound(graph: Graph) -> int:
-    """Bytes no policy can go below: resident memory plus the larger of all gradients (alive together at
-    the end of the step) and the biggest single op's inputs and outputs (alive together while it runs)."""
+    """Bytes no policy can go below: memory resident all step (inputs may be swapped out, so they are left
+    out) plus the larger of all gradients (alive together at the end of the step) and the biggest single
+    op's inputs and outputs (alive together while it runs)."""
     counted = {t.name: (t.size if graph.counts(t) else 0) for t in graph.tensors.values()}
+    swappable = set(graph.candidates())
+    fixed = graph.resident_bytes() - sum(counted[t] for t in swappable if graph.tensors[t].producer is None)
     grads = sum(counted[t.name] for t in graph.tensors.values() if t.kind == "grad")
     working = max(
-        (sum(counted[t] for t in set(op.inputs) | set(op.outputs) if graph.tensors[t].producer is not None)
+        (sum(counted[t] for t in set(op.inputs) | set(op.outputs) if t in swappable or graph.tensors[t].producer)
          for op in graph.ops),
         default=0,
     )
-    return graph.resident_bytes() + max(grads, working)
+    return fixed + max(grads, working)

@@ -4,6 +4,7 @@ The glue between the torch side (capture, measure) and the torch-free core; the 
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -127,7 +128,7 @@ def run_search(prepared: Prepared, out: str | Path, *, on_generation=None) -> tu
 def describe(prepared: Prepared) -> dict:
     """Where a result comes from: experiment, model, inputs, device, costs, graph."""
     exp, graph = prepared.experiment, prepared.graph
-    return {
+    return _plain({
         "experiment": exp.name,
         "experiment_file": exp.path,
         "model": asdict(exp.model),
@@ -145,4 +146,9 @@ def describe(prepared: Prepared) -> dict:
                   "candidates": len(graph.candidates())},
         "capture_seconds": prepared.capture_seconds,
         "costs_seconds": prepared.costs_seconds,
-    }
+    })
+
+
+def _plain(value: dict) -> dict:
+    """Tuples to lists and str subclasses to str: what YAML and JSON writers take."""
+    return json.loads(json.dumps(value))

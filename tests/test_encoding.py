@@ -54,10 +54,13 @@ def test_keys_change_the_order_where_the_graph_allows():
 
 def test_allowed_actions_follow_the_search_space():
     g = chain(4)
-    assert Encoding(g, (K, S)).allowed == [(K, S)] * 3
-    assert Encoding(g, (S,)).allowed == [(K, S)] * 3  # keep is always allowed
-    assert Encoding(g).uniform(S).actions == (S, S, S)
-    assert Encoding(g, (K, R)).uniform(S).actions == (K, K, K)
+    # candidates: the input x (read by b1) and a1..a3; an input has no producer to re-run
+    assert Encoding(g).candidates == ["x", "a1", "a2", "a3"]
+    assert Encoding(g).allowed == [(K, S)] + [(K, S, R)] * 3
+    assert Encoding(g, (K, S)).allowed == [(K, S)] * 4
+    assert Encoding(g, (S,)).allowed == [(K, S)] * 4  # keep is always allowed
+    assert Encoding(g).uniform(S).actions == (S, S, S, S)
+    assert Encoding(g, (K, R)).uniform(S).actions == (K, K, K, K)
 
 
 def test_variation_is_deterministic_and_stays_allowed():

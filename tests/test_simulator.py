@@ -16,7 +16,7 @@ def run(graph, actions, **costs):
 
 def test_keep_all_chain():
     # chain(3): f1 f2 f3 | b3(a3, a2) b2(g3, a1) b1(g2, x); every tensor 1 byte, every op 1 s; x resident.
-    r = run(chain(3), (K, K))
+    r = run(chain(3), (K, K, K))
     assert trace(r) == [("compute", "op", n, float(i), float(i + 1)) for i, n in
                         enumerate(["f1", "f2", "f3", "b3", "b2", "b1"])]
     # a3 is the loss and stays; a2 goes after b3, g3 and a1 after b2, g2 and g1 (read by nobody) after b1.
@@ -26,7 +26,7 @@ def test_keep_all_chain():
 
 
 def test_recompute_reruns_producer_before_backward_reader():
-    r = run(chain(3), (R, K))
+    r = run(chain(3), (K, R, K))
     assert trace(r)[3:6] == [("compute", "op", "b3", 3, 4), ("compute", "recompute", "f1", 4, 5),
                              ("compute", "op", "b2", 5, 6)]
     assert r.timeline[4].reason == "recompute f1 for b2"
@@ -36,7 +36,7 @@ def test_recompute_reruns_producer_before_backward_reader():
 
 
 def test_recursive_recompute_runs_each_producer_once():
-    r = run(chain(3), (R, R))
+    r = run(chain(3), (K, R, R))
     assert [(e.kind, e.name, e.reason) for e in r.timeline if e.kind == "recompute"] == [
         ("recompute", "f1", "recompute f1 for f2"), ("recompute", "f2", "recompute f2 for b3")]
     # a1, recomputed on the way to a2, stays until b2 reads it: no second recompute.
@@ -44,7 +44,7 @@ def test_recursive_recompute_runs_each_producer_once():
 
 
 def test_swap_overlaps_and_prefetches_just_in_time():
-    r = run(chain(3), (S, S))
+    r = run(chain(3), (K, S, S))
     assert trace(r) == [
         ("compute", "op", "f1", 0, 1), ("d2h", "swap_out", "a1", 1, 2), ("compute", "op", "f2", 1, 2),
         ("d2h", "swap_out", "a2", 2, 3), ("compute", "op", "f3", 2, 3),
@@ -59,7 +59,7 @@ def test_swap_overlaps_and_prefetches_just_in_time():
 
 def test_swapped_memory_is_freed_when_the_copy_lands_not_before():
     # 2 s copies (bandwidth 0.5): a1's d2h copy runs 1..3, so its device bytes go at t=3, not at t=2.
-    r = run(chain(3), (S, K), bandwidth=0.5)
+    r = run(chain(3), (K, S, K), bandwidth=0.5)
     assert ("d2h", "swap_out", "a1", 1, 3) in trace(r)
     assert r.memory[:6] == ((0, 2), (1, 3), (2, 4), (3, 3), (3, 4), (3, 5))
     # the prefetch, due at f3 (t=2), waits until the device copy is gone rather than hold a1 twice
@@ -69,7 +69,7 @@ def test_swapped_memory_is_freed_when_the_copy_lands_not_before():
 def test_prefetch_starts_early_enough_to_hide_the_copy():
     # Long chain: a1 is needed by b2 at position 8; a 2 s copy is issued 2 ops ahead, at position 6.
     g = chain(5)
-    r = run(g, (S, K, K, K), bandwidth=0.5)
+    r = run(g, (K, S, K, K, K), bandwidth=0.5)
     swap_in = [e for e in r.timeline if e.kind == "swap_in"]
     assert [(e.start, e.end) for e in swap_in] == [(6.0, 8.0)]
     assert not [e for e in r.timeline if e.kind == "wait"]
@@ -98,7 +98,7 @@ def _dropout_graph():
 
 def test_random_op_outputs_are_never_recomputed():
     enc = Encoding(_dropout_graph())
-    assert enc.candidates == ["d", "t"]
+    assert enc.candidates == ["d", "t"]  # x is read by the forward pass only
     assert enc.allowed == [(K, S), (K, S, R)]
 
 
@@ -115,3 +115,29 @@ def test_swapped_input_of_a_recompute_comes_back_on_demand():
     kinds = [(e.kind, e.name) for e in r.timeline if e.kind in ("swap_in", "recompute")]
     assert kinds == [("swap_in", "d"), ("swap_in", "d"), ("recompute", "f")]
     assert r.timeline[[e.kind for e in r.timeline].index("swap_in", 7)].reason == "swap-in d: on demand for f"
+
+
+def test_a_swapped_input_leaves_at_the_start_and_comes_back_for_the_backward():
+    # x (1 byte, resident from the start) is copied out at t=0 and freed after f1, its last forward reader.
+    r = run(chain(3), (S, K, K))
+    assert ("d2h", "swap_out", "x", 0, 1) in trace(r)
+    assert ("h2d", "swap_in", "x", 4, 5) in trace(r)  # just in time for b1 at t=5
+    assert r.memory[:3] == ((0, 2), (1, 1), (1, 2))  # after f1: x gone, a2 allocated
+    assert (r.step_time, r.peak_bytes) == (6.0, 5)
+
+
+def test_prefetch_waits_for_room_under_the_budget():
+    # a1 swapped with 2 s copies. Unlimited, its prefetch is issued at t=3, beside b3's output: 5 bytes.
+    # Under a budget of 4 bytes it waits until b3 has freed a2 (t=4), and b2 waits for it.
+    g = chain(3)
+    enc = Encoding(g)
+    order = enc.decode(enc.captured_keys())
+    costs = unit_costs(g, bandwidth=0.5)
+    free = Simulator(g, costs).run(order, (K, S, K), trace=True)
+    tight = Simulator(g, costs, budget=4).run(order, (K, S, K), trace=True)
+    assert ("h2d", "swap_in", "a1", 3, 5) in trace(free)
+    assert max(m for t, m in free.memory if t <= 4) == 5
+    assert ("h2d", "swap_in", "a1", 4, 6) in trace(tight)
+    assert ("compute", "wait", "b2", 4, 6) in trace(tight)
+    assert max(m for t, m in tight.memory if t <= 4) == 4
+    assert tight.step_time == free.step_time + 1
