@@ -5,7 +5,7 @@ import random
 import time
 
 from gaswap.costs import Costs
-from gaswap.encoding import Encoding
+from gaswap.encoding import Action, Encoding
 from gaswap.graph import Graph, Op, Tensor
 from gaswap.simulator import Simulator
 
@@ -37,9 +37,10 @@ def residual_graph(n_ops: int, size: int = 1 << 20) -> Graph:
     return Graph(tuple(ops), tensors, loss=f"x{layers}")
 
 
-def evaluations_per_second(graph: Graph, costs: Costs, seconds: float, seed: int = 0) -> tuple[float, int]:
+def evaluations_per_second(graph: Graph, costs: Costs, budget: int | None, seconds: float,
+                           seed: int = 0) -> tuple[float, int]:
     """Decode and simulate distinct random chromosomes for about `seconds`; (evaluations/s, evaluations)."""
-    enc, sim, rng = Encoding(graph), Simulator(graph, costs), random.Random(seed)
+    enc, sim, rng = Encoding(graph), Simulator(graph, costs, budget), random.Random(seed)
     pool = [enc.random(rng) for _ in range(64)]
     done, started = 0, time.perf_counter()
     while time.perf_counter() - started < seconds:
@@ -50,20 +51,45 @@ def evaluations_per_second(graph: Graph, costs: Costs, seconds: float, seed: int
     return done / (time.perf_counter() - started), done
 
 
+def deep_gpt_graph(layers: int = 44) -> tuple[Graph, Costs]:
+    """A captured GPT-2-sized decoder deep enough for about 2,000 ops, with V100 roofline costs."""
+    import torch
+
+    from gaswap import zoo
+    from gaswap.capture import capture, make_inputs
+    from gaswap.costs import estimate, load_profile
+
+    with torch.device("meta"):
+        model = zoo.gpt(vocab=50257, layers=layers, width=768, heads=12, seq=1024)
+    ids = {"shape": ["batch", 1024], "dtype": "int64", "high": 50257}
+    inputs, target = make_inputs([ids], ids, 8)
+    graph = capture(model, inputs, target, "cross_entropy", optimizer="adam").graph
+    return graph, estimate(graph, load_profile("v100-pcie-16gb"))
+
+
 def simulator_speed(experiments: list[str], synthetic_ops: int, seconds: float) -> list[str]:
-    """One line per graph: ops, candidates, evaluations per second on one core."""
+    """One line per graph: ops, candidates, evaluations per second on one core (budget 0.5x keep-all
+    where the graph has no experiment)."""
     from gaswap import config, workflow
+
+    def line(name, graph, costs, budget):
+        rate, n = evaluations_per_second(graph, costs, budget, seconds)
+        return (f"{name}: {len(graph.ops)} ops, {len(graph.candidates())} candidates: "
+                f"{rate:,.0f} evaluations/s ({n} in {seconds:g} s, one core)")
+
+    def half_keep_all(graph, costs):
+        enc = Encoding(graph)
+        c = enc.uniform(Action.KEEP)
+        return Simulator(graph, costs).run(enc.decode(c.keys), c.actions).peak_bytes // 2
 
     lines = []
     for path in experiments:
         prepared = workflow.prepare(config.load_experiment(path))
-        g = prepared.graph
-        rate, n = evaluations_per_second(g, prepared.costs, seconds)
-        lines.append(f"{prepared.experiment.name}: {len(g.ops)} ops, {len(g.candidates())} candidates: "
-                     f"{rate:,.0f} evaluations/s ({n} in {seconds:g} s, one core)")
+        budget = prepared.experiment.budget.resolve(workflow.keep_all(prepared).peak_bytes)
+        lines.append(line(prepared.experiment.name, prepared.graph, prepared.costs, budget))
     g = residual_graph(synthetic_ops)
     costs = Costs({op.name: 1e-4 for op in g.ops}, 12e9, 12e9, "synthetic", "synthetic")
-    rate, n = evaluations_per_second(g, costs, seconds)
-    lines.append(f"synthetic residual graph: {len(g.ops)} ops, {len(g.candidates())} candidates: "
-                 f"{rate:,.0f} evaluations/s ({n} in {seconds:g} s, one core)")
+    lines.append(line("synthetic residual graph", g, costs, half_keep_all(g, costs)))
+    g, costs = deep_gpt_graph()
+    lines.append(line("gpt, 44 layers, batch 8 x 1024 (captured)", g, costs, half_keep_all(g, costs)))
     return lines
