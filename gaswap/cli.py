@@ -42,31 +42,27 @@ def search(args) -> int:
     out = Path(args.results) / exp.name
     print(f"gaswap search {exp.name}: {exp.model.factory}, batch {exp.batch_size}, budget {exp.budget}, "
           f"search space {exp.search_space.name}")
-    bar = tqdm(desc="capture + costs", unit="op", leave=True)
     try:
-        prepared = workflow.prepare(exp, cache_dir=args.cache, progress=_progress(bar))
+        with tqdm(desc="capture + cost measurement", unit="op", leave=False) as bar:
+            prepared = workflow.prepare(exp, cache_dir=args.cache, progress=_progress(bar))
     except workflow.CaptureError as err:
-        bar.close()
         print(f"error: {exp.path}: {err}", file=sys.stderr)
         return EXIT_CONFIG
-    bar.close()
     g = prepared.graph
     print(f"graph: {len(g.ops)} ops, {len(g.tensors)} tensors, {len(g.candidates())} candidate activations "
           f"(captured in {prepared.capture_seconds:.1f} s); costs {prepared.costs.source} on {prepared.costs.device} "
           f"({prepared.costs_seconds:.1f} s)")
-    gens = tqdm(total=exp.ga.generations, desc="search", unit="gen")
-
-    def on_generation(record):
-        gens.update(1)
-        gens.set_postfix(best=_ms(record["best_time_s"]), front=record["front_size"])
-
     try:
-        result, summary = workflow.run_search(prepared, out, on_generation=on_generation)
+        with tqdm(total=exp.ga.generations, desc="search", unit="gen") as gens:
+
+            def on_generation(record):
+                gens.update(1)
+                gens.set_postfix(best=_ms(record["best_time_s"]), front=record["front_size"])
+
+            result, summary = workflow.run_search(prepared, out, on_generation=on_generation)
     except workflow.Infeasible as err:
-        gens.close()
         print(f"error: {err}", file=sys.stderr)
         return EXIT_INFEASIBLE
-    gens.close()
     print(table(result, summary))
     print(f"wrote {out}/ (policy.yaml, front.csv, history.csv, summary.json, policies/)")
     return 0

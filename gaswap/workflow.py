@@ -41,9 +41,15 @@ def build_model(experiment: config.Experiment, device: str = "meta"):
 
     from gaswap.zoo import resolve
 
-    factory = resolve(experiment.model.factory)
-    with torch.device(device):
-        return factory(**experiment.model.kwargs)
+    try:
+        factory = resolve(experiment.model.factory)
+    except ValueError as err:
+        raise config.ConfigError(f"{experiment.path}: model.factory: {err}") from None
+    try:
+        with torch.device(device):
+            return factory(**experiment.model.kwargs)
+    except TypeError as err:
+        raise config.ConfigError(f"{experiment.path}: model.kwargs: {experiment.model.factory} refused them: {err}") from None
 
 
 def make_inputs(experiment: config.Experiment, device: str = "meta", generator=None):
