@@ -88,7 +88,10 @@ def table(result, summary) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    lines.append(f"budget {format_size(summary['budget_bytes'])} ({summary['budget']}); costs {summary['cost_source']}; "
+    budget = format_size(summary["budget_bytes"])
+    if summary["budget"] != budget:
+        budget += f" ({summary['budget']})"
+    lines.append(f"budget {budget}; costs {summary['cost_source']}; "
                  f"search {result.seconds:.1f} s, {result.evaluations} evaluations, {len(result.front)} policies "
                  f"on the front")
     return "\n".join(lines)

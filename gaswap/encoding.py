@@ -1,7 +1,8 @@
 """Chromosomes: an operator order (random keys) plus one action per candidate activation.
 
 Decoding is list scheduling: among the ops whose inputs are ready, the one with the smallest key runs next,
-forward ops before backward ops. Every key vector therefore decodes to a valid topological order.
+forward ops before backward ops, and random or state-mutating ops in their captured order (so a policy
+draws the same random numbers as the unchanged step). Every key vector decodes to a valid topological order.
 Variation operators are free functions that take an explicit `random.Random`.
 """
 from __future__ import annotations
@@ -45,8 +46,13 @@ class Encoding:
         producer_of = {t.name: index[t.producer] for t in graph.tensors.values() if t.producer is not None}
         succ: list[set[int]] = [set() for _ in graph.ops]
         self._npred = [0] * len(graph.ops)
+        # Random and state-mutating ops keep their captured order: random numbers are drawn in sequence.
+        pinned = [i for i, op in enumerate(graph.ops) if not op.recomputable]
+        previous_pinned = dict(zip(pinned[1:], pinned))
         for i, op in enumerate(graph.ops):
             preds = {producer_of[t] for t in op.inputs if t in producer_of}
+            if i in previous_pinned:
+                preds.add(previous_pinned[i])
             for p in preds:
                 succ[p].add(i)
             self._npred[i] = len(preds)
