@@ -120,9 +120,10 @@ def make_inputs(
 
     "batch" in a shape becomes `batch_size`. On `meta` nothing is allocated; elsewhere floats are
     randn and integers randint(0, spec["high"]), drawn from `generator` (on the same device) if given.
+    Without a target spec (loss "sum" needs none) the target is a scalar the loss ignores.
     """
     inputs = tuple(_make_tensor(s, batch_size, device, generator) for s in specs)
-    return inputs, _make_tensor(target_spec, batch_size, device, generator)
+    return inputs, _make_tensor(target_spec or {"shape": []}, batch_size, device, generator)
 
 
 def _make_tensor(spec: dict, batch_size: int, device, generator) -> torch.Tensor:
