@@ -24,9 +24,12 @@ import heapq
 from dataclasses import dataclass
 
 from gaswap.costs import Costs
-from gaswap.graph import Graph
+from gaswap.graph import COUNTABLE, Graph
 
 KEEP, SWAP, RECOMPUTE = 0, 1, 2
+# What device memory holds, for traced runs (`SimResult.changes`).
+CATEGORIES = ("parameters", "optimizer state", "inputs and buffers", "gradients", "activations", "swapped in",
+              "recomputed")
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,16 @@ class SimResult:
     reason: str = ""  # why a policy is invalid
     timeline: tuple[Event, ...] = ()
     memory: tuple[tuple[float, int], ...] = ()  # (time, device bytes) after each change
+    changes: tuple[tuple[float, str, int], ...] = ()  # (time, one of CATEGORIES, +/- bytes), in order
+
+    def by_category(self) -> list[tuple[float, dict[str, int]]]:
+        """Device bytes per category after each change of a traced run: [(time, {category: bytes})]."""
+        level = dict.fromkeys(CATEGORIES, 0)
+        out = []
+        for when, category, delta in self.changes:
+            level[category] += delta
+            out.append((when, dict(level)))
+        return out
 
 
 class Unrealizable(Exception):
@@ -76,6 +89,7 @@ class Simulator:
         self.op_recomputable = [op.recomputable and op.phase == "fwd" for op in graph.ops]
         tensors = list(graph.tensors.values())
         self.size = [t.size if graph.counts(t) else 0 for t in tensors]
+        self.kind = [t.kind for t in tensors]
         self.producer = [oid[t.producer] if t.producer is not None else -1 for t in tensors]
         # persistent: resident from production (or the start) to the end of the step
         self.persistent = [t.producer is None or t.kind == "grad" or t.name == graph.loss for t in tensors]
@@ -106,6 +120,10 @@ class _Run:
             act[k] = a
         self.events: list[Event] = []
         self.memory: list[tuple[float, int]] = []
+        self.changes: list[tuple[float, str, int]] = []
+        self.category: list[str] = [""] * nt  # what each resident tensor counts as (traced runs)
+        if trace:
+            self.note_resident()
         self.mem = sim.base_bytes
         self.peak = self.mem
         self.pending: list[tuple[float, int, int]] = []  # (time, tensor, bytes) frees waiting for a copy
@@ -185,17 +203,30 @@ class _Run:
                     self.release(t, end)
         self.settle(float("inf"))
         step = max(self.clock, self.d2h_free, self.h2d_free)
-        return SimResult(step, self.peak, self.compute, timeline=tuple(self.events), memory=tuple(self.memory))
+        return SimResult(step, self.peak, self.compute, timeline=tuple(self.events), memory=tuple(self.memory),
+                         changes=tuple(self.changes))
 
     # --- memory ---
+    def note_resident(self) -> None:
+        """Record what is resident from the start, by category (traced runs)."""
+        sim = self.sim
+        for t, kind in enumerate(sim.kind):
+            if sim.producer[t] < 0:
+                self.category[t] = "parameters" if kind == "param" else "inputs and buffers"
+                self.changes.append((0.0, self.category[t], sim.size[t]))
+        for category, nbytes in sim.graph.resident.items():
+            if category in sim.graph.counted or category not in COUNTABLE:
+                self.changes.append((0.0, category.replace("_", " "), nbytes))
+
     def settle(self, when: float) -> None:
         """Apply the frees of swapped-out tensors whose copies have landed by `when`."""
         pending = self.pending
         while pending and pending[0][0] <= when:
-            freed_at, _, freed = heapq.heappop(pending)
+            freed_at, t, freed = heapq.heappop(pending)
             self.mem -= freed
             if self.trace:
                 self.memory.append((freed_at, self.mem))
+                self.changes.append((freed_at, self.category[t], -freed))
 
     def alloc(self, nbytes: int, when: float) -> None:
         self.settle(when)
@@ -210,6 +241,7 @@ class _Run:
         self.mem -= self.sim.size[t]
         if self.trace:
             self.memory.append((when, self.mem))
+            self.changes.append((when, self.category[t], -self.sim.size[t]))
 
     def release(self, t: int, when: float) -> None:
         """Free `t` after its last reader; a swapped tensor's device copy waits for its d2h copy."""
@@ -242,6 +274,10 @@ class _Run:
         for t in sim.op_out[i]:
             if self.resident[t]:  # a recomputed op re-produces an output that is already here: drop the copy
                 self.mem -= sim.size[t]
+            elif self.trace:
+                cat = "recomputed" if kind == "recompute" else "gradients" if sim.kind[t] == "grad" else "activations"
+                self.category[t] = cat
+                self.changes.append((start, cat, sim.size[t]))
             self.resident[t] = True
             self.ready[t] = end
         self.clock = end
@@ -260,6 +296,9 @@ class _Run:
     def swap_in(self, t: int, when: float, reason: str) -> None:
         self.alloc(self.sim.size[t], when)
         self.resident[t] = True
+        if self.trace:
+            self.category[t] = "swapped in"
+            self.changes.append((when, "swapped in", self.sim.size[t]))
         start = max(self.h2d_free, when, self.d2h_end[t])
         self.h2d_free = self.ready[t] = end = start + self.sim.h2d_time[t]
         if self.trace:

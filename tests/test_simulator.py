@@ -141,3 +141,13 @@ def test_prefetch_waits_for_room_under_the_budget():
     assert ("compute", "wait", "b2", 4, 6) in trace(tight)
     assert max(m for t, m in tight.memory if t <= 4) == 4
     assert tight.step_time == free.step_time + 1
+
+
+def test_memory_by_category_adds_up_to_the_total():
+    g = _dropout_graph()
+    r = run(g, (S, R))
+    levels = r.by_category()
+    assert [sum(level.values()) for _, level in levels][-1] == r.memory[-1][1]
+    assert max(sum(level.values()) for _, level in levels) == r.peak_bytes
+    seen = {c for _, level in levels for c, b in level.items() if b}
+    assert {"inputs and buffers", "activations", "swapped in", "recomputed"} <= seen
