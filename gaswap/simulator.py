@@ -27,6 +27,12 @@ from gaswap.costs import Costs
 from gaswap.graph import COUNTABLE, Graph
 
 KEEP, SWAP, RECOMPUTE = 0, 1, 2
+# Instruction verbs of `SimResult.program`, the simulated step as a runtime replays it, in issue order:
+#   run OP / recompute OP   run the op (a recompute re-runs a forward op; outputs already present are dropped)
+#   swap_out T              start copying T to the host (its device copy stays)
+#   retire T                T's device copy goes once its copy to the host has landed
+#   swap_in T               allocate T on the device and start copying it back
+#   free T                  drop T's device copy (a retired one, or any other)
 # What device memory holds, for traced runs (`SimResult.changes`).
 CATEGORIES = ("parameters", "optimizer state", "inputs and buffers", "gradients", "activations", "swapped in",
               "recomputed")
@@ -56,6 +62,7 @@ class SimResult:
     timeline: tuple[Event, ...] = ()
     memory: tuple[tuple[float, int], ...] = ()  # (time, device bytes) after each change
     changes: tuple[tuple[float, str, int], ...] = ()  # (time, one of CATEGORIES, +/- bytes), in order
+    program: tuple[tuple[str, str], ...] = ()  # what a runtime does, in order (see `Instruction verbs`)
 
     def by_category(self) -> list[tuple[float, dict[str, int]]]:
         """Device bytes per category after each change of a traced run: [(time, {category: bytes})]."""
@@ -121,6 +128,7 @@ class _Run:
         self.events: list[Event] = []
         self.memory: list[tuple[float, int]] = []
         self.changes: list[tuple[float, str, int]] = []
+        self.program: list[tuple[str, str]] = []
         self.category: list[str] = [""] * nt  # what each resident tensor counts as (traced runs)
         if trace:
             self.note_resident()
@@ -204,7 +212,7 @@ class _Run:
         self.settle(float("inf"))
         step = max(self.clock, self.d2h_free, self.h2d_free)
         return SimResult(step, self.peak, self.compute, timeline=tuple(self.events), memory=tuple(self.memory),
-                         changes=tuple(self.changes))
+                         changes=tuple(self.changes), program=tuple(self.program))
 
     # --- memory ---
     def note_resident(self) -> None:
@@ -227,6 +235,7 @@ class _Run:
             if self.trace:
                 self.memory.append((freed_at, self.mem))
                 self.changes.append((freed_at, self.category[t], -freed))
+                self.program.append(("free", self.sim.tensor_names[t]))
 
     def alloc(self, nbytes: int, when: float) -> None:
         self.settle(when)
@@ -242,12 +251,15 @@ class _Run:
         if self.trace:
             self.memory.append((when, self.mem))
             self.changes.append((when, self.category[t], -self.sim.size[t]))
+            self.program.append(("free", self.sim.tensor_names[t]))
 
     def release(self, t: int, when: float) -> None:
         """Free `t` after its last reader; a swapped tensor's device copy waits for its d2h copy."""
         if self.act[t] == SWAP and self.on_host[t] and self.d2h_end[t] > when:
             self.resident[t] = False
             heapq.heappush(self.pending, (self.d2h_end[t], t, self.sim.size[t]))
+            if self.trace:
+                self.program.append(("retire", self.sim.tensor_names[t]))
         else:
             self.free(t, when)
 
@@ -284,6 +296,7 @@ class _Run:
         self.compute += sim.op_time[i]
         if self.trace:
             self.events.append(Event("compute", kind, sim.op_names[i], start, end, reason))
+            self.program.append(("run" if kind == "op" else "recompute", sim.op_names[i]))
 
     def swap_out(self, t: int, when: float) -> None:
         start = max(self.d2h_free, when)
@@ -292,6 +305,7 @@ class _Run:
         if self.trace:
             name = self.sim.tensor_names[t]
             self.events.append(Event("d2h", "swap_out", name, start, end, f"swap-out {name} after its producer"))
+            self.program.append(("swap_out", name))
 
     def swap_in(self, t: int, when: float, reason: str) -> None:
         self.alloc(self.sim.size[t], when)
@@ -304,6 +318,7 @@ class _Run:
         if self.trace:
             name = self.sim.tensor_names[t]
             self.events.append(Event("h2d", "swap_in", name, start, end, f"swap-in {name}: {reason}"))
+            self.program.append(("swap_in", name))
 
     # --- bringing tensors back ---
     def rematerialize(self, t: int, reader: str) -> None:
