@@ -30,6 +30,7 @@ class Policy:
     actions: dict[str, str]  # candidate tensor name -> "keep" | "swap" | "recompute"
     predicted: dict = field(default_factory=dict)  # peak_bytes, step_time_s, overhead
     provenance: dict = field(default_factory=dict)  # experiment, model, inputs, device, cost source, ...
+    program: tuple[tuple[str, str], ...] = ()  # the simulated step as the runtime replays it (verb, name)
 
     def counts(self) -> dict[str, int]:
         return {a.name.lower(): sum(1 for v in self.actions.values() if v == a.name.lower()) for a in Action}
@@ -43,14 +44,16 @@ class Policy:
 
 
 def from_result(graph: Graph, candidates: list[str], order: list[int], actions, predicted: dict,
-                provenance: dict) -> Policy:
-    """A policy from a decoded order (op indices) and actions aligned with `candidates`."""
+                provenance: dict, program=()) -> Policy:
+    """A policy from a decoded order (op indices), actions aligned with `candidates`, and the program
+    (`SimResult.program` of a traced simulation) the runtime replays."""
     return Policy(
         fingerprint=graph.fingerprint(),
         order=tuple(graph.ops[i].name for i in order),
         actions={t: Action(a).name.lower() for t, a in zip(candidates, actions)},
         predicted=dict(predicted),
         provenance=dict(provenance),
+        program=tuple(program),
     )
 
 
@@ -58,6 +61,7 @@ def save(policy: Policy, path: str | Path) -> None:
     """Write the policy as YAML, atomically (a reader never sees half a file)."""
     body = {"gaswap_policy": VERSION} | asdict(policy)
     body["order"] = list(policy.order)
+    body["program"] = [f"{verb} {name}" for verb, name in policy.program]
     write_atomic(path, yaml.safe_dump(body, sort_keys=False, width=120))
 
 
@@ -77,15 +81,23 @@ def load(path: str | Path, graph: Graph | None = None) -> Policy:
     missing = [k for k in ("fingerprint", "order", "actions") if k not in body]
     if missing:
         raise PolicyError(f"{path}: missing {', '.join(missing)} (truncated file?)")
+    try:
+        program = tuple(tuple(step.split(" ", 1)) for step in body.get("program") or ())
+    except AttributeError:
+        raise PolicyError(f"{path}: 'program' must be a list of 'verb name' lines") from None
     policy = Policy(str(body["fingerprint"]), tuple(body["order"]), dict(body["actions"]),
-                    dict(body.get("predicted") or {}), dict(body.get("provenance") or {}))
+                    dict(body.get("predicted") or {}), dict(body.get("provenance") or {}), program)
     if graph is not None:
         check_matches(policy, graph, path)
     return policy
 
 
-def check_matches(policy: Policy, graph: Graph, path: str | Path = "policy") -> None:
-    """Refuse a policy made for another graph, saying what differs."""
+PROVENANCE_CHECKED = ("model", "inputs", "target", "batch_size", "loss", "optimizer", "torch_version")
+
+
+def check_matches(policy: Policy, graph: Graph, path: str | Path = "policy", provenance: dict | None = None) -> None:
+    """Refuse a policy made for another graph, saying what differs (from `provenance`, the description
+    of the model and inputs at hand, when given; else from the graphs)."""
     if policy.fingerprint == graph.fingerprint():
         return
     ops = {op.name for op in graph.ops}
@@ -93,6 +105,9 @@ def check_matches(policy: Policy, graph: Graph, path: str | Path = "policy") -> 
     detail = f"; ops it names that this graph lacks: {', '.join(unknown)}" if unknown else ""
     if len(policy.order) != len(graph.ops):
         detail += f"; it orders {len(policy.order)} ops, this graph has {len(graph.ops)}"
+    for key in PROVENANCE_CHECKED if provenance else ():
+        if policy.provenance.get(key) != provenance.get(key):
+            detail += f"; {key}: policy {policy.provenance.get(key)!r}, here {provenance.get(key)!r}"
     raise PolicyError(
         f"{path}: made for graph {policy.fingerprint}, but this model and inputs give graph "
         f"{graph.fingerprint()}{detail}. Re-run the search for this model, shapes and dtype."

@@ -1,0 +1,109 @@
+"""Measured device memory of a real training step, independent of the simulator's bookkeeping.
+
+CUDA: the caching allocator's own figures (`torch.cuda.memory_allocated` / `max_memory_allocated`).
+CPU (where "device" and "host" are the same RAM): a dispatch mode sees every tensor any aten op creates
+while it is active and follows each storage with a weak reference, so a storage counts until the last
+tensor or view holding it is gone. Storages made inside `host()` are host memory, counted apart.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class DeviceMemory:
+    """Live and peak device bytes while a step runs. Use as a context manager around the step."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self._storages: dict[int, tuple[StorageWeakRef, int, bool]] = {}  # cdata -> (ref, bytes, on host)
+        self._mode = _Allocations(self) if not self.cuda else None
+        self._host = False
+        self.peak = 0
+
+    def __enter__(self) -> "DeviceMemory":
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._mode.__enter__()
+        self.peak = self.current()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device))
+        else:
+            self._mode.__exit__(*exc)
+
+    def hold(self, tensors) -> None:
+        """Count tensors made before the step that stay on the device (parameters, inputs, optimizer state)."""
+        if not self.cuda:
+            for t in tree_leaves(tensors):
+                if isinstance(t, torch.Tensor):
+                    self._add(t)
+        self.sample()
+
+    @contextmanager
+    def host(self):
+        """Tensors made inside live in host memory (CPU only: on CUDA the device tells them apart)."""
+        self._host, previous = True, self._host
+        try:
+            yield
+        finally:
+            self._host = previous
+
+    def current(self) -> int:
+        """Device bytes alive now."""
+        if self.cuda:
+            return torch.cuda.memory_allocated(self.device)
+        return self._live(on_host=False)
+
+    def host_bytes(self) -> int:
+        """Host bytes alive now (CPU: tensors made inside `host()`; CUDA: not tracked, 0)."""
+        return 0 if self.cuda else self._live(on_host=True)
+
+    def sample(self) -> int:
+        """Note the bytes alive now toward the peak (CPU); CUDA's allocator keeps its own peak."""
+        now = self.current()
+        self.peak = max(self.peak, now)
+        return now
+
+    def _add(self, t: torch.Tensor) -> None:
+        if t.device.type == "meta":
+            return
+        storage = t.untyped_storage()
+        ref = StorageWeakRef(storage)
+        if ref.cdata not in self._storages or self._storages[ref.cdata][0].expired():
+            self._storages[ref.cdata] = (ref, storage.nbytes(), self._host)
+
+    def _live(self, on_host: bool) -> int:
+        total = 0
+        for key in list(self._storages):
+            ref, nbytes, host = self._storages[key]
+            if ref.expired():
+                del self._storages[key]
+            elif host == on_host:
+                total += nbytes
+        return total
+
+
+class _Allocations(TorchDispatchMode):
+    """Registers the storage of every tensor an aten op returns."""
+
+    def __init__(self, memory: DeviceMemory):
+        super().__init__()
+        self.memory = memory
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.memory._add(t)
+        return out

@@ -1,0 +1,99 @@
+"""Run real training steps of an experiment under a policy; compare measured with predicted.
+
+`python -m gaswap validate results/<experiment>/policy.yaml --steps N` builds the experiment's model with
+real parameters on the device at hand, re-captures its step, refuses a policy made for another graph,
+then trains N steps with the policy's program and writes `validation.json` beside the policy.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from gaswap import config, policy as policies, workflow
+from gaswap.capture import capture
+from gaswap.measure import device_name, resolve_device
+from gaswap.memory import DeviceMemory
+from gaswap.runtime import StepRunner
+
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.01),
+    "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-3),
+}
+
+
+def validate(policy_path: str | Path, steps: int = 5, device: str = "auto") -> dict:
+    """Train `steps` steps under the policy; return (and write beside it) predicted vs measured figures.
+
+    The first step warms up and creates the optimizer state. Step time is the median of the later steps;
+    the peak is the allocator's (CUDA, every later step) or the storage tracker's (CPU, the last step,
+    which is left out of the timing because tracking slows it).
+    """
+    if steps < 3:
+        raise ValueError("validate needs at least 3 steps: one warms up and creates the optimizer state, "
+                         "then timed steps, and (on the CPU) a last step with the memory tracker")
+    policy_path = Path(policy_path)
+    policy = policies.load(policy_path)
+    if not policy.program:
+        raise policies.PolicyError(f"{policy_path}: the policy has no program; re-run the search that made it")
+    exp = config.load_experiment(policy.provenance["experiment_file"])
+    dev = resolve_device(device)
+    torch.manual_seed(exp.seed)
+    model = workflow.build_model(exp, device=str(dev))
+    inputs, target = workflow.make_inputs(exp, str(dev), torch.Generator(dev).manual_seed(exp.seed))
+    captured = capture(model, inputs, target, exp.loss, optimizer=exp.optimizer, counted=exp.counts)
+    here = {"model": {"factory": exp.model.factory, "kwargs": exp.model.kwargs}, "batch_size": exp.batch_size,
+            "torch_version": str(torch.__version__)}
+    policies.check_matches(policy, captured.graph, policy_path, provenance=policy.provenance | here)
+    runner = StepRunner(captured, policy.program, dev)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = OPTIMIZERS[exp.optimizer](trainable)
+    peaks, times = [], []
+    for step in range(steps):
+        # CUDA's allocator counts for free; the CPU tracker slows a step, so it runs on the last one only.
+        tracked = dev.type == "cuda" or step == steps - 1
+        args = captured.arguments(model, [x.clone() for x in inputs], target.clone())  # a fresh batch
+        held = [a for (_, kind, _), a in zip(captured.placeholders, args) if kind != "param" or "parameters" in exp.counts]
+        if "optimizer_state" in exp.counts:
+            held += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+        _sync(dev)
+        started = time.perf_counter()
+        with DeviceMemory(dev) if tracked else nullcontext() as memory:
+            if memory is not None:
+                memory.hold(held)
+            del held  # the step owns its inputs: a swapped-out input must be free to go
+            loss, *grads = runner(args, memory)
+        _sync(dev)
+        if step > 0:  # the first step creates the optimizer state and warms up
+            times += [] if tracked and dev.type != "cuda" else [time.perf_counter() - started]
+            peaks += [memory.peak] if tracked else []
+        for p, g in zip(trainable, grads):
+            p.grad = g
+        del grads
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    report = {
+        "experiment": exp.name,
+        "policy": str(policy_path),
+        "device": device_name(dev),
+        "cost_source": policy.provenance.get("cost_source"),
+        "steps": steps,
+        "loss": float(loss),
+        "predicted": {"peak_bytes": policy.predicted["peak_bytes"], "step_time_s": policy.predicted["step_time_s"]},
+        "measured": {"peak_bytes": max(peaks), "step_time_s": statistics.median(times)},
+        "budget_bytes": policy.provenance.get("budget_bytes"),
+    }
+    report["peak_ratio"] = report["measured"]["peak_bytes"] / report["predicted"]["peak_bytes"]
+    report["time_ratio"] = report["measured"]["step_time_s"] / report["predicted"]["step_time_s"]
+    policies.write_atomic(policy_path.with_name("validation.json"), json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
