@@ -16,6 +16,7 @@ import torch
 from torch import fx
 
 from gaswap.capture import Captured
+from gaswap.graph import COUNTABLE
 from gaswap.memory import DeviceMemory
 
 
@@ -151,3 +152,45 @@ class _Copies:
             torch.cuda.current_stream().wait_stream(self.d2h)
             torch.cuda.current_stream().wait_stream(self.h2d)
 
+
+
+class PolicyStep:
+    """A model's training step under a policy: `loss = step(*inputs, target)` fills each parameter's
+    `.grad` (adding to it, as `loss.backward()` does) and returns the loss. Use it in place of
+    `loss = criterion(model(*inputs), target); loss.backward()`; the optimizer is used as before.
+    """
+
+    def __init__(self, model, captured: Captured, program, device):
+        self.model, self.captured = model, captured
+        self.runner = StepRunner(captured, program, device)
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
+
+    def __call__(self, *inputs_and_target):
+        *inputs, target = inputs_and_target
+        args = self.captured.arguments(self.model, tuple(inputs), target)
+        del inputs, target, inputs_and_target  # a swapped-out input leaves only if the caller holds no reference
+        loss, *grads = self.runner(args)
+        for p, g in zip(self.trainable, grads):
+            p.grad = g if p.grad is None else p.grad + g
+        return loss
+
+
+def apply(model, policy_path, example_inputs, example_target, *, device=None) -> PolicyStep:
+    """The training step of `model` under the policy file at `policy_path`.
+
+    `example_inputs` (a tensor or a tuple) and `example_target` fix the shapes and dtypes: they must be
+    those the policy was searched for, else the policy is refused with a message saying what differs.
+    """
+    from gaswap import policy as policies
+    from gaswap.capture import capture
+
+    policy = policies.load(policy_path)
+    if not policy.program:
+        raise policies.PolicyError(f"{policy_path}: the policy has no program; re-run the search that made it")
+    inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    prov = policy.provenance
+    captured = capture(model, inputs, example_target, prov.get("loss", "cross_entropy"),
+                       optimizer=prov.get("optimizer", "sgd_momentum"), counted=prov.get("counts", COUNTABLE))
+    policies.check_matches(policy, captured.graph, policy_path)
+    device = device or next(model.parameters()).device
+    return PolicyStep(model, captured, policy.program, device)

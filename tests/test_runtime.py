@@ -170,3 +170,36 @@ def test_cuda_swaps_give_the_same_values_and_the_allocator_sees_the_predicted_pe
         assert all(torch.equal(a, b) for a, b in zip(expected, got)), name
         # the allocator rounds blocks up (512 B) and convolutions take workspace: allow 5 %
         assert memory.peak <= 1.05 * sim.peak_bytes, name
+
+
+def test_apply_trains_like_the_unchanged_step(tmp_path):
+    import gaswap
+
+    model, inputs, target, cap = setup("cnn")
+    graph = cap.graph
+    enc = Encoding(graph)
+    order, actions = policies_for(graph)["mixed"]
+    sim = Simulator(graph, estimate(graph, load_profile("v100-pcie-16gb"))).run(order, actions, trace=True)
+    policies.save(policies.from_result(graph, enc.candidates, order, actions, {"peak_bytes": sim.peak_bytes},
+                                       {"loss": "cross_entropy", "optimizer": "sgd_momentum"}, sim.program),
+                  tmp_path / "policy.yaml")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def plain():
+        with torch.no_grad():
+            return cap.gm(*fresh_args(cap, model, inputs, target))
+
+    reference = train(plain, model, inputs, target)
+    model.load_state_dict(state)
+    step = gaswap.apply(model, tmp_path / "policy.yaml", inputs, target)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    for k in range(3):  # the user's loop: the step replaces forward + backward
+        torch.manual_seed(100 + k)
+        step(inputs[0].clone(), target.clone())
+        opt.step()
+        opt.zero_grad()
+    trained = [t.detach().clone() for t in (*model.parameters(), *model.buffers())]
+    assert all(torch.equal(a, b) for a, b in zip(reference, trained))
+    with pytest.raises(policies.PolicyError, match="made for graph"):
+        gaswap.apply(model, tmp_path / "policy.yaml", inputs[0][:2], target[:2])
