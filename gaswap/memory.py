@@ -3,7 +3,7 @@
 CUDA: the caching allocator's own figures (`torch.cuda.memory_allocated` / `max_memory_allocated`).
 CPU (where "device" and "host" are the same RAM): a dispatch mode sees every tensor any aten op creates
 while it is active and follows each storage with a weak reference, so a storage counts until the last
-tensor or view holding it is gone. Storages made inside `host()` are host memory, counted apart.
+tensor or view holding it is gone. Storages made inside `host_memory()` are host memory, counted apart.
 """
 from __future__ import annotations
 
@@ -33,9 +33,11 @@ class DeviceMemory:
         else:
             self._mode.__enter__()
         self.peak = self.current()
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
+        _ACTIVE.remove(self)
         if self.cuda:
             torch.cuda.synchronize(self.device)
             self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device))
@@ -50,15 +52,6 @@ class DeviceMemory:
                     self._add(t)
         self.sample()
 
-    @contextmanager
-    def host(self):
-        """Tensors made inside live in host memory (CPU only: on CUDA the device tells them apart)."""
-        self._host, previous = True, self._host
-        try:
-            yield
-        finally:
-            self._host = previous
-
     def current(self) -> int:
         """Device bytes alive now."""
         if self.cuda:
@@ -66,11 +59,12 @@ class DeviceMemory:
         return self._live(on_host=False)
 
     def host_bytes(self) -> int:
-        """Host bytes alive now (CPU: tensors made inside `host()`; CUDA: not tracked, 0)."""
+        """Host bytes alive now (CPU: tensors made inside `host_memory()`; CUDA: not tracked, 0)."""
         return 0 if self.cuda else self._live(on_host=True)
 
     def sample(self) -> int:
-        """Note the bytes alive now toward the peak (CPU); CUDA's allocator keeps its own peak."""
+        """Note the bytes alive now toward the peak (on the CPU done after every op; CUDA's allocator keeps
+        its own peak)."""
         now = self.current()
         self.peak = max(self.peak, now)
         return now
@@ -94,8 +88,25 @@ class DeviceMemory:
         return total
 
 
+_ACTIVE: list[DeviceMemory] = []  # trackers entered and not yet left, innermost last
+
+
+@contextmanager
+def host_memory():
+    """Tensors made inside are host memory for the active CPU tracker (a runtime's host store)."""
+    tracker = _ACTIVE[-1] if _ACTIVE else None
+    if tracker is None:
+        yield
+        return
+    tracker._host, previous = True, tracker._host
+    try:
+        yield
+    finally:
+        tracker._host = previous
+
+
 class _Allocations(TorchDispatchMode):
-    """Registers the storage of every tensor an aten op returns."""
+    """Registers the storage of every tensor an aten op returns, and samples the live bytes after it."""
 
     def __init__(self, memory: DeviceMemory):
         super().__init__()
@@ -106,4 +117,5 @@ class _Allocations(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.memory._add(t)
+        self.memory.sample()  # the op's inputs and outputs are all alive here
         return out

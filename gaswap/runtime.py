@@ -10,14 +10,13 @@ host store synchronously.
 from __future__ import annotations
 
 import operator
-from contextlib import nullcontext
 
 import torch
 from torch import fx
 
 from gaswap.capture import Captured
 from gaswap.graph import COUNTABLE
-from gaswap.memory import DeviceMemory
+from gaswap.memory import host_memory
 
 
 class ProgramError(RuntimeError):
@@ -38,13 +37,13 @@ class StepRunner:
         self._check_program()
 
     @torch.no_grad()  # the graph computes the gradients itself: autograd must not keep tensors alive
-    def __call__(self, args: list, memory: DeviceMemory | None = None):
-        """Run one training step; `memory` (entered by the caller) is sampled after each allocation.
+    def __call__(self, args: list):
+        """Run one training step (host copies count as host memory for an active `DeviceMemory`).
 
         The step takes ownership of `args` (the list is emptied): an input the policy swaps out can only
         leave the device if nothing else holds it.
         """
-        copies = _Copies(self.device, memory)
+        copies = _Copies(self.device)
         env = dict(zip(self.placeholders, args))
         args.clear()
         retired = {}
@@ -59,8 +58,6 @@ class StepRunner:
                 env[name] = copies.to_device(name)
             elif verb == "free":
                 (retired if name in retired else env).pop(name)
-            if memory is not None and verb in ("run", "recompute", "swap_in"):
-                memory.sample()
         copies.finish()
         return tuple(self._value(n, env) for n in self.results)
 
@@ -105,9 +102,8 @@ def _outputs(node: fx.Node, result) -> list[tuple[str, torch.Tensor]]:
 class _Copies:
     """Host copies of swapped tensors. CUDA: pinned buffers, one stream per direction, events."""
 
-    def __init__(self, device: torch.device, memory: DeviceMemory | None):
+    def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.memory = memory
         self.host: dict[str, torch.Tensor] = {}
         self.landed: dict[str, object] = {}  # name -> event: the copy to the device has landed
         self.saved: dict[str, object] = {}  # name -> event: the copy to the host has landed
@@ -116,7 +112,7 @@ class _Copies:
 
     def to_host(self, name: str, t: torch.Tensor) -> None:
         if not self.cuda:
-            with self.memory.host() if self.memory else nullcontext():
+            with host_memory():
                 self.host[name] = t.clone()
             return
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).as_strided(t.shape, t.stride())

@@ -67,7 +67,7 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto") -> d
             if memory is not None:
                 memory.hold(held)
             del held  # the step owns its inputs: a swapped-out input must be free to go
-            loss, *grads = runner(args, memory)
+            loss, *grads = runner(args)
         _sync(dev)
         if step > 0:  # the first step creates the optimizer state and warms up
             times += [] if tracked and dev.type != "cuda" else [time.perf_counter() - started]

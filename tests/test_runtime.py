@@ -67,7 +67,7 @@ def test_every_policy_gives_the_same_values_and_the_predicted_peak(model_name):
         torch.manual_seed(5)
         with DeviceMemory("cpu") as memory:
             memory.hold(args + opt_state)
-            got = runner(args, memory)
+            got = runner(args)
         assert all(torch.equal(a, b) for a, b in zip(expected, got)), name
         assert memory.peak == sim.peak_bytes, name
 
@@ -166,7 +166,7 @@ def test_cuda_swaps_give_the_same_values_and_the_allocator_sees_the_predicted_pe
         args = fresh_args(cap, model, inputs, target)
         torch.manual_seed(5)
         with DeviceMemory("cuda") as memory:
-            got = runner(args, memory)
+            got = runner(args)
         assert all(torch.equal(a, b) for a, b in zip(expected, got)), name
         # the allocator rounds blocks up (512 B) and convolutions take workspace: allow 5 %
         assert memory.peak <= 1.05 * sim.peak_bytes, name
