@@ -175,7 +175,7 @@ class _Run:
                 prefix.append(prefix[-1] + sim.op_time[i])
             for t in sorted(swapped, key=first_bwd.__getitem__):  # same position: first needed, first copied
                 c = first_bwd[t]
-                p = bisect.bisect_right(prefix, prefix[c] - sim.h2d_time[t]) - 1
+                p = min(c, bisect.bisect_right(prefix, prefix[c] - sim.h2d_time[t]) - 1)  # zero-time ops: not past c
                 prefetch[max(p, last_fwd[t] + 1, made[t] + 1)].append(t)
                 if sim.producer[t] < 0:  # an input: its copy to the host starts with the step
                     self.swap_out(t, 0.0)
@@ -286,7 +286,8 @@ class _Run:
         for t in sim.op_out[i]:
             if self.resident[t]:  # a recomputed op re-produces an output that is already here: drop the copy
                 self.mem -= sim.size[t]
-            elif self.trace:
+                continue  # (the kept copy stays, and is ready when it was)
+            if self.trace:
                 cat = "recomputed" if kind == "recompute" else "gradients" if sim.kind[t] == "grad" else "activations"
                 self.category[t] = cat
                 self.changes.append((start, cat, sim.size[t]))
