@@ -24,8 +24,8 @@ import logging
 import operator
 import re
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -33,7 +33,12 @@ import torch.fx.traceback as fx_traceback
 import torch.nn.functional as F
 from torch import fx, nn
 from torch._dispatch.python import enable_python_dispatcher
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import flop_registry
@@ -45,6 +50,7 @@ if not hasattr(fx_traceback, "annotate"):
     raise ImportError(f"gaswap.capture needs torch >= 2.10 (torch.fx.traceback.annotate); found {torch.__version__}")
 
 LOSSES = ("cross_entropy", "mse", "sum")
+AUTOCAST = ("bfloat16", "float16")  # mixed-precision dtypes of `capture(autocast=...)`
 OPTIMIZERS = {"sgd": 0, "sgd_momentum": 1, "adam": 2}  # optimizer state, in multiples of parameter bytes
 
 
@@ -96,19 +102,29 @@ def capture(
     *,
     optimizer: str = "sgd_momentum",
     counted=graph.COUNTABLE,
+    autocast: str | None = None,
 ) -> Captured:
     """Trace one training step of `model` (in its current train/eval mode) into a `Captured`.
 
     Only shapes, dtypes and strides of the parameters, buffers and inputs are used: they may live on
-    any device, `meta` included. The model is not modified.
+    any device, `meta` included. The model is not modified. `inputs` may mix float, integer and bool
+    tensors. A model may return a tensor, a tuple or list (its first element is the output) or a
+    mapping such as a Hugging Face ModelOutput (its "logits", else its first value).
+
+    `autocast` ("bfloat16" or "float16") runs the forward pass and the loss under `torch.autocast`,
+    as mixed-precision training does: parameters stay in their dtype and the casts are ops of the
+    graph. The op lists are those of CPU autocast, which keeps softmax and layer norm in low precision
+    where CUDA's computes them in float32.
     """
     if loss not in LOSSES:
         raise ValueError(f"unknown loss {loss!r}: expected one of {LOSSES}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}: expected one of {sorted(OPTIMIZERS)}")
+    if autocast not in (None, *AUTOCAST):
+        raise ValueError(f"unknown autocast dtype {autocast!r}: expected one of {AUTOCAST} or None")
     start = time.perf_counter()
     inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-    gm, placeholders = _trace(model, inputs, target, loss)
+    gm, placeholders = _trace(model, inputs, target, loss, autocast)
     g = _build_graph(gm, placeholders, optimizer, counted)
     return Captured(g, gm, time.perf_counter() - start, placeholders)
 
@@ -119,7 +135,8 @@ def make_inputs(
     """Example inputs and target from specs like {"shape": ["batch", 3, 224, 224], "dtype": "float32"}.
 
     "batch" in a shape becomes `batch_size`. On `meta` nothing is allocated; elsewhere floats are
-    randn and integers randint(0, spec["high"]), drawn from `generator` (on the same device) if given.
+    randn, integers randint(0, spec["high"]) and bools fair coin flips, drawn from `generator` (on the
+    same device) if given.
     Without a target spec (loss "sum" needs none) the target is a scalar the loss ignores.
     """
     inputs = tuple(_make_tensor(s, batch_size, device, generator) for s in specs)
@@ -135,6 +152,8 @@ def _make_tensor(spec: dict, batch_size: int, device, generator) -> torch.Tensor
         return torch.empty(shape, dtype=dtype, device="meta")
     if dtype.is_floating_point:
         return torch.randn(shape, dtype=dtype, device=device, generator=generator)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, device=device, generator=generator).bool()
     if "high" not in spec:
         raise ValueError(f"input spec {spec}: integer inputs need 'high' (values are drawn in [0, high))")
     return torch.randint(0, spec["high"], shape, dtype=dtype, device=device, generator=generator)
@@ -142,15 +161,32 @@ def _make_tensor(spec: dict, batch_size: int, device, generator) -> torch.Tensor
 
 # --- tracing ---------------------------------------------------------------------------------------
 
+def _output_tensor(output) -> torch.Tensor:
+    """The tensor the loss reads from a model's output: itself, the first element of a tuple or list,
+    or a mapping's "logits" (Hugging Face ModelOutput) or first value."""
+    if isinstance(output, Mapping):
+        output = output["logits"] if "logits" in output else next(iter(output.values()))
+    elif isinstance(output, (tuple, list)):
+        output = output[0]
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(f"the model returned {type(output).__name__}, not a tensor (or a tuple or mapping of them)")
+    return output
+
+
 def _loss_fn(name: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The loss. Cross-entropy takes the classes in the last dimension when the target has the output's
+    other dimensions (language models: [B, T, V] and [B, T]), else in dimension 1 as F.cross_entropy
+    does (segmentation: [B, C, H, W] and [B, H, W])."""
     if name == "cross_entropy":
-        return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+        if output.shape[:-1] == target.shape:
+            return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+        return F.cross_entropy(output, target)
     if name == "mse":
         return F.mse_loss(output, target)
     return output.sum()
 
 
-def _trace(model, inputs, target, loss) -> tuple[fx.GraphModule, list[tuple[str, str, str]]]:
+def _trace(model, inputs, target, loss, autocast) -> tuple[fx.GraphModule, list[tuple[str, str, str]]]:
     """Trace the step on fake CPU tensors; return the GraphModule and its placeholders."""
     mode = FakeTensorMode()
     params = {k: _fake(p, mode) for k, p in model.named_parameters() if p.requires_grad}
@@ -161,9 +197,10 @@ def _trace(model, inputs, target, loss) -> tuple[fx.GraphModule, list[tuple[str,
     layers = _Layers(model)
 
     def loss_of(p, f, inputs, target):
-        out = torch.func.functional_call(model, (p, f), inputs)
-        with layers.annotated("loss"):
-            value = _loss_fn(loss, out, target)
+        with _autocast(autocast):
+            out = torch.func.functional_call(model, (p, f), inputs)
+            with layers.annotated("loss"):
+                value = _loss_fn(loss, _output_tensor(out), target)
         layers.watch_backward(value)
         return value
 
@@ -184,6 +221,11 @@ def _trace(model, inputs, target, loss) -> tuple[fx.GraphModule, list[tuple[str,
     gm = _rename_placeholders(gm, [_placeholder_name(kind, src) for kind, src in sources])
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]  # as uniquified by fx
     return gm, [(name, kind, src) for name, (kind, src) in zip(names, sources)]
+
+
+def _autocast(dtype: str | None):
+    """CPU autocast to `dtype`, or nothing (tracing runs on fake CPU tensors)."""
+    return torch.autocast("cpu", dtype=getattr(torch, dtype)) if dtype else nullcontext()
 
 
 @contextmanager
@@ -290,13 +332,28 @@ def _explain(model: nn.Module, layer: str | None, e: Exception) -> str:
     what = [f"op {op}"] if op is not None else []
     if detail and detail != str(op):
         what.append(detail)
-    if isinstance(e, (DataDependentOutputException, DynamicOutputShapeException)) or "data-dependent" in str(e):
-        hint = ("the forward pass depends on tensor values (Python if/while on a tensor, .item(), .tolist(), "
-                "nonzero, boolean masks); make control flow depend on shapes only, e.g. with torch.where")
-    else:
-        hint = ("the step must be traceable by make_fx on fake tensors: no data-dependent control flow, "
-                "every tensor registered as a parameter or buffer, inputs and target of matching shapes")
-    return f"cannot capture {type(model).__name__}: in {where}, {': '.join(what) or type(e).__name__}. To fix: {hint}."
+    problem = ": ".join(what) or type(e).__name__
+    return f"cannot capture {type(model).__name__}: in {where}, {problem}. To fix: {_hint(e)}."
+
+
+# Messages of ops that read the data of a fake tensor (.tolist(), .numpy()) rather than raise a data-dependent error.
+_READS_DATA = ("data-dependent", "unallocated storage", "doesn't have storage")
+
+
+def _hint(e: Exception) -> str:
+    """What to do about a tracing failure, by its kind."""
+    data_dependent = (DataDependentOutputException, DynamicOutputShapeException)
+    if isinstance(e, data_dependent) or any(s in str(e) for s in _READS_DATA):
+        return ("the forward pass depends on tensor values (Python if/while on a tensor, .item(), .tolist(), "
+                ".numpy(), nonzero, boolean masks); make control flow depend on shapes only, e.g. with torch.where")
+    if isinstance(e, UnsupportedOperatorException):
+        return ("the op has no fake-tensor (meta) kernel; register one with torch.library.register_fake, "
+                "or compute the same thing with standard torch ops")
+    if "setup_context" in str(e):
+        return ("torch.func.grad, which capture uses, cannot run a torch.library custom op or an autograd.Function "
+                "without a setup_context staticmethod; add setup_context to the Function, or use standard torch ops")
+    return ("the step must be traceable by make_fx on fake tensors: no data-dependent control flow, "
+            "every tensor registered as a parameter or buffer, inputs and target of matching shapes")
 
 
 def _placeholder_name(kind: str, source: str) -> str:

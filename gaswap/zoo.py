@@ -1,4 +1,9 @@
-"""A small built-in model zoo (torch.nn only) and `resolve` for "module:callable" model paths."""
+"""A small built-in model zoo (torch.nn only) and `resolve` for "module:callable" model paths.
+
+CNNs (alexnet, vgg16, resnet18/50, tiny_cnn, unet), an mlp and transformers (gpt, bert). Factories from
+installed packages are named by path, e.g. "torchvision.models:resnet50"; `huggingface` builds a
+transformers model from its class name and config.
+"""
 from __future__ import annotations
 
 import importlib
@@ -175,57 +180,190 @@ def tiny_cnn(num_classes: int = 10, width: int = 8) -> nn.Module:
 
 
 class _Attention(nn.Module):
-    def __init__(self, width: int, heads: int, seq: int, dropout: float):
-        super().__init__()
-        self.heads, self.dropout = heads, dropout
-        self.qkv = nn.Linear(width, 3 * width)
-        self.proj = nn.Linear(width, width)
-        self.register_buffer("mask", torch.ones(seq, seq, dtype=torch.bool).tril(), persistent=False)
+    """Multi-head self-attention written out (scores, softmax, dropout), as eager GPT-2 and BERT compute it.
 
-    def forward(self, x):
+    Masked scores get the dtype's most negative value rather than -inf, so that a row with every key
+    masked (a sequence of padding only) gives a uniform softmax instead of NaN, in fp16 and bf16 as well.
+    The causal mask is built from the sequence length in `forward`, not kept in a buffer, so that a model
+    built on the meta device and materialized with `to_empty` needs no re-initialization.
+    """
+
+    def __init__(self, width: int, heads: int, dropout: float, causal: bool):
+        super().__init__()
+        if width % heads:
+            raise ValueError(f"attention width {width} is not divisible by {heads} heads")
+        self.heads, self.causal = heads, causal
+        self.qkv = nn.Linear(width, 3 * width)
+        self.drop = nn.Dropout(dropout)
+        self.proj = nn.Linear(width, width)
+        self.resid_drop = nn.Dropout(dropout)
+
+    def forward(self, x, padding=None):
+        """x [B, T, width]; padding [B, T], nonzero or True where there is a token (None: no padding)."""
         b, t, c = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
         att = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.heads)
-        att = att.masked_fill(~self.mask[:t, :t], float("-inf")).softmax(-1)
-        att = F.dropout(att, self.dropout, self.training)
-        return self.proj((att @ v).transpose(1, 2).reshape(b, t, c))
+        masked = torch.finfo(att.dtype).min
+        if self.causal:
+            att = att.masked_fill(torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1), masked)
+        if padding is not None:
+            att = att.masked_fill(~padding.bool()[:, None, None, :], masked)
+        att = self.drop(att.softmax(-1))
+        return self.resid_drop(self.proj((att @ v).transpose(1, 2).reshape(b, t, c)))
 
 
 class _Block(nn.Module):
-    def __init__(self, width: int, heads: int, seq: int, dropout: float):
+    """A transformer layer: pre-norm (GPT-2: x + f(ln(x))) or post-norm (BERT: ln(x + f(x)))."""
+
+    def __init__(self, width: int, heads: int, dropout: float, causal: bool, pre_norm: bool):
         super().__init__()
+        self.pre_norm = pre_norm
         self.ln1 = nn.LayerNorm(width)
-        self.attn = _Attention(width, heads, seq, dropout)
+        self.attn = _Attention(width, heads, dropout, causal)
         self.ln2 = nn.LayerNorm(width)
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width),
                                  nn.Dropout(dropout))
 
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+    def forward(self, x, padding=None):
+        if self.pre_norm:
+            x = x + self.attn(self.ln1(x), padding)
+            return x + self.mlp(self.ln2(x))
+        x = self.ln1(x + self.attn(x, padding))
+        return self.ln2(x + self.mlp(x))
+
+
+class _TiedHead(nn.Module):
+    """Logits against the token embedding matrix, passed in at call time.
+
+    Weight tying with one Parameter (the embedding's) rather than two names for it: nothing can untie
+    it, whereas `head.weight = tok.weight` comes apart under `to_empty` after a meta-device build.
+    """
+
+    def __init__(self, vocab: int, bias: bool):
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(vocab)) if bias else None
+
+    def forward(self, x, weight):
+        return F.linear(x, weight, self.bias)
+
+
+class _Embeddings(nn.Module):
+    """Token plus learned position embeddings, [B, T] ids -> [B, T, width]."""
+
+    def __init__(self, vocab: int, width: int, seq: int):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, width)
+        self.pos = nn.Embedding(seq, width)
+
+    def forward(self, ids):
+        if ids.shape[1] > self.pos.num_embeddings:
+            raise ValueError(f"sequence length {ids.shape[1]} exceeds the model's seq {self.pos.num_embeddings}")
+        return self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
 
 
 class _GPT(nn.Module):
     def __init__(self, vocab: int, layers: int, width: int, heads: int, seq: int, dropout: float):
         super().__init__()
-        self.tok = nn.Embedding(vocab, width)
-        self.pos = nn.Embedding(seq, width)
+        self.embed = _Embeddings(vocab, width, seq)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.Sequential(*(_Block(width, heads, seq, dropout) for _ in range(layers)))
+        self.blocks = nn.Sequential(*(_Block(width, heads, dropout, causal=True, pre_norm=True) for _ in range(layers)))
         self.ln = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab, bias=False)
-        self.head.weight = self.tok.weight  # tied embedding / LM head
+        self.head = _TiedHead(vocab, bias=False)
 
     def forward(self, ids):
-        pos = torch.arange(ids.shape[1], device=ids.device)
-        x = self.drop(self.tok(ids) + self.pos(pos))
-        return self.head(self.ln(self.blocks(x)))
+        x = self.blocks(self.drop(self.embed(ids)))
+        return self.head(self.ln(x), self.embed.tok.weight)
 
 
 def gpt(vocab: int = 1000, layers: int = 2, width: int = 64, heads: int = 4, seq: int = 32,
         dropout: float = 0.0) -> nn.Module:
-    """A decoder-only transformer: forward(ids [B, T]) -> logits [B, T, vocab], T <= seq."""
+    """GPT-2's decoder-only transformer (pre-norm, causal, LM head tied to the token embedding):
+    forward(ids [B, T]) -> logits [B, T, vocab], T <= seq. GPT-2 small is gpt(50257, 12, 768, 12, 1024)."""
     return _GPT(vocab, layers, width, heads, seq, dropout)
+
+
+class _BERT(nn.Module):
+    def __init__(self, vocab: int, layers: int, width: int, heads: int, seq: int, num_labels: int | None,
+                 dropout: float):
+        super().__init__()
+        self.embed = _Embeddings(vocab, width, seq)
+        self.ln = nn.LayerNorm(width)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(_Block(width, heads, dropout, causal=False, pre_norm=False) for _ in range(layers))
+        self.mlm = num_labels is None
+        if self.mlm:
+            self.transform = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.LayerNorm(width))
+            self.head = _TiedHead(vocab, bias=True)
+        else:
+            self.head = nn.Linear(width, num_labels)
+
+    def forward(self, ids, attention_mask=None):
+        x = self.drop(self.ln(self.embed(ids)))
+        for block in self.blocks:
+            x = block(x, attention_mask)
+        if self.mlm:
+            return self.head(self.transform(x), self.embed.tok.weight)
+        return self.head(x)
+
+
+def bert(vocab: int = 1000, layers: int = 2, width: int = 64, heads: int = 4, seq: int = 32,
+         num_labels: int | None = None, dropout: float = 0.1) -> nn.Module:
+    """A BERT encoder (post-norm, bidirectional, padding mask in attention):
+    forward(ids [B, T], attention_mask [B, T] or None) -> masked-LM logits [B, T, vocab] (decoder tied to
+    the token embedding), or per-token logits [B, T, num_labels] when num_labels is given. Nonzero or
+    True in attention_mask marks tokens, 0 or False padding. BERT-base is bert(30522, 12, 768, 12, 512);
+    no token-type embeddings and no pooler (1,536 parameters fewer than Hugging Face's BertForMaskedLM)."""
+    return _BERT(vocab, layers, width, heads, seq, num_labels, dropout)
+
+
+def _double_conv(cin: int, cout: int) -> nn.Sequential:
+    """Two conv3x3-BatchNorm-ReLU, the unit of every U-Net level."""
+    return nn.Sequential(
+        nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True),
+        nn.Conv2d(cout, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True),
+    )
+
+
+class _UNet(nn.Module):
+    def __init__(self, in_channels: int, num_classes: int, width: int, depth: int):
+        super().__init__()
+        channels = [width * 2**i for i in range(depth + 1)]
+        self.levels = depth
+        self.down = nn.ModuleList(_double_conv(a, b) for a, b in zip([in_channels, *channels], channels))
+        self.pool = nn.MaxPool2d(2)
+        self.up = nn.ModuleList(nn.ConvTranspose2d(2 * c, c, 2, stride=2) for c in channels[:-1])
+        self.merge = nn.ModuleList(_double_conv(2 * c, c) for c in channels[:-1])
+        self.head = nn.Conv2d(width, num_classes, 1)
+
+    def forward(self, x):
+        if x.shape[-2] % 2**self.levels or x.shape[-1] % 2**self.levels:
+            raise ValueError(f"U-Net of depth {self.levels}: height and width must be multiples of "
+                             f"{2**self.levels}, got {tuple(x.shape[-2:])}")
+        skips = []
+        for down in self.down[:-1]:
+            x = down(x)
+            skips.append(x)
+            x = self.pool(x)
+        x = self.down[-1](x)
+        for up, merge, skip in zip(reversed(self.up), reversed(self.merge), reversed(skips)):
+            x = merge(torch.cat([skip, up(x)], 1))
+        return self.head(x)
+
+
+def unet(in_channels: int = 3, num_classes: int = 2, width: int = 64, depth: int = 4) -> nn.Module:
+    """U-Net (Ronneberger et al., with padding and BatchNorm): `depth` poolings, channels doubling from
+    `width`, up-convolutions (ConvTranspose2d 2x2) and skip connections by concatenation:
+    forward(x [B, in_channels, H, W]) -> per-pixel logits [B, num_classes, H, W]; H, W multiples of 2**depth."""
+    return _UNet(in_channels, num_classes, width, depth)
+
+
+def huggingface(architecture: str, **config) -> nn.Module:
+    """A Hugging Face transformers model with fresh weights: `architecture` names its class (e.g.
+    "GPT2LMHeadModel", "BertForMaskedLM"), the other arguments its config (e.g. n_layer=2; add
+    attn_implementation="eager" for attention written out rather than fused). Needs `transformers`;
+    the model returns a ModelOutput, whose logits `capture` reads."""
+    model_class = getattr(importlib.import_module("transformers"), architecture)
+    return model_class(model_class.config_class(**config))
 
 
 def resolve(path: str):
