@@ -25,6 +25,7 @@ INT_DTYPES = ("int64", "int32")  # dtypes whose random values need an exclusive 
 COST_SOURCES = ("estimate", "measure")
 DEVICES = ("auto", "cpu", "cuda")
 ACTIONS = ("keep", "swap", "recompute")
+AUTOCAST = ("bfloat16", "float16")
 CROSSOVERS = ("uniform", "two_point")
 BATCH = "batch"  # the shape entry replaced by the batch size
 MAX_FRACTION = 10  # the largest budget accepted as a fraction of the keep-all peak ("10x")
@@ -132,6 +133,7 @@ class Experiment:
     search_space: SearchSpace  # loaded from the file's `search_space` name or path (default: hybrid)
     ga: GASettings = GASettings()  # genetic-algorithm settings
     seed: int = 0  # seeds the GA and the random inputs
+    autocast: str | None = None  # run forward and loss under autocast: "bfloat16" | "float16" (None: off)
 
 
 # ------------------------------------------------------------------------------------------ public API
@@ -440,4 +442,5 @@ _EXPERIMENT_CHECKS = {
     "costs": _costs,
     "ga": _record(GASettings, _GA_CHECKS),
     "seed": _integer(0, "a non-negative integer"),
+    "autocast": _optional(_choice(AUTOCAST)),
 }

@@ -232,3 +232,14 @@ def test_malformed_search_space(tmp_path, text, fragment):
     with pytest.raises(ConfigError) as err:
         load_search_space(write(tmp_path, text, "space.yaml"))
     assert fragment in str(err.value)
+
+
+def test_autocast_accepts_the_two_mixed_precision_dtypes(tmp_path):
+    from gaswap.config import load_experiment
+
+    body = ("model: {factory: gaswap.zoo:mlp}\ninputs: [{shape: [batch, 4]}]\nbatch_size: 2\nbudget: 1GB\n")
+    (tmp_path / "a.yaml").write_text(body + "autocast: bfloat16\n")
+    assert load_experiment(tmp_path / "a.yaml").autocast == "bfloat16"
+    (tmp_path / "b.yaml").write_text(body + "autocast: fp8\n")
+    with pytest.raises(ConfigError, match="b.yaml: autocast: "):
+        load_experiment(tmp_path / "b.yaml")
