@@ -2,15 +2,18 @@
 from __future__ import annotations
 
 import argparse
+import shlex
+import signal
 import sys
-from pathlib import Path
 
 from tqdm import tqdm
 
 from gaswap import config
 from gaswap.config import format_size
 
-EXIT_CONFIG, EXIT_INFEASIBLE = 2, 3
+# Exit codes: 2 a bad experiment file, 3 no policy fits the budget, 4 refused (another experiment's results
+# folder, no or an unusable checkpoint); stopped by a signal: 128 + its number (130 Ctrl-C, 143 SIGTERM).
+EXIT_CONFIG, EXIT_INFEASIBLE, EXIT_REFUSED = 2, 3, 4
 
 
 def main(argv=None) -> int:
@@ -20,6 +23,9 @@ def main(argv=None) -> int:
     p.add_argument("experiment", help="experiment YAML file, e.g. experiments/alexnet_4gb.yaml")
     p.add_argument("--results", default="results", help="folder of result folders (default: results)")
     p.add_argument("--cache", default=None, help="cost cache folder (default: $GASWAP_CACHE or ~/.cache/gaswap)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted search from results/<experiment>/.checkpoint.json")
+    p.add_argument("--force", action="store_true", help="replace a results folder made by another experiment")
     p.set_defaults(run=search)
     p = verbs.add_parser("speed", help="benchmark the simulator: evaluations per second")
     p.add_argument("experiments", nargs="*", help="experiment files whose graphs to time (default: alexnet_4gb)")
@@ -32,14 +38,27 @@ def main(argv=None) -> int:
     except config.ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG
+    except KeyboardInterrupt as err:  # Ctrl-C outside a search, or a second signal during one
+        signum = getattr(err, "signum", signal.SIGINT)
+        print(f"\ninterrupted ({signal.Signals(signum).name})", file=sys.stderr)
+        return 128 + signum
 
 
 def search(args) -> int:
     """Capture, cost, search and write `results/<experiment>/`; print a short table."""
     from gaswap import workflow
+    from gaswap.checkpoint import NAME as CHECKPOINT
 
     exp = config.load_experiment(args.experiment)
-    out = Path(args.results) / exp.name
+    out = workflow.results_folder(args.results, exp)
+    try:
+        workflow.check_results_folder(exp, out, resume=args.resume, force=args.force)
+    except workflow.Refused as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_REFUSED
+    if not args.resume and (out / CHECKPOINT).is_file():
+        print(f"note: {out / CHECKPOINT} holds an interrupted search; this new search replaces it "
+              f"(--resume would continue it)")
     print(f"gaswap search {exp.name}: {exp.model.factory}, batch {exp.batch_size}, budget {exp.budget}, "
           f"search space {exp.search_space.name}")
     try:
@@ -53,19 +72,44 @@ def search(args) -> int:
           f"(captured in {prepared.capture_seconds:.1f} s); costs {prepared.costs.source} on {prepared.costs.device} "
           f"({prepared.costs_seconds:.1f} s)")
     try:
-        with tqdm(total=exp.ga.generations, desc="search", unit="gen") as gens:
+        with tqdm(total=exp.ga.generations, desc="search", unit="gen") as gens, \
+                workflow.stop_on_signals(lambda message: gens.write(message, file=sys.stderr)) as stop:
 
             def on_generation(record):
-                gens.update(1)
+                gens.n = record["generation"]
                 gens.set_postfix(best=_ms(record["best_time_s"]), front=record["front_size"])
 
-            result, summary = workflow.run_search(prepared, out, on_generation=on_generation)
+            result, summary = workflow.run_search(prepared, out, on_generation=on_generation, resume=args.resume,
+                                                  force=args.force, stop=stop)
     except workflow.Infeasible as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_INFEASIBLE
+    except (workflow.Refused, workflow.CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_REFUSED
+    except KeyboardInterrupt as err:
+        if (out / CHECKPOINT).is_file():
+            print(f"\nstopped at once; {out / CHECKPOINT} holds the last finished generation\n"
+                  f"resume with: {resume_command(args)}", file=sys.stderr)
+        raise err
     print(table(result, summary))
+    if not result.complete:
+        print(f"interrupted ({signal.Signals(stop.signum).name}) after generation {result.generations_done} of "
+              f"{exp.ga.generations}: wrote the results so far to {out}/ (summary.json: \"complete\": false) "
+              f"and the checkpoint {out / CHECKPOINT}\nresume with: {resume_command(args)}")
+        return stop.exit_code
     print(f"wrote {out}/ (policy.yaml, front.csv, history.csv, summary.json, policies/)")
     return 0
+
+
+def resume_command(args) -> str:
+    """The command line that resumes this search."""
+    words = ["python", "-m", "gaswap", "search", args.experiment, "--resume"]
+    if args.results != "results":
+        words += ["--results", args.results]
+    if args.cache is not None:
+        words += ["--cache", args.cache]
+    return " ".join(shlex.quote(str(w)) for w in words)
 
 
 def table(result, summary) -> str:
@@ -84,7 +128,10 @@ def table(result, summary) -> str:
 
     for name, e in result.seeds.items():
         rows.append(row(name.replace("_", "-"), e))
-    rows.append(row("best (GA)", result.best))
+    if result.best is None:  # a search stopped before it found one
+        rows.append(("best (GA)", "none under the budget yet", "", "", ""))
+    else:
+        rows.append(row("best (GA)", result.best))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

@@ -1,7 +1,9 @@
 """The results folder of a search: policy.yaml, policies/, front.csv, history.csv, summary.json.
 
 The folder is written whole into a temporary sibling and then renamed into place, so an interrupted
-write never leaves half a result beside a whole one. No torch here.
+write never leaves half a result beside a whole one. A search stopped early writes the best results so far,
+marked `"complete": false` in summary.json, and keeps its checkpoint (`.checkpoint.json`) in the folder.
+No torch here.
 """
 from __future__ import annotations
 
@@ -29,12 +31,13 @@ def point(e: Evaluated, keep_all: Evaluated) -> dict:
     return {"peak_bytes": e.peak_bytes, "step_time_s": e.step_time, "overhead": overhead(e, keep_all)} | e.counts()
 
 
-def write(folder: str | Path, result: SearchResult, make_policy, summary: dict) -> Path:
+def write(folder: str | Path, result: SearchResult, make_policy, summary: dict, *, carry=()) -> Path:
     """Write the results of `result` into `folder`, replacing what was there.
 
     `make_policy(evaluated)` turns a front point into a `Policy`; `summary` holds the experiment's
     description (experiment, device, cost source, budget, keep-all...), to which this adds the best policy,
-    the seeds, the evaluations and the search time.
+    the seeds, the evaluations, the search time and whether the search ran to its end (`complete`,
+    `generations_done`). Files named in `carry` (a checkpoint) are copied from the old folder into the new.
     """
     folder = Path(folder)
     keep_all = result.seeds["keep_all"]
@@ -56,8 +59,13 @@ def write(folder: str | Path, result: SearchResult, make_policy, summary: dict) 
             "front_size": len(result.front),
             "evaluations": result.evaluations,
             "search_seconds": result.seconds,
+            "complete": result.complete,
+            "generations_done": result.generations_done,
         }
         (tmp / "summary.json").write_text(json.dumps(body, indent=2, default=_plain) + "\n")
+        for name in carry:
+            if (folder / name).is_file():
+                shutil.copy2(folder / name, tmp / name)
         _replace(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

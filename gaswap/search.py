@@ -9,16 +9,26 @@
 
 Constraint-domination (Deb): a policy over budget (or invalid) gets both objectives set to
 INFEASIBLE + its violation, so every feasible policy dominates it and infeasible ones rank by violation.
+
+Everything the loop carries from one generation to the next is a `_State`; with a checkpoint file it is
+written after the initial population and after every generation (`gaswap.checkpoint`), so a stopped or
+killed search resumes and reaches exactly what an uninterrupted one reaches (wall-clock seconds aside).
 """
 from __future__ import annotations
 
+import base64
+import math
 import multiprocessing
+import os
 import random
+import signal
+import struct
 import time
 from dataclasses import dataclass, field
 
 from deap import base, creator, tools
 
+from gaswap import checkpoint as checkpoints
 from gaswap.costs import Costs
 from gaswap.encoding import Action, Chromosome, Encoding, crossover, mutate
 from gaswap.graph import Graph
@@ -54,6 +64,8 @@ class SearchResult:
     evaluations: int
     seconds: float
     smallest_peak: int  # the lowest peak any evaluated valid policy reached (useful when none fits)
+    complete: bool = True  # False when `stop` ended the search before its generations (or patience) ran out
+    generations_done: int = 0
 
     @property
     def best(self) -> Evaluated | None:
@@ -70,18 +82,27 @@ class Evaluator:
     budget: int | None = None
     workers: int = 1
     _pool: object = field(default=None, repr=False)
+    _shutdown: object = field(default=None, repr=False)  # shared flag: workers may now end on SIGTERM
 
     def __enter__(self):
         if self.workers > 1:
             ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
-            self._pool = ctx.Pool(self.workers, _init_worker, (self.graph, self.costs, self.encoding, self.budget))
+            self._shutdown = ctx.RawValue("b", 0)
+            self._pool = ctx.Pool(self.workers, _init_pool_worker,
+                                  (self._shutdown, self.graph, self.costs, self.encoding, self.budget))
         else:
             _init_worker(self.graph, self.costs, self.encoding, self.budget)
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
+        """Workers leave on their own when all went well, else are terminated; either way they are reaped."""
         if self._pool is not None:
-            self._pool.terminate()
+            if exc_type is None:
+                self._pool.close()
+            else:
+                self._shutdown.value = 1  # from now on the workers obey SIGTERM (Pool.terminate sends it)
+                self._pool.terminate()
+            self._pool.join()
             self._pool = None
 
     def __call__(self, chromosomes: list[Chromosome]) -> list[Evaluated]:
@@ -96,6 +117,19 @@ _WORKER: dict = {}
 
 def _init_worker(graph: Graph, costs: Costs, encoding: Encoding, budget: int | None) -> None:
     _WORKER.update(sim=Simulator(graph, costs, budget), enc=encoding, orders={})
+
+
+def _init_pool_worker(shutdown, *args) -> None:
+    """A worker process ignores Ctrl-C and SIGTERM sent to its process group: the parent decides when the
+    search stops, and terminates its workers itself (`shutdown` set: SIGTERM then ends a worker)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def on_sigterm(signum, frame):
+        if shutdown.value:
+            os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    _init_worker(*args)
 
 
 def _evaluate(c: Chromosome) -> Evaluated:
@@ -146,69 +180,165 @@ def search(
     *,
     extra_seeds: dict[str, Chromosome] | None = None,
     on_generation=None,
+    checkpoint=None,
+    resume: bool = False,
+    stop=None,
+    about: dict | None = None,
 ) -> SearchResult:
     """Evolve policies for `graph` under `budget` bytes; `space` and `ga` come from the experiment config.
 
     `on_generation(record)` is called after each generation with that generation's history row.
     Same inputs and seed give the same result, with any number of workers.
+    `checkpoint` (a path): the state is written there after the initial population and every generation;
+    with `resume`, the search continues from it (CheckpointError when it is missing, unreadable or made under
+    another configuration) and ends exactly where an uninterrupted search ends. `stop()` is asked before
+    each generation: True ends the search there, with `complete` False. `about` (plain data) is stored in
+    the checkpoint to say what it belongs to.
     """
     started = time.perf_counter()
     rng = random.Random(seed)
     encoding = Encoding(graph, tuple(Action.parse(a) for a in space.actions))
-    Individual = _deap_types()
     mu = max(4, -(-ga.population // 4) * 4)  # tournament pairs need a multiple of 4
-
     seeds = seed_policies(encoding) | dict(extra_seeds or {})
-    archive: dict[Chromosome, Evaluated] = {}
-    history: list[dict] = []
-    smallest = [2**62]
-    evaluations = 0
+    key = checkpoints.fingerprint(graph, costs, space, ga, budget, seed, seeds) if checkpoint else None
     with Evaluator(graph, costs, encoding, budget, ga.workers) as evaluate:
+        if resume:
+            state = _State.restore(checkpoints.load(checkpoint, key), checkpoint, budget, ga, encoding, rng)
+        else:
+            state = _State(budget)
+            initial = list(dict.fromkeys(seeds.values()))
+            initial += [encoding.random(rng, order=space.order) for _ in range(mu - len(initial))]
+            population = state.absorb(evaluate(initial))
+            state.seeds = {name: next(i.evaluated for i in population if i[0] == c) for name, c in seeds.items()}
+            state.population = tools.selNSGA2(population, mu)
 
-        def assess(chromosomes: list[Chromosome]) -> list:
-            nonlocal evaluations
-            results = evaluate(chromosomes)
-            evaluations += len(results)
-            individuals = []
-            for e in results:
-                ind = Individual([e.chromosome])
-                ind.evaluated = e
-                ind.fitness.values = objectives(e, budget)
-                individuals.append(ind)
-                if e.valid:
-                    smallest[0] = min(smallest[0], e.peak_bytes)
-                if e.feasible(budget):
-                    _add_to_archive(archive, e)
-            return individuals
+        def elapsed() -> float:  # seconds spent on this search, earlier runs of a resumed one included
+            return state.seconds + time.perf_counter() - started
 
-        initial = list(dict.fromkeys(seeds.values()))
-        initial += [encoding.random(rng, order=space.order) for _ in range(mu - len(initial))]
-        population = assess(initial)
-        seed_results = {name: next(i.evaluated for i in population if i[0] == c) for name, c in seeds.items()}
-        population = tools.selNSGA2(population, mu)
-        reference = _reference_point(seed_results, budget)
-        best_time, stale = float("inf"), 0
-        for gen in range(1, ga.generations + 1):
-            parents = _tournament(population, mu, rng)
+        def save() -> None:
+            if checkpoint is not None:
+                checkpoints.save(checkpoint, state.plain(rng, elapsed()), key, about)
+
+        if not resume:
+            save()
+        reference = _reference_point(state.seeds, budget)
+        while not state.done(ga) and not (stop is not None and stop()):
+            parents = _tournament(state.population, mu, rng)
             children = []
             for a, b in zip(parents[::2], parents[1::2]):
                 ca, cb = a[0], b[0]
                 if rng.random() < ga.cx_prob:
                     ca, cb = crossover(ca, cb, rng, kind=space.crossover, indpb=space.cx_indpb)
                 children += [_maybe_mutate(c, rng, encoding, space, ga.mut_prob) for c in (ca, cb)]
-            population = tools.selNSGA2(population + assess(children), mu)
-            record = _record(gen, evaluations, archive, reference, started)
-            history.append(record)
+            state.population = tools.selNSGA2(state.population + state.absorb(evaluate(children)), mu)
+            state.advance(_record(state.generation + 1, state.evaluations, state.archive, reference, elapsed()))
+            save()
             if on_generation:
-                on_generation(record)
-            if record["best_time_s"] < best_time:
-                best_time, stale = record["best_time_s"], 0
-            else:
-                stale += 1
-            if ga.patience and stale >= ga.patience:
-                break
-    front = tuple(sorted(archive.values(), key=lambda e: (e.step_time, e.peak_bytes)))
-    return SearchResult(front, seed_results, tuple(history), evaluations, time.perf_counter() - started, smallest[0])
+                on_generation(state.history[-1])
+    front = tuple(sorted(state.archive.values(), key=lambda e: (e.step_time, e.peak_bytes)))
+    return SearchResult(front, state.seeds, tuple(state.history), state.evaluations, elapsed(), state.smallest_peak,
+                        complete=state.done(ga), generations_done=state.generation)
+
+
+@dataclass
+class _State:
+    """What the loop carries from one generation to the next: exactly what a checkpoint holds."""
+
+    budget: int
+    population: list = field(default_factory=list)  # DEAP individuals in selection order, crowding set
+    archive: dict = field(default_factory=dict)  # Chromosome -> Evaluated: the feasible non-dominated ones
+    seeds: dict = field(default_factory=dict)  # name -> Evaluated
+    history: list = field(default_factory=list)
+    generation: int = 0
+    evaluations: int = 0
+    smallest_peak: int = 2**62  # the lowest peak of any valid policy evaluated
+    best_time: float = math.inf  # the best feasible time so far, and for how many generations it has held
+    stale: int = 0
+    seconds: float = 0.0  # search time spent before this process took over
+
+    def absorb(self, results: list[Evaluated]) -> list:
+        """Count, archive and wrap evaluated chromosomes as DEAP individuals."""
+        self.evaluations += len(results)
+        for e in results:
+            if e.valid:
+                self.smallest_peak = min(self.smallest_peak, e.peak_bytes)
+            if e.feasible(self.budget):
+                _add_to_archive(self.archive, e)
+        return [_individual(e, self.budget) for e in results]
+
+    def advance(self, record: dict) -> None:
+        """Close a generation: its history row, and how long the best feasible time has held."""
+        self.generation = record["generation"]
+        self.history.append(record)
+        if record["best_time_s"] < self.best_time:
+            self.best_time, self.stale = record["best_time_s"], 0
+        else:
+            self.stale += 1
+
+    def done(self, ga) -> bool:
+        return self.generation >= ga.generations or bool(ga.patience and self.stale >= ga.patience)
+
+    def plain(self, rng: random.Random, seconds: float) -> dict:
+        """The state as JSON-able data (see gaswap.checkpoint)."""
+        version, internal, gauss_next = rng.getstate()
+        return {
+            "generation": self.generation, "evaluations": self.evaluations, "seconds": seconds,
+            "smallest_peak": self.smallest_peak, "best_time_s": self.best_time, "stale": self.stale,
+            "rng": [version, list(internal), gauss_next],
+            "population": [_plain(i.evaluated) + [i.fitness.crowding_dist] for i in self.population],
+            "archive": [_plain(e) for e in self.archive.values()],
+            "seeds": {name: _plain(e) for name, e in self.seeds.items()},
+            "history": self.history,
+        }
+
+    @classmethod
+    def restore(cls, plain: dict, path, budget: int, ga, encoding: Encoding, rng: random.Random) -> "_State":
+        """The state of a checkpoint (already matched to this configuration); sets `rng` to its state."""
+        if plain["generation"] > ga.generations:
+            raise checkpoints.CheckpointError(
+                f"{path}: the checkpoint is at generation {plain['generation']}, past ga.generations "
+                f"{ga.generations}: raise ga.generations, or start the search afresh (without --resume)")
+        try:
+            version, internal, gauss_next = plain["rng"]
+            rng.setstate((version, tuple(internal), gauss_next))
+            state = cls(budget, generation=int(plain["generation"]), evaluations=int(plain["evaluations"]),
+                        smallest_peak=int(plain["smallest_peak"]), best_time=float(plain["best_time_s"]),
+                        stale=int(plain["stale"]), seconds=float(plain["seconds"]), history=list(plain["history"]))
+            state.seeds = {str(name): _evaluated(row, encoding) for name, row in plain["seeds"].items()}
+            for row in plain["archive"]:
+                e = _evaluated(row, encoding)
+                state.archive[e.chromosome] = e
+            for row in plain["population"]:
+                ind = _individual(_evaluated(row[:5], encoding), budget)
+                ind.fitness.crowding_dist = float(row[5])
+                state.population.append(ind)
+        except (KeyError, IndexError, TypeError, ValueError) as err:
+            raise checkpoints.CheckpointError(f"{path}: malformed checkpoint ({err})") from None
+        return state
+
+
+def _plain(e: Evaluated) -> list:
+    """[keys, actions, step time, peak, valid]: keys as base64 of little-endian float64s (exact and fast to
+    write for thousands of ops), actions as a string of digits."""
+    keys = base64.b64encode(struct.pack(f"<{len(e.chromosome.keys)}d", *e.chromosome.keys)).decode()
+    return [keys, "".join(map(str, e.chromosome.actions)), e.step_time, e.peak_bytes, e.valid]
+
+
+def _evaluated(row: list, encoding: Encoding) -> Evaluated:
+    packed, actions, step_time, peak_bytes, valid = row
+    raw = base64.b64decode(packed, validate=True)
+    if len(raw) != 8 * len(encoding.graph.ops) or len(actions) != len(encoding.candidates):
+        raise ValueError(f"a chromosome of {len(raw) / 8:g} keys and {len(actions)} actions, this graph needs "
+                         f"{len(encoding.graph.ops)} and {len(encoding.candidates)}")
+    chromosome = Chromosome(struct.unpack(f"<{len(raw) // 8}d", raw), tuple(int(a) for a in actions))
+    return Evaluated(chromosome, float(step_time), int(peak_bytes), bool(valid))
+
+
+def _individual(e: Evaluated, budget: int):
+    ind = _deap_types()([e.chromosome])
+    ind.evaluated = e
+    ind.fitness.values = objectives(e, budget)
+    return ind
 
 
 def _maybe_mutate(c: Chromosome, rng: random.Random, encoding: Encoding, space, prob: float) -> Chromosome:
@@ -261,7 +391,7 @@ def hypervolume(points: list[tuple[float, float]], reference: tuple[float, float
     return area
 
 
-def _record(gen: int, evaluations: int, archive: dict, reference, started: float) -> dict:
+def _record(gen: int, evaluations: int, archive: dict, reference, seconds: float) -> dict:
     points = [(e.step_time, float(e.peak_bytes)) for e in archive.values()]
     best = min((p[0] for p in points), default=float("inf"))
     return {
@@ -270,5 +400,5 @@ def _record(gen: int, evaluations: int, archive: dict, reference, started: float
         "best_time_s": best,
         "front_size": len(points),
         "hypervolume": hypervolume(points, reference),
-        "seconds": time.perf_counter() - started,
+        "seconds": seconds,
     }

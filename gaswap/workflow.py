@@ -1,16 +1,30 @@
 """One experiment from file to results: build the model, capture the step, get costs, search, write.
 
 The glue between the torch side (capture, measure) and the torch-free core; the CLI calls it.
+
+A search writes `results/<experiment>/` and, while it runs, its checkpoint `results/<experiment>/.checkpoint.json`
+(see gaswap.checkpoint). Stopped by SIGINT or SIGTERM (`stop_on_signals`), it finishes the current generation,
+writes the results so far (summary.json: "complete": false) and keeps the checkpoint; `resume` continues from
+it. A complete search removes its checkpoint. A results folder made by another experiment is not replaced
+unless `force`.
 """
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from gaswap import checkpoint as checkpoints
 from gaswap import config, results
 from gaswap.capture import CaptureError  # noqa: F401  (re-exported for the CLI)
+from gaswap.checkpoint import CheckpointError  # noqa: F401  (re-exported for the CLI)
 from gaswap import policy as policies
 from gaswap.costs import Costs, estimate, load_profile
 from gaswap.encoding import Action, Encoding
@@ -21,6 +35,10 @@ from gaswap.simulator import Simulator, lower_bound
 
 class Infeasible(Exception):
     """No policy found under the budget."""
+
+
+class Refused(Exception):
+    """What is on disk forbids the command: another experiment's results folder, or no checkpoint to resume."""
 
 
 @dataclass(frozen=True)
@@ -101,13 +119,79 @@ def keep_all(prepared: Prepared) -> Evaluated:
     return Evaluated(c, r.step_time, r.peak_bytes, r.valid)
 
 
-def run_search(prepared: Prepared, out: str | Path, *, on_generation=None) -> tuple[SearchResult, dict]:
-    """Search the experiment's policies and write its results folder; raises Infeasible when none fits."""
+def results_folder(root: str | Path, experiment: config.Experiment) -> Path:
+    """`root/<experiment name>`, the folder the experiment's results go to."""
+    if experiment.name in (".", ".."):
+        raise config.ConfigError(f"{experiment.path}: name: {experiment.name!r} cannot name a results folder")
+    return Path(root) / experiment.name
+
+
+def check_results_folder(experiment: config.Experiment, out: str | Path, *, resume: bool = False,
+                         force: bool = False) -> None:
+    """Refuse (`Refused`) to replace a folder holding another experiment's results or something that is not a
+    gaswap results folder, unless `force`; with `resume`, refuse when there is no checkpoint to resume."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise Refused(f"{out} exists and is not a folder; move it away or choose another --results folder")
+    if out.is_dir() and not force:
+        owner = _owner(out)
+        if owner is None and any(out.iterdir()):
+            raise Refused(f"{out}/ exists but has no readable gaswap summary.json or checkpoint; use --force to "
+                          f"replace it, or choose another --results folder")
+        if owner is not None and not _same_experiment(owner, experiment):
+            raise Refused(f"{out}/ holds the results of experiment {owner[0]!r} ({owner[1] or 'file unknown'}), "
+                          f"not of {experiment.name!r} ({experiment.path}); use --force to replace them, choose "
+                          f"another --results folder, or give this experiment another `name:`")
+    if resume and not (out / checkpoints.NAME).is_file():
+        raise Refused(f"{out / checkpoints.NAME}: no checkpoint to resume from (no search of {experiment.name!r} "
+                      f"was interrupted there, or it completed); run without --resume to start a search")
+
+
+def _owner(out: Path) -> tuple[str, str | None] | None:
+    """(experiment, experiment file) of a results folder, from its summary.json or else its checkpoint."""
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError):
+        summary = None
+    if not (isinstance(summary, dict) and isinstance(summary.get("experiment"), str)):
+        summary = checkpoints.about(out / checkpoints.NAME) if (out / checkpoints.NAME).is_file() else None
+    if not (isinstance(summary, dict) and isinstance(summary.get("experiment"), str)):
+        return None
+    file = summary.get("experiment_file")
+    return summary["experiment"], file if isinstance(file, str) else None
+
+
+def _same_experiment(owner: tuple[str, str | None], experiment: config.Experiment) -> bool:
+    name, file = owner
+    if name != experiment.name:
+        return False
+    if file is None or file == experiment.path:
+        return True
+    try:
+        return os.path.samefile(file, experiment.path)
+    except OSError:
+        return False
+
+
+def run_search(prepared: Prepared, out: str | Path, *, on_generation=None, resume: bool = False,
+               force: bool = False, stop=None) -> tuple[SearchResult, dict]:
+    """Search the experiment's policies and write its results folder; raises Infeasible when none fits.
+
+    The search checkpoints into `out/.checkpoint.json` after every generation; `resume` continues from there
+    (CheckpointError when it is unusable). `stop()` (e.g. the `Stop` of `stop_on_signals`) ends the search
+    early: the results so far are written, marked incomplete, beside the checkpoint. `force` replaces a
+    folder made by another experiment (see `check_results_folder`).
+    """
     exp, graph, costs = prepared.experiment, prepared.graph, prepared.costs
+    out = Path(out)
+    check_results_folder(exp, out, resume=resume, force=force)
     reference = keep_all(prepared)
     budget = exp.budget.resolve(reference.peak_bytes)
-    result = search(graph, costs, exp.search_space, exp.ga, budget, exp.seed, on_generation=on_generation)
-    if result.best is None:
+    result = search(graph, costs, exp.search_space, exp.ga, budget, exp.seed, on_generation=on_generation,
+                    checkpoint=out / checkpoints.NAME, resume=resume, stop=stop,
+                    about={"experiment": exp.name, "experiment_file": exp.path})
+    if result.best is None and result.complete:
+        _discard_checkpoint(out)
         raise Infeasible(
             f"{exp.path}: no policy found under the budget {config.format_size(budget)}: the smallest peak "
             f"reached was {config.format_size(result.smallest_peak)}, and no policy can go below "
@@ -126,9 +210,78 @@ def run_search(prepared: Prepared, out: str | Path, *, on_generation=None) -> tu
         "budget_bytes": budget,
         "budget": str(exp.budget),
         "keep_all": {"peak_bytes": reference.peak_bytes, "step_time_s": reference.step_time},
+        "generations": exp.ga.generations,
     }
-    results.write(out, result, make_policy, summary)
+    results.write(out, result, make_policy, summary, carry=() if result.complete else (checkpoints.NAME,))
     return result, summary
+
+
+def _discard_checkpoint(out: Path) -> None:
+    """Remove the checkpoint of a search that found nothing, with partial results that hold no policy either
+    (those of its own interrupted runs), or the folder the checkpoint alone made."""
+    (out / checkpoints.NAME).unlink(missing_ok=True)
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+        partial = summary.get("complete") is False and summary.get("best") is None
+    except (OSError, ValueError, AttributeError):
+        partial = False
+    if partial:
+        shutil.rmtree(out, ignore_errors=True)
+    elif out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+
+
+class Stop:
+    """Whether a stop was asked for: `stop()` is True once SIGINT or SIGTERM arrived; `signum` says which."""
+
+    def __init__(self):
+        self.signum: int | None = None
+
+    def __call__(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's convention for a process ended by the signal: 130 for SIGINT, 143 for SIGTERM."""
+        return 128 + (self.signum or 0)
+
+
+class Aborted(KeyboardInterrupt):
+    """A second SIGINT or SIGTERM: stop now, without finishing the generation."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextmanager
+def stop_on_signals(notify=None, signals=(signal.SIGINT, signal.SIGTERM)):
+    """Within the block, the first SIGINT or SIGTERM sets the yielded `Stop` (and calls `notify(message)`);
+    a second raises `Aborted`. The previous handlers come back afterwards. Off the main thread, where Python
+    cannot handle signals, the Stop never fires."""
+    stop = Stop()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    notify = notify or (lambda message: print(message, file=sys.stderr))
+    owner = os.getpid()
+
+    def handler(signum, frame):
+        if os.getpid() != owner:  # a forked worker that has not yet set its own handlers
+            return
+        if stop.signum is not None:
+            raise Aborted(signum)
+        stop.signum = signum
+        notify(f"{signal.Signals(signum).name}: stopping after the current generation (again to stop at once)")
+
+    previous = {s: signal.getsignal(s) for s in signals}
+    for s in signals:
+        signal.signal(s, handler)
+    try:
+        yield stop
+    finally:
+        for s, handler_before in previous.items():
+            signal.signal(s, handler_before if handler_before is not None else signal.SIG_DFL)
 
 
 def describe(prepared: Prepared) -> dict:
