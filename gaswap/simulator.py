@@ -283,16 +283,23 @@ class _Run:
         for t in sim.op_out[i]:
             nbytes += sim.size[t]
         self.alloc(nbytes, start)
+        # A recomputed op may re-produce an output that is already here: that copy is made, then dropped
+        # (the kept one stays, and is ready when it was).
+        duplicates = [t for t in sim.op_out[i] if self.resident[t]]
         for t in sim.op_out[i]:
-            if self.resident[t]:  # a recomputed op re-produces an output that is already here: drop the copy
-                self.mem -= sim.size[t]
-                continue  # (the kept copy stays, and is ready when it was)
             if self.trace:
                 cat = "recomputed" if kind == "recompute" else "gradients" if sim.kind[t] == "grad" else "activations"
-                self.category[t] = cat
                 self.changes.append((start, cat, sim.size[t]))
-            self.resident[t] = True
-            self.ready[t] = end
+                if t not in duplicates:
+                    self.category[t] = cat
+            if t not in duplicates:
+                self.resident[t] = True
+                self.ready[t] = end
+        for t in duplicates:
+            self.mem -= sim.size[t]
+            if self.trace:
+                self.changes.append((start, "recomputed", -sim.size[t]))
+                self.memory.append((start, self.mem))
         self.clock = end
         self.compute += sim.op_time[i]
         if self.trace:

@@ -302,8 +302,7 @@ def test_bug_1_zero_time_swap_in_after_zero_time_ops():
     Simulator(g, unit_costs(g, op_time=0.0)).run([0, 1], (S,))
 
 
-@pytest.mark.xfail(strict=True, reason="simulator bug 2: the re-produced duplicate is in the peak, not the trace")
-def test_bug_2_recomputed_duplicate_is_missing_from_the_traces():
+def test_bug_2_recomputed_duplicate_is_in_the_traces():
     """Recomputing c for b1 re-runs f1, which needs a: f0 runs again and re-produces b, still kept for b0.
     The duplicate b (4 bytes) is allocated with f0's outputs (peak 11) and dropped at once, but neither the
     drop in `memory` nor the pair in `changes` is recorded: by_category peaks at 8."""
