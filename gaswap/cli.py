@@ -5,6 +5,7 @@ import argparse
 import shlex
 import signal
 import sys
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -32,6 +33,23 @@ def main(argv=None) -> int:
     p.add_argument("--synthetic-ops", type=int, default=2000, help="size of the synthetic graph also timed")
     p.add_argument("--seconds", type=float, default=3.0, help="time spent per graph")
     p.set_defaults(run=speed)
+    p = verbs.add_parser("validate", help="run real training steps under a policy: measured vs predicted")
+    p.add_argument("policy", help="policy file, e.g. results/tiny_cnn_cpu/policy.yaml")
+    p.add_argument("--steps", type=int, default=5, help="training steps (at least 3; default 5)")
+    p.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda")
+    p.set_defaults(run=validate)
+    p = verbs.add_parser("plot", help="write the Pareto, convergence, memory-timeline and action-map PNGs")
+    p.add_argument("results", help="a results folder, e.g. results/alexnet_4gb")
+    p.add_argument("--cache", default=None, help="cost cache folder of the search (measured costs)")
+    p.set_defaults(run=plot)
+    p = verbs.add_parser("bench", help="baselines, GA per search space and MILP at several budgets")
+    p.add_argument("experiment", help="experiment YAML file")
+    p.add_argument("--budgets", default="0.9,0.75,0.5,0.33,0.25",
+                   help="comma-separated fractions of keep-all peak or sizes (default 0.9,0.75,0.5,0.33,0.25)")
+    p.add_argument("--results", default="results", help="folder of result folders (default: results)")
+    p.add_argument("--cache", default=None, help="cost cache folder")
+    p.add_argument("--time-limit", type=float, default=60.0, help="MILP time limit per budget, seconds")
+    p.set_defaults(run=bench)
     args = parser.parse_args(argv)
     try:
         return args.run(args)
@@ -165,3 +183,41 @@ def _progress(bar):
         bar.refresh()
 
     return update
+
+
+def validate(args) -> int:
+    """Train a few real steps under a policy; print and write predicted vs measured peak and step time."""
+    from gaswap import policy as policies
+    from gaswap.validate import validate as run_validation
+
+    try:
+        r = run_validation(args.policy, args.steps, args.device)
+    except policies.PolicyError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_REFUSED
+    p, m = r["predicted"], r["measured"]
+    print(f"{r['experiment']} on {r['device']} ({r['steps']} steps; costs {r['cost_source']})")
+    print(f"  peak       predicted {format_size(p['peak_bytes'])}, measured {format_size(m['peak_bytes'])} "
+          f"({r['peak_ratio'] - 1:+.1%}); budget {format_size(r['budget_bytes'])}")
+    print(f"  step time  predicted {_ms(p['step_time_s'])}, measured {_ms(m['step_time_s'])} ({r['time_ratio'] - 1:+.1%})")
+    print(f"wrote {Path(args.policy).with_name('validation.json')}")
+    return 0
+
+
+def plot(args) -> int:
+    """Write the figures of a results folder beside it."""
+    from gaswap.report import plot_results
+
+    for path in plot_results(args.results, cache_dir=args.cache):
+        print(path)
+    return 0
+
+
+def bench(args) -> int:
+    """Compare baselines, the GA in each search space and the MILP at several budgets."""
+    from gaswap import bench as benchmark
+
+    rows = benchmark.run(args.experiment, args.budgets.split(","), results_root=args.results,
+                         cache_dir=args.cache, time_limit=args.time_limit)
+    print(benchmark.to_markdown(rows, config.load_experiment(args.experiment).name))
+    return 0

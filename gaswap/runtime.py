@@ -186,7 +186,8 @@ def apply(model, policy_path, example_inputs, example_target, *, device=None) ->
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     prov = policy.provenance
     captured = capture(model, inputs, example_target, prov.get("loss", "cross_entropy"),
-                       optimizer=prov.get("optimizer", "sgd_momentum"), counted=prov.get("counts", COUNTABLE))
+                       optimizer=prov.get("optimizer", "sgd_momentum"), counted=prov.get("counts", COUNTABLE),
+                       autocast=prov.get("autocast"))
     policies.check_matches(policy, captured.graph, policy_path)
     device = device or next(model.parameters()).device
     return PolicyStep(model, captured, policy.program, device)

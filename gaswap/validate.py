@@ -46,7 +46,8 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto") -> d
     torch.manual_seed(exp.seed)
     model = workflow.build_model(exp, device=str(dev))
     inputs, target = workflow.make_inputs(exp, str(dev), torch.Generator(dev).manual_seed(exp.seed))
-    captured = capture(model, inputs, target, exp.loss, optimizer=exp.optimizer, counted=exp.counts)
+    captured = capture(model, inputs, target, exp.loss, optimizer=exp.optimizer, counted=exp.counts,
+                       autocast=exp.autocast)
     here = {"model": {"factory": exp.model.factory, "kwargs": exp.model.kwargs}, "batch_size": exp.batch_size,
             "torch_version": str(torch.__version__)}
     policies.check_matches(policy, captured.graph, policy_path, provenance=policy.provenance | here)

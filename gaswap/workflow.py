@@ -89,7 +89,7 @@ def prepare(experiment: config.Experiment, *, cache_dir=None, progress=None) -> 
     model = build_model(experiment)
     inputs, target = make_inputs(experiment)
     captured = capture(model, inputs, target, experiment.loss, optimizer=experiment.optimizer,
-                       counted=experiment.counts)
+                       counted=experiment.counts, autocast=experiment.autocast)
     capture_seconds = time.perf_counter() - started
     started = time.perf_counter()
     costs = costs_for(experiment, captured.graph, cache_dir=cache_dir, progress=progress)
@@ -201,10 +201,13 @@ def run_search(prepared: Prepared, out: str | Path, *, on_generation=None, resum
     encoding = Encoding(graph)
     provenance = describe(prepared) | {"budget_bytes": budget}
 
+    simulator = Simulator(graph, costs, budget)
+
     def make_policy(e: Evaluated) -> policies.Policy:
-        predicted = results.point(e, reference)
-        return policies.from_result(graph, encoding.candidates, encoding.decode(e.chromosome.keys),
-                                    e.chromosome.actions, predicted, provenance)
+        order = encoding.decode(e.chromosome.keys)
+        program = simulator.run(order, e.chromosome.actions, trace=True).program  # what the runtime replays
+        return policies.from_result(graph, encoding.candidates, order, e.chromosome.actions,
+                                    results.point(e, reference), provenance, program)
 
     summary = describe(prepared) | {
         "budget_bytes": budget,
@@ -296,6 +299,8 @@ def describe(prepared: Prepared) -> dict:
         "batch_size": exp.batch_size,
         "loss": exp.loss,
         "optimizer": exp.optimizer,
+        "counts": list(exp.counts),
+        "autocast": exp.autocast,
         "search_space": exp.search_space.name,
         "seed": exp.seed,
         "device": prepared.costs.device,
