@@ -4,6 +4,8 @@ A policy names the graph it was made for by fingerprint; loading it for another 
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -62,7 +64,14 @@ def save(policy: Policy, path: str | Path) -> None:
     body = {"gaswap_policy": VERSION} | asdict(policy)
     body["order"] = list(policy.order)
     body["program"] = [f"{verb} {name}" for verb, name in policy.program]
+    body["checksum"] = _checksum(body)  # last key: a file cut anywhere fails the check
     write_atomic(path, yaml.safe_dump(body, sort_keys=False, width=120))
+
+
+def _checksum(body: dict) -> str:
+    """sha256 of the policy's content (everything but the checksum itself), canonical JSON."""
+    content = {k: v for k, v in body.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def load(path: str | Path, graph: Graph | None = None) -> Policy:
@@ -78,9 +87,15 @@ def load(path: str | Path, graph: Graph | None = None) -> Policy:
         raise PolicyError(f"{path}: not a gaswap policy file (no 'gaswap_policy' version key)")
     if body["gaswap_policy"] != VERSION:
         raise PolicyError(f"{path}: policy version {body['gaswap_policy']!r}, this gaswap reads version {VERSION}")
-    missing = [k for k in ("fingerprint", "order", "actions") if k not in body]
+    missing = [k for k in ("fingerprint", "order", "actions", "checksum") if k not in body]
     if missing:
         raise PolicyError(f"{path}: missing {', '.join(missing)} (truncated file?)")
+    if body["checksum"] != _checksum(body):
+        raise PolicyError(f"{path}: checksum mismatch: the file was cut or edited after it was written")
+    if not isinstance(body["order"], list) or not isinstance(body["actions"], dict) or any(
+            v not in ("keep", "swap", "recompute") for v in body["actions"].values()):
+        raise PolicyError(f"{path}: 'order' must be a list of op names and 'actions' map tensors to "
+                          f"keep, swap or recompute")
     try:
         program = tuple(tuple(step.split(" ", 1)) for step in body.get("program") or ())
     except AttributeError:

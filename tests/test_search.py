@@ -131,3 +131,20 @@ def test_results_folder(problem, tmp_path):
     # writing again replaces the folder whole, leaving no temporary folders behind
     results.write(tmp_path / "exp", r, make_policy, {"experiment": "exp"})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exp"]
+
+
+def test_a_policy_cut_inside_its_program_or_edited_is_refused(problem, tmp_path):
+    g, costs = problem
+    enc = Encoding(g)
+    c = enc.uniform(Action.SWAP)
+    p = policies.from_result(g, enc.candidates, enc.decode(c.keys), c.actions, {}, {},
+                             program=[("run", op.name) for op in g.ops])
+    policies.save(p, tmp_path / "p.yaml")
+    lines = (tmp_path / "p.yaml").read_text().splitlines(keepends=True)
+    cut = [line for line in lines if not line.startswith("checksum")]
+    (tmp_path / "cut.yaml").write_text("".join(cut[:-5]) + "".join(line for line in lines if line.startswith("checksum")))
+    with pytest.raises(policies.PolicyError, match="cut.yaml: checksum mismatch"):
+        policies.load(tmp_path / "cut.yaml")
+    (tmp_path / "edit.yaml").write_text("".join(lines).replace(": swap", ": keep", 1))
+    with pytest.raises(policies.PolicyError, match="edit.yaml: checksum mismatch"):
+        policies.load(tmp_path / "edit.yaml")
