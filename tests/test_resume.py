@@ -243,9 +243,10 @@ def prepared(problem, exp):
 
 
 def _timeless(value):
-    """`value` without the wall-clock figures (keys ending in "seconds")."""
+    """`value` without the wall-clock figures (keys ending in "seconds"), nor a policy's checksum, which
+    covers them."""
     if isinstance(value, dict):
-        return {k: _timeless(v) for k, v in value.items() if not k.endswith("seconds")}
+        return {k: _timeless(v) for k, v in value.items() if not k.endswith("seconds") and k != "checksum"}
     if isinstance(value, list):
         return [_timeless(v) for v in value]
     return value
