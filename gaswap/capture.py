@@ -422,7 +422,7 @@ def _make_op(node: fx.Node, storage, tensors, forward: bool, layer: str) -> Op |
     is_aten = isinstance(target, torch._ops.OpOverload)
     mutates = _mutates(node)
     outputs = []
-    for name, t in _outputs(node):
+    for name, t in tensor_outputs(node, node.meta.get("val")):
         if _key(t) not in storage:
             storage[_key(t)] = name
             tensors[name] = Tensor(name, _nbytes(t), "activation", node.name)
@@ -456,9 +456,9 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()
 
 
-def _outputs(node: fx.Node) -> list[tuple[str, torch.Tensor]]:
-    """(name, value) of each tensor a node returns; tuple elements are named after their getitem node."""
-    val = node.meta.get("val")
+def tensor_outputs(node: fx.Node, val) -> list[tuple[str, torch.Tensor]]:
+    """(name, value) of each tensor in `val`, what `node` returns (its fake value here, its real result
+    in the runtime); tuple elements are named after their getitem node."""
     if isinstance(val, torch.Tensor):
         return [(node.name, val)]
     if not isinstance(val, (tuple, list)):

@@ -9,12 +9,11 @@ host store synchronously.
 """
 from __future__ import annotations
 
-import operator
 
 import torch
 from torch import fx
 
-from gaswap.capture import Captured
+from gaswap.capture import Captured, tensor_outputs
 from gaswap.graph import COUNTABLE
 from gaswap.memory import host_memory
 
@@ -69,7 +68,7 @@ class StepRunner:
             copies.wait_for(t, env[t])
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: self._value(n, env))
         result = node.target(*args, **kwargs)
-        for out, value in _outputs(node, result):
+        for out, value in tensor_outputs(node, result):
             if out in op.outputs and out not in env:  # a recompute re-makes outputs that are here: drop those
                 env[out] = value
 
@@ -89,14 +88,6 @@ class StepRunner:
         if bad or sorted(runs) != sorted(self.ops):
             detail = f"unknown steps {bad[:3]}" if bad else "it does not run every op of the graph exactly once"
             raise ProgramError(f"the policy's program does not fit this graph: {detail}")
-
-
-def _outputs(node: fx.Node, result) -> list[tuple[str, torch.Tensor]]:
-    """(tensor name, value) of an op's results, named as capture names them (getitem users for tuples)."""
-    if isinstance(result, torch.Tensor):
-        return [(node.name, result)]
-    names = {u.args[1]: u.name for u in reversed(list(node.users)) if u.target is operator.getitem}
-    return [(names.get(i, f"{node.name}.{i}"), v) for i, v in enumerate(result) if isinstance(v, torch.Tensor)]
 
 
 class _Copies:
