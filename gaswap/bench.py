@@ -19,7 +19,7 @@ from gaswap import config, milp
 from gaswap.baselines import BASELINES, simulate
 from gaswap.config import format_size
 from gaswap.encoding import Action, Chromosome, Encoding
-from gaswap.policy import write_atomic
+from gaswap.files import write_atomic
 from gaswap.search import search
 
 SPACES = ("swap_only", "recompute_only", "order_only", "hybrid")

@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
+
+from gaswap.files import write_atomic
 
 FORMAT, VERSION = "gaswap-checkpoint", 1
 NAME = ".checkpoint.json"  # inside the results folder of the experiment
@@ -87,17 +87,7 @@ def save(path: str | Path, state: dict, fingerprint: dict, about: dict | None = 
     header = {"format": FORMAT, "version": VERSION, "sha256": hashlib.sha256(state_text.encode()).hexdigest(),
               "about": about or {}, "fingerprint": fingerprint}
     text = json.dumps(header, separators=(",", ":"))[:-1] + ',"state":' + state_text + "}\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_atomic(path, text)
 
 
 def read(path: str | Path) -> dict:

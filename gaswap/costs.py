@@ -10,13 +10,13 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from .files import write_atomic
 from .graph import Graph, Op
 
 # Bump when the way figures are measured changes: older caches are then ignored (they live in other files).
@@ -196,16 +196,8 @@ class CostCache:
 
     def save(self) -> None:
         """Write the cache atomically."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         body = {"key": self.key, "op_time": self.op_time, "failed": self.failed, "link": self.link}
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(body, f, indent=1, sort_keys=True)
-            os.replace(tmp, self.path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        write_atomic(self.path, json.dumps(body, indent=1, sort_keys=True))
 
 
 def _file_name(key: dict) -> str:

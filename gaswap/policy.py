@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import yaml
 
 from gaswap.encoding import Action
+from gaswap.files import write_atomic
 from gaswap.graph import Graph
 
 VERSION = 1
@@ -127,24 +126,3 @@ def check_matches(policy: Policy, graph: Graph, path: str | Path = "policy", pro
         f"{path}: made for graph {policy.fingerprint}, but this model and inputs give graph "
         f"{graph.fingerprint()}{detail}. Re-run the search for this model, shapes and dtype."
     )
-
-
-def write_atomic(path: str | Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file and a rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes owner-only files; give the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

@@ -16,6 +16,7 @@ import torch
 
 from gaswap import config, policy as policies, workflow
 from gaswap.capture import capture
+from gaswap.files import write_atomic
 from gaswap.measure import device_name, resolve_device
 from gaswap.memory import DeviceMemory
 from gaswap.runtime import StepRunner
@@ -91,7 +92,7 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto") -> d
     }
     report["peak_ratio"] = report["measured"]["peak_bytes"] / report["predicted"]["peak_bytes"]
     report["time_ratio"] = report["measured"]["step_time_s"] / report["predicted"]["step_time_s"]
-    policies.write_atomic(policy_path.with_name("validation.json"), json.dumps(report, indent=2) + "\n")
+    write_atomic(policy_path.with_name("validation.json"), json.dumps(report, indent=2) + "\n")
     return report
 
 
