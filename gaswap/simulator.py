@@ -167,12 +167,14 @@ class _Run:
                 release[max(last_use[t], made[t])].append(t)
             elif not sim.persistent[t]:
                 release[max(last_use[t], made[t])].append(t)
+        self.release_after = release
         prefetch: list[list[int]] = [[] for _ in range(n)]
         swapped = [t for t in sim.candidates if act[t] == SWAP]
         if swapped:
-            prefix = [0.0]
+            prefix, self.made_before = [0.0], [0]  # compute time and bytes allocated before each position
             for i in order:
                 prefix.append(prefix[-1] + sim.op_time[i])
+                self.made_before.append(self.made_before[-1] + sim.out_bytes[i])
             for t in sorted(swapped, key=first_bwd.__getitem__):  # same position: first needed, first copied
                 c = first_bwd[t]
                 p = min(c, bisect.bisect_right(prefix, prefix[c] - sim.h2d_time[t]) - 1)  # zero-time ops: not past c
@@ -192,11 +194,9 @@ class _Run:
                     if self.d2h_end[t] > self.clock:
                         prefetch[p + 1].append(t)  # its device copy is still there: don't hold it twice
                         continue
-                    if budget is not None:
-                        self.settle(self.clock)
-                        if self.mem + size[t] + out_bytes[i] > budget:
-                            prefetch[p + 1].append(t)  # no room under the budget yet
-                            continue
+                    if budget is not None and not self.room_until(t, p, first_bwd[t]):
+                        prefetch[p + 1].append(t)  # no room under the budget yet
+                        continue
                 self.swap_in(t, self.clock, f"prefetch for {names[order[first_bwd[t]]]}")
             for t in op_in[i]:
                 if not resident[t]:
@@ -236,6 +236,54 @@ class _Run:
                 self.memory.append((freed_at, self.mem))
                 self.changes.append((freed_at, self.category[t], -freed))
                 self.program.append(("free", self.sim.tensor_names[t]))
+
+    def room_until(self, t: int, p: int, c: int) -> bool:
+        """Whether bringing `t` back now keeps memory under the budget while the ops at positions p..c-1 run
+        (its reader is at c). A projection from what is known now: op outputs and the frees that follow
+        them, device copies of swapped tensors that go when their copies to the host land, and ops that wait
+        for copies to the device (at least until the host copy has landed and been copied back); the memory
+        of recomputations and of later prefetches is not foreseen."""
+        sim, order, act = self.sim, self.order, self.act
+        size, op_out, op_time, out_bytes = sim.size, sim.op_out, sim.op_time, sim.out_bytes
+        self.settle(self.clock)
+        level = self.mem + size[t]
+        if level + self.made_before[c] - self.made_before[p] <= sim.budget:  # fits even if nothing is freed
+            return True
+        landing = sorted((when, nbytes) for when, _, nbytes in self.pending)
+        born: dict[int, float] = {}  # tensors made in the window -> when their copy to the host lands
+        gone = set()
+        clock, d2h_free = self.clock, max(self.clock, self.d2h_free)
+        k = 0
+        for q in range(p, c):
+            i = order[q]
+            for u in sim.op_in[i]:  # an op waits for copies to the device: under way, or not before the host has it
+                if u in born:
+                    continue
+                if self.resident[u]:
+                    clock = max(clock, self.ready[u])
+                elif self.on_host[u]:
+                    clock = max(clock, self.d2h_end[u] + sim.h2d_time[u])
+            while k < len(landing) and landing[k][0] <= clock:
+                level -= landing[k][1]
+                k += 1
+            if level + out_bytes[i] > sim.budget:
+                return False
+            level += out_bytes[i]
+            clock += op_time[i]
+            for u in op_out[i]:
+                if act[u] == SWAP:
+                    d2h_free = max(d2h_free, clock) + sim.d2h_time[u]
+                born[u] = d2h_free if act[u] == SWAP else clock
+            for u in self.release_after[q]:
+                if u in gone or not (self.resident[u] or u in born):
+                    continue
+                gone.add(u)
+                copying_until = born[u] if u in born else self.d2h_end[u]
+                if act[u] == SWAP and copying_until > clock:
+                    bisect.insort(landing, (copying_until, size[u]), lo=k)
+                else:
+                    level -= size[u]
+        return True
 
     def alloc(self, nbytes: int, when: float) -> None:
         self.settle(when)

@@ -4,11 +4,10 @@ Each property says why it holds; the reference computations here are written ind
 simulator, from the semantics in gaswap/simulator.py's docstring. GASWAP_PROPERTY_EXAMPLES sets the number
 of examples per property (default 100; a thousand or more for a thorough hunt).
 
-At the end, minimal hand-made examples of the simulator bugs these properties found (xfail while open).
+At the end, minimal hand-made examples of the simulator bugs these properties (and one search) found, all fixed.
 """
 import os
 
-import pytest
 from helpers import trace, unit_costs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -249,8 +248,6 @@ def test_simulation_is_deterministic(problem):
            (first.step_time, first.peak_bytes, first.compute_time, first.valid)
 
 
-@pytest.mark.xfail(strict=False, reason="simulator bug 4 (see test_bug_4): prefetch admission is pessimistic; "
-                                        "random graphs find it only sometimes")
 @PROPERTY
 @given(problems())
 def test_a_budget_that_is_never_reached_changes_nothing(problem):
@@ -328,13 +325,12 @@ def test_bug_3_recompute_reads_a_tensor_before_its_swap_in_lands():
     assert f1_again.start >= 6.0
 
 
-@pytest.mark.xfail(strict=True, reason="simulator bug 4: prefetch admission counts the next op's outputs before "
-                                       "frees that land first")
 def test_bug_4_a_budget_never_reached_still_holds_a_prefetch_back():
     """a (2 bytes) and b (1 byte) swapped, 2 s per byte each way; loss takes 4 s, other ops 0 s. Unbounded, the
     peak is 4 (at t=4: b's device copy until its d2h lands at 6, b's swap-in, a's swap-in). Under a budget of 4
-    a's prefetch at t=4 is held back, because 1 + 1 + 2 bytes plus bL's output (1) would be 5 now, though bL
-    only starts at 8, after b's old copy is gone: the run changes (peak 3) although 4 was never exceeded."""
+    a's prefetch at t=4 was held back, because 1 + 1 + 2 bytes plus bL's output (1) would be 5 now, though bL
+    only starts at 8, after b's old copy is gone: the run changed (peak 3) although 4 was never exceeded.
+    (Fixed: admission projects memory through the ops before the reader, with the waits already known.)"""
     tensors = {t.name: t for t in (Tensor("x", 0, "input"), Tensor("a", 2, "activation", "f0"),
                                    Tensor("b", 1, "activation", "f1"), Tensor("L", 0, "activation", "loss"),
                                    Tensor("gb", 1, "activation", "bL"), Tensor("ga", 0, "activation", "ba"))}
@@ -346,3 +342,26 @@ def test_bug_4_a_budget_never_reached_still_holds_a_prefetch_back():
     bounded = Simulator(g, costs, budget=free.peak_bytes).run(list(range(5)), (S, S))
     assert free.peak_bytes == 4
     assert bounded.peak_bytes == free.peak_bytes
+
+
+def test_bug_5_a_prefetch_admitted_before_a_large_allocation():
+    """a (2 bytes) swapped; 1 s per op, a's copy back takes 2 s, so its just-in-time prefetch is issued at b1,
+    two ops before its reader b0. Admission used to look at b1's output only (1 + 2 + 1 = 4 bytes, under a
+    budget of 6) and let the copy land before b2 allocates 4 bytes: peak 7, over the budget, and the AlexNet
+    search found no policy at 0.75x while it found one at a smaller budget. Now the prefetch waits until b0
+    needs it, and the run keeps to the budget (6: b0 reads g2 and a)."""
+    tensors = {t.name: t for t in (Tensor("x", 0, "input"), Tensor("a", 2, "activation", "f0"),
+                                   Tensor("h", 1, "activation", "f1"), Tensor("L", 0, "activation", "loss"),
+                                   Tensor("g1", 1, "activation", "b1"), Tensor("g2", 4, "activation", "b2"),
+                                   Tensor("ga", 0, "activation", "b0"))}
+    ops = (Op("f0", "f", ("x",), ("a",)), Op("f1", "f", ("a",), ("h",)), Op("loss", "l", ("h",), ("L",)),
+           Op("b1", "b", ("L", "h"), ("g1",), "bwd"), Op("b2", "b", ("g1",), ("g2",), "bwd"),
+           Op("b0", "b", ("g2", "a"), ("ga",), "bwd"))
+    g = Graph(ops, tensors, loss="L")
+    costs = Costs({op.name: 1.0 for op in ops}, 2.0, 1.0, "test", "test")
+    assert Encoding(g).candidates == ["a", "h"]
+    free = Simulator(g, costs).run(list(range(6)), (S, K))
+    bounded = Simulator(g, costs, budget=6).run(list(range(6)), (S, K), trace=True)
+    assert free.peak_bytes == 7
+    assert bounded.peak_bytes == 6
+    assert ("h2d", "swap_in", "a", 5.0, 7.0) in trace(bounded)
