@@ -37,7 +37,7 @@ def write(folder: str | Path, result: SearchResult, make_policy, summary: dict, 
     `make_policy(evaluated)` turns a front point into a `Policy`; `summary` holds the experiment's
     description (experiment, device, cost source, budget, keep-all...), to which this adds the best policy,
     the seeds, the evaluations, the search time and whether the search ran to its end (`complete`,
-    `generations_done`). Files named in `carry` (a checkpoint) are copied from the old folder into the new.
+    `generations_done`). Files named in `carry` (bench tables, a checkpoint) are copied from the old folder into the new.
     """
     folder = Path(folder)
     keep_all = result.seeds["keep_all"]

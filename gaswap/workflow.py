@@ -215,7 +215,10 @@ def run_search(prepared: Prepared, out: str | Path, *, on_generation=None, resum
         "keep_all": {"peak_bytes": reference.peak_bytes, "step_time_s": reference.step_time},
         "generations": exp.ga.generations,
     }
-    results.write(out, result, make_policy, summary, carry=() if result.complete else (checkpoints.NAME,))
+    # bench tables compare methods on this experiment, whatever this search found: they stay
+    carry = ("bench.csv", "bench.md") if out.is_dir() and _same_experiment(_owner(out) or ("", None), exp) else ()
+    carry += () if result.complete else (checkpoints.NAME,)
+    results.write(out, result, make_policy, summary, carry=carry)
     return result, summary
 
 

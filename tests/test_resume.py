@@ -308,9 +308,15 @@ def test_another_experiments_folder_is_refused_without_force(problem, tmp_path):
                                                r"not of 'exp' \(.*exp.yaml\); use --force"):
         workflow.run_search(prepared(problem, mine), out)
     assert (out / "summary.json").read_text() == before
+    (out / "bench.csv").write_text("other's bench\n")
     workflow.run_search(prepared(problem, mine), out, force=True)
     assert json.loads((out / "summary.json").read_text())["experiment"] == "exp"
-    workflow.run_search(prepared(problem, mine), out)  # the same experiment again: replaced, as always
+    assert not (out / "bench.csv").exists()  # another experiment's bench goes with its results
+    (out / "bench.csv").write_text("my bench\n")
+    (out / "validation.json").write_text("{}\n")
+    workflow.run_search(prepared(problem, mine), out)  # the same experiment again: replaced, as always...
+    assert (out / "bench.csv").read_text() == "my bench\n"  # ...but its bench table stays
+    assert not (out / "validation.json").exists()  # it validated a policy that is gone
     # same name, another file
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
