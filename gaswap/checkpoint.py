@@ -71,7 +71,7 @@ def fingerprint(graph, costs, space, ga, budget: int, seed: int, seeds: dict) ->
     return {
         "graph": _digest(graph.to_dict()),
         "costs": _digest({"op_time": costs.op_time, "d2h": costs.d2h_bandwidth, "h2d": costs.h2d_bandwidth,
-                          "latency": costs.copy_latency}),
+                          "latency": costs.copy_latency, "copies_overlap": costs.copies_overlap}),
         "search_space": _digest({k: v for k, v in space_fields.items() if k not in ("name", "description")}),
         "ga": _digest({k: settings[k] for k in ("population", "cx_prob", "mut_prob", "patience")}),
         "budget": int(budget),

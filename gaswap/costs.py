@@ -31,7 +31,8 @@ class Costs:
 
     `source` is "measured" or "estimated:<profile>". From `measure()`, `measured` counts the distinct
     signatures that call tried to time (0 when everything came from the cache) and `estimated` names the
-    ops that could not run standalone and got a roofline figure instead.
+    ops that could not run standalone and got a roofline figure instead. `copies_overlap` is False where
+    host copies run on the compute thread (a CPU "device": the runtime's host store copies synchronously).
     """
 
     op_time: dict[str, float]
@@ -42,6 +43,7 @@ class Costs:
     copy_latency: float = 0.0
     measured: int = 0
     estimated: tuple[str, ...] = ()
+    copies_overlap: bool = True
 
     def copy_time(self, nbytes: int, direction: str) -> float:
         """Seconds to copy `nbytes` device->host ("d2h") or host->device ("h2d")."""
@@ -72,6 +74,7 @@ class HardwareProfile:
     launch_overhead: float
     efficiency: float
     copy_latency: float = 0.0
+    copies_overlap: bool = True  # False for a CPU: its host copies hold up compute
 
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s for a dtype name, falling back to float32."""
@@ -100,6 +103,7 @@ def load_profile(name: str) -> HardwareProfile:
             launch_overhead=float(data["launch_overhead"]),
             efficiency=float(data["efficiency"]),
             copy_latency=float(data.get("copy_latency", 0.0)),
+            copies_overlap=bool(data.get("copies_overlap", True)),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"hardware profile {path} is malformed: {e!r}") from e
@@ -149,6 +153,7 @@ def estimate(graph: Graph, profile: HardwareProfile) -> Costs:
         device=profile.name,
         source=f"estimated:{profile.name}",
         copy_latency=profile.copy_latency,
+        copies_overlap=profile.copies_overlap,
     )
 
 

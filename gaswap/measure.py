@@ -82,7 +82,7 @@ def measure(graph: Graph, device: str = "auto", cache_dir=None, *, progress=None
             cache.link = {"d2h": d2h, "h2d": h2d, "latency": _copy_latency(dev)}
     finally:
         cache.save()
-    return _costs(graph, cache, name, _fallback_profile(name), measured=len(todo))
+    return _costs(graph, cache, name, _fallback_profile(name), measured=len(todo), copies_overlap=dev.type != "cpu")
 
 
 def _measure_signature(signature: str, dev: torch.device, cache: CostCache, warmup: int, repeats: int) -> None:
@@ -97,8 +97,10 @@ def _measure_signature(signature: str, dev: torch.device, cache: CostCache, warm
         log.warning("cannot run %s standalone (%s); using a roofline estimate", signature[:200], reason)
 
 
-def _costs(graph: Graph, cache: CostCache, name: str, fallback: HardwareProfile, measured: int) -> Costs:
-    """Costs from the cached figures; ops whose signature has none get `fallback`'s roofline."""
+def _costs(graph: Graph, cache: CostCache, name: str, fallback: HardwareProfile, measured: int,
+           copies_overlap: bool) -> Costs:
+    """Costs from the cached figures; ops whose signature has none get `fallback`'s roofline. Copies overlap
+    compute on a GPU (copy engines, streams); on a CPU the runtime's host store copies on the compute thread."""
     op_time, estimated = {}, []
     for op in graph.ops:
         if op.signature in cache.op_time:
@@ -116,6 +118,7 @@ def _costs(graph: Graph, cache: CostCache, name: str, fallback: HardwareProfile,
         device=name,
         source="measured",
         copy_latency=cache.link["latency"],
+        copies_overlap=copies_overlap,
         measured=measured,
         estimated=tuple(estimated),
     )

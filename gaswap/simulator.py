@@ -1,7 +1,8 @@
 """Predict step time and peak memory of one training step under a policy. No torch here.
 
 Three streams: compute runs ops in the policy's order; a device->host (d2h) and a host->device (h2d) copy
-stream overlap with it. Memory is counted in bytes on the device, in time order:
+stream overlap with it (unless `Costs.copies_overlap` is False, as on a CPU: then a copy holds up compute,
+and a swapped tensor is copied back just before its reader, since nothing is gained by doing it earlier). Memory is counted in bytes on the device, in time order:
 
 - parameters, buffers, inputs and optimizer state are resident all step (as the graph counts them);
 - an op allocates its outputs when it starts; a tensor is freed when the last op reading it ends;
@@ -106,6 +107,7 @@ class Simulator:
         self.budget = budget  # prefetches wait while they would push memory over it
         self.d2h_time = [costs.copy_time(t.size, "d2h") for t in tensors]
         self.h2d_time = [costs.copy_time(t.size, "h2d") for t in tensors]
+        self.serial_copies = not costs.copies_overlap
 
     def run(self, order, actions, *, trace: bool = False) -> SimResult:
         """Simulate the ops in `order` (indices into graph.ops) with `actions` aligned with candidates."""
@@ -178,6 +180,8 @@ class _Run:
             for t in sorted(swapped, key=first_bwd.__getitem__):  # same position: first needed, first copied
                 c = first_bwd[t]
                 p = min(c, bisect.bisect_right(prefix, prefix[c] - sim.h2d_time[t]) - 1)  # zero-time ops: not past c
+                if sim.serial_copies:
+                    p = c
                 prefetch[max(p, last_fwd[t] + 1, made[t] + 1)].append(t)
                 if sim.producer[t] < 0:  # an input: its copy to the host starts with the step
                     self.swap_out(t, 0.0)
@@ -355,8 +359,10 @@ class _Run:
             self.program.append(("run" if kind == "op" else "recompute", sim.op_names[i]))
 
     def swap_out(self, t: int, when: float) -> None:
-        start = max(self.d2h_free, when)
+        start = max(self.d2h_free, when, self.clock if self.sim.serial_copies else when)
         self.d2h_free = self.d2h_end[t] = end = start + self.sim.d2h_time[t]
+        if self.sim.serial_copies:
+            self.clock = end
         self.on_host[t] = True
         if self.trace:
             name = self.sim.tensor_names[t]
@@ -369,8 +375,10 @@ class _Run:
         if self.trace:
             self.category[t] = "swapped in"
             self.changes.append((when, "swapped in", self.sim.size[t]))
-        start = max(self.h2d_free, when, self.d2h_end[t])
+        start = max(self.h2d_free, when, self.d2h_end[t], self.clock if self.sim.serial_copies else when)
         self.h2d_free = self.ready[t] = end = start + self.sim.h2d_time[t]
+        if self.sim.serial_copies:
+            self.clock = end
         if self.trace:
             name = self.sim.tensor_names[t]
             self.events.append(Event("h2d", "swap_in", name, start, end, f"swap-in {name}: {reason}"))

@@ -1,4 +1,6 @@
 """Exact timelines of the simulator on hand-worked graphs (sizes in bytes, times in seconds)."""
+import dataclasses
+
 from helpers import trace, unit_costs
 
 from gaswap.encoding import Action, Encoding
@@ -55,6 +57,23 @@ def test_swap_overlaps_and_prefetches_just_in_time():
     assert r.timeline[7].reason == "wait for swap-in of a2"
     assert r.timeline[5].reason == "swap-in a2: prefetch for b3"
     assert (r.step_time, r.peak_bytes, r.compute_time) == (7.0, 5, 6.0)
+
+
+def test_copies_that_hold_up_compute_run_in_line_just_before_the_reader():
+    """On a CPU "device" the runtime copies to and from its host store on the compute thread: each copy
+    delays the next op, and a swapped tensor is copied back right before its reader (earlier would only
+    hold memory longer)."""
+    g = chain(3)
+    enc = Encoding(g)
+    costs = dataclasses.replace(unit_costs(g), copies_overlap=False)
+    r = Simulator(g, costs).run(enc.decode(enc.captured_keys()), (K, S, S), trace=True)
+    assert trace(r) == [
+        ("compute", "op", "f1", 0, 1), ("d2h", "swap_out", "a1", 1, 2), ("compute", "op", "f2", 2, 3),
+        ("d2h", "swap_out", "a2", 3, 4), ("compute", "op", "f3", 4, 5),
+        ("h2d", "swap_in", "a2", 5, 6), ("compute", "op", "b3", 6, 7),
+        ("h2d", "swap_in", "a1", 7, 8), ("compute", "op", "b2", 8, 9), ("compute", "op", "b1", 9, 10)]
+    assert (r.step_time, r.compute_time) == (10.0, 6.0)
+    assert r.peak_bytes == 5  # while b2 runs: x, the loss a3, g3, a1 (back just now) and g2
 
 
 def test_swapped_memory_is_freed_when_the_copy_lands_not_before():
