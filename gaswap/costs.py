@@ -20,7 +20,7 @@ from .files import write_atomic
 from .graph import Graph, Op
 
 # Bump when the way figures are measured changes: older caches are then ignored (they live in other files).
-COST_MODEL_VERSION = 1
+COST_MODEL_VERSION = 2
 PROFILE_DIR = Path(__file__).with_name("profiles")
 DIRECTIONS = ("d2h", "h2d")
 
@@ -166,7 +166,8 @@ def default_cache_dir() -> Path:
 
 
 class CostCache:
-    """Measured figures for one (device, torch version, cost-model version), in one JSON file under `root`.
+    """Measured figures for one (device, torch version, cost-model version, timing method), in one JSON file
+    under `root`. `timing` is "standalone" (each op timed alone) or "in place" (ops timed as a whole step runs).
 
     `op_time` maps signature -> seconds; `failed` maps signature -> why it could not run standalone (not
     retried); `link` is None or {"d2h": bytes/s, "h2d": bytes/s, "latency": s}. The key picks the file name
@@ -175,8 +176,9 @@ class CostCache:
     `save()` writes atomically (temp file + os.replace); concurrent writers: the last one wins.
     """
 
-    def __init__(self, device: str, torch_version: str, root: str | os.PathLike | None = None):
-        self.key = {"device": device, "torch": torch_version, "cost_model": COST_MODEL_VERSION}
+    def __init__(self, device: str, torch_version: str, root: str | os.PathLike | None = None,
+                 timing: str = "standalone"):
+        self.key = {"device": device, "torch": torch_version, "cost_model": COST_MODEL_VERSION, "timing": timing}
         self.path = Path(root or default_cache_dir()) / _file_name(self.key)
         self.op_time: dict[str, float] = {}
         self.failed: dict[str, str] = {}

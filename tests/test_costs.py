@@ -194,3 +194,34 @@ def test_strided_and_integer_inputs(tmp_path):
 def test_measure_link_cpu():
     d2h, h2d = measure_link("cpu", nbytes=16 << 20)
     assert d2h > 0 and h2d > 0
+
+
+def test_measure_in_place_times_every_op_of_the_running_step(tmp_path):
+    """On a CPU, with the captured step at hand, ops are timed as the whole step runs (every op of the graph,
+    a median per signature), cached apart from standalone figures, and copies are marked as holding up compute."""
+    from gaswap import zoo
+    from gaswap.capture import capture, make_inputs
+    from gaswap.measure import profile_step
+
+    torch.manual_seed(0)
+    model = zoo.tiny_cnn(num_classes=10, width=8)
+    inputs, target = make_inputs([{"shape": ["batch", 3, 16, 16]}], {"shape": ["batch"], "dtype": "int64", "high": 10},
+                                 4, device="cpu", generator=torch.Generator().manual_seed(1))
+    captured = capture(model, inputs, target, "cross_entropy")
+    runs = []
+
+    def make_args():
+        runs.append(1)
+        return captured.arguments(model, tuple(x.clone() for x in inputs), target.clone())
+
+    graph = captured.graph
+    profile = profile_step(captured, make_args, "cpu", warmup=1, repeats=3)
+    assert len(runs) == 4 and set(profile) == {op.name for op in graph.ops}
+    assert all(t > 0 for t in profile.values())
+
+    first = measure(graph, "cpu", tmp_path, in_place=(captured, make_args))
+    signatures = {op.signature for op in graph.ops}
+    assert first.measured == len(signatures) and not first.estimated and not first.copies_overlap
+    assert set(first.op_time) == {op.name for op in graph.ops}
+    assert measure(graph, "cpu", tmp_path, in_place=(captured, make_args)).measured == 0  # cached
+    assert CostCache(device_name("cpu"), torch.__version__, tmp_path).op_time == {}  # standalone: another cache
