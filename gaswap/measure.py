@@ -15,6 +15,9 @@ Note: ops are measured at their real shapes; on a CPU a huge op may take a while
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import json
 import logging
 import math
@@ -25,7 +28,10 @@ import time
 import torch
 
 from .costs import CostCache, Costs, HardwareProfile, load_profile, roofline
+from .encoding import Action, Encoding
 from .graph import Graph
+from .runtime import StepRunner
+from .simulator import Simulator
 
 log = logging.getLogger(__name__)
 MIN_REPEAT_SECONDS = 1e-3  # a timed repeat runs an op enough times to last at least this long
@@ -38,6 +44,22 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(device)
+
+
+@functools.cache
+def keep_freed_host_memory() -> bool:
+    """Ask glibc's malloc to keep freed memory for reuse instead of returning it to the OS, as CUDA's caching
+    allocator does for the GPU; True if it could. Without it, a CPU training step pays page faults for
+    memory it freed a moment ago, and its time varies from one process to the next by tens of percent.
+    Process-wide; `measure` and `validate` call it on a CPU so that op timings and steps agree."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is None or not hasattr(libc, "mallopt"):
+        return False
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+    largest = 2**31 - 1
+    return all(libc.mallopt(option, value) == 1 for option, value in
+               ((m_mmap_threshold, largest), (m_trim_threshold, largest), (m_top_pad, 256 << 20)))
 
 
 def device_name(device: str | torch.device) -> str:
@@ -61,20 +83,30 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
-def measure(graph: Graph, device: str = "auto", cache_dir=None, *, progress=None, warmup=2, repeats=5) -> Costs:
+def measure(graph: Graph, device: str = "auto", cache_dir=None, *, progress=None, warmup=2, repeats=5,
+            in_place=None) -> Costs:
     """Measured Costs for every op of `graph`. `Costs.measured` is how many distinct signatures this call
     tried to time (0 when all came from the cache); `Costs.estimated` names the ops given a roofline figure.
 
-    `progress` is None, a callable(done, total) or a tqdm-like object (its `total` is set, then `update(1)`
-    is called per signature). Figures are read from and added to the cache under `cache_dir`.
+    `in_place` is None or `(captured, make_args)`, the captured step of `graph` and a function giving real
+    arguments for it: on a CPU the ops are then timed in place as the whole step runs (`profile_step`; each
+    signature gets the median of its ops), else each op alone on random inputs. `progress` is None, a
+    callable(done, total) or a tqdm-like object (its `total` is set, then `update(1)` is called per
+    signature). Figures are read from and added to the cache under `cache_dir`.
     """
     dev = resolve_device(device)
+    if dev.type == "cpu":
+        keep_freed_host_memory()
+    in_place = in_place if dev.type == "cpu" else None
     name = device_name(dev)
-    cache = CostCache(name, torch.__version__, cache_dir)
+    cache = CostCache(name, torch.__version__, cache_dir, timing="in place" if in_place else "standalone")
     todo = sorted({op.signature for op in graph.ops} - cache.op_time.keys() - cache.failed.keys())
     report = _reporter(progress, len(todo))
     try:
-        for done, signature in enumerate(todo, 1):
+        if in_place and todo:
+            cache.op_time |= _by_signature(graph, profile_step(*in_place, dev))
+            report(len(todo))
+        for done, signature in enumerate([] if in_place else todo, 1):
             _measure_signature(signature, dev, cache, warmup, repeats)
             report(done)
         if cache.link is None:
@@ -83,6 +115,14 @@ def measure(graph: Graph, device: str = "auto", cache_dir=None, *, progress=None
     finally:
         cache.save()
     return _costs(graph, cache, name, _fallback_profile(name), measured=len(todo), copies_overlap=dev.type != "cpu")
+
+
+def _by_signature(graph: Graph, op_time: dict[str, float]) -> dict[str, float]:
+    """Median seconds per signature over the ops that share it."""
+    times: dict[str, list[float]] = {}
+    for op in graph.ops:
+        times.setdefault(op.signature, []).append(op_time[op.name])
+    return {signature: statistics.median(ts) for signature, ts in times.items()}
 
 
 def _measure_signature(signature: str, dev: torch.device, cache: CostCache, warmup: int, repeats: int) -> None:
@@ -240,3 +280,41 @@ def _copy_latency(dev: torch.device) -> float:
     host = torch.empty(1, pin_memory=dev.type == "cuda")
     on_device = torch.empty(1, device=dev)
     return _median_time(lambda: host.copy_(on_device, non_blocking=True), dev, warmup=2, repeats=5)
+
+
+
+# --------------------------------------------------------------------------- timing ops in place
+
+
+def profile_step(captured, make_args, device: str | torch.device = "cpu", warmup=2, repeats=7) -> dict[str, float]:
+    """Median seconds of each op of a captured step (by op name), timed in place: the runtime runs the whole
+    step, every tensor kept, `warmup + repeats` times; `make_args()` gives the arguments of one run.
+
+    In place, an op finds its inputs where the op before left them (caches, allocator) and pays the
+    runtime's own overhead (arguments, views rebuilt), as it will in training: on a CPU, timing each op
+    alone on the same inputs over and over underestimates a real step by a third.
+    """
+    graph = captured.graph
+    encoding = Encoding(graph)
+    keep = encoding.uniform(Action.KEEP)
+    anything = Costs(dict.fromkeys((op.name for op in graph.ops), 1.0), 1.0, 1.0, "any", "any")  # keep-all: no copies
+    program = Simulator(graph, anything).run(encoding.decode(keep.keys), keep.actions, trace=True).program
+    dev = resolve_device(device)
+    runner = _TimedRunner(captured, program, dev)
+    for run in range(warmup + repeats):
+        runner.times = {op.name: [] for op in graph.ops} if run == warmup else runner.times
+        runner(make_args())
+    return {name: statistics.median(times) for name, times in runner.times.items()}
+
+
+class _TimedRunner(StepRunner):
+    """A StepRunner that records the seconds of every op it runs (synchronizing the device around each)."""
+
+    times: dict[str, list[float]] = {}
+
+    def _run(self, name, env, copies) -> None:
+        _sync(self.device)
+        start = time.perf_counter()
+        super()._run(name, env, copies)
+        _sync(self.device)
+        self.times.setdefault(name, []).append(time.perf_counter() - start)
