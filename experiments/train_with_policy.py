@@ -3,7 +3,10 @@
     python experiments/train_with_policy.py results/tiny_cnn_cpu/policy.yaml --steps 300
 
 Both runs start from the same weights and see the same batches. The plain run is eager PyTorch
-(`criterion(model(x), y).backward()`); the other replaces forward + backward with `gaswap.apply`.
+(`criterion(model(x), y).backward()`). With a policy searched with `loss: external` the other run is the
+same loop with the model replaced by `gaswap.apply(model, policy, inputs)`, the criterion being mean
+squared error to random targets shaped like the output (the experiment has no target); with any other
+policy `gaswap.apply_step` replaces forward, loss and backward.
 The peaks are measured on one step of each (CUDA: the allocator; CPU: gaswap's storage tracker).
 """
 from __future__ import annotations
@@ -23,13 +26,18 @@ LOSSES = {
     "cross_entropy": lambda out, y: F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)),
     "mse": F.mse_loss,
     "sum": lambda out, y: out.sum(),
+    "external": F.mse_loss,  # the criterion is the user's: here, regression onto random targets
 }
 
 
 def batches(exp, device, count: int):
     """`count` fixed synthetic batches (inputs, target), cycled through by both runs."""
     gen = torch.Generator(device).manual_seed(exp.seed)
-    return [workflow.make_inputs(exp, str(device), gen) for _ in range(count)]
+    data = [workflow.make_inputs(exp, str(device), gen) for _ in range(count)]
+    if exp.loss == "external":
+        shape = workflow.build_model(exp)(*workflow.make_inputs(exp)[0]).shape  # on the meta device
+        data = [(inputs, torch.randn(shape, device=device, generator=gen)) for inputs, _ in data]
+    return data
 
 
 def train(exp, device, data, steps, step_fn):
@@ -65,9 +73,12 @@ def eager(exp):
     return make
 
 
-def with_policy(policy_path):
+def with_policy(exp, policy_path):
     def make(model, example):
-        step = gaswap.apply(model, policy_path, *example)
+        inputs, target = example
+        if exp.loss == "external":  # the module form: the eager loop, with the model replaced
+            return eager(exp)(gaswap.apply(model, policy_path, inputs), example)
+        step = gaswap.apply_step(model, policy_path, inputs, target)
         return lambda inputs, target: step(*inputs, target)
     return make
 
@@ -83,7 +94,7 @@ def main() -> None:
     device = resolve_device("auto")
     data = batches(exp, device, 4)
     plain, plain_peak = train(exp, device, data, args.steps, eager(exp))
-    ours, our_peak = train(exp, device, data, args.steps, with_policy(args.policy))
+    ours, our_peak = train(exp, device, data, args.steps, with_policy(exp, args.policy))
     print(f"{exp.name} on {device}: {args.steps} steps, {exp.optimizer}, batch {exp.batch_size}")
     print(f"{'step':>6}  {'eager loss':>11}  {'policy loss':>11}")
     for k in range(0, args.steps, args.every):

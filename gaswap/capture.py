@@ -2,7 +2,10 @@
 
 The step `loss = loss_fn(model(*inputs), target)` and the gradients of the loss w.r.t. the trainable
 parameters are traced with `make_fx(functionalize(grad_and_value(...)))` on fake CPU tensors: nothing
-is allocated, whatever device the model lives on (meta included). Functionalization turns in-place ops
+is allocated, whatever device the model lives on (meta included). With loss "external" the loss is
+computed outside the step: the step is `out = model(*inputs)` and the vector-Jacobian product of the
+parameters with `grad_output`, a placeholder shaped like `out` (`torch.func.vjp`), and `out` takes the
+loss's place in the graph. Functionalization turns in-place ops
 (ReLU(inplace), BatchNorm's running statistics) into out-of-place ops; the buffer updates become
 `copy_` ops at the end of the step. Ops are those of the CPU dispatch (e.g. dropout is bernoulli, div,
 mul rather than CUDA's fused native_dropout).
@@ -14,7 +17,8 @@ Layers: global module hooks tag forward nodes with their module path (`fx.traceb
 hooks on the autograd nodes tag backward nodes with the sequence number of the autograd node they
 run for, which maps them to the forward node that created it (`meta["seq_nr"]`). Besides public
 APIs this relies on `FakeTensorMode`, `enable_python_dispatcher` (the decompositions AOTAutograd
-uses, e.g. functional BatchNorm) and `autograd.graph.Node._sequence_nr`.
+uses, e.g. functional BatchNorm), `autograd.graph.Node._sequence_nr` and, for loss "external",
+`torch.func.vjp`'s variant that differentiates some arguments only (`_vjp_with_argnums`).
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ import torch.fx.traceback as fx_traceback
 import torch.nn.functional as F
 from torch import fx, nn
 from torch._dispatch.python import enable_python_dispatcher
+from torch._functorch.eager_transforms import _vjp_with_argnums
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -49,7 +54,7 @@ from .graph import Graph, Op, Tensor
 if not hasattr(fx_traceback, "annotate"):
     raise ImportError(f"gaswap.capture needs torch >= 2.10 (torch.fx.traceback.annotate); found {torch.__version__}")
 
-LOSSES = ("cross_entropy", "mse", "sum")
+LOSSES = ("cross_entropy", "mse", "sum", "external")
 AUTOCAST = ("bfloat16", "float16")  # mixed-precision dtypes of `capture(autocast=...)`
 OPTIMIZERS = {"sgd": 0, "sgd_momentum": 1, "adam": 2}  # optimizer state, in multiples of parameter bytes
 
@@ -64,11 +69,12 @@ class Captured:
 
     `gm` is the traced step, callable with real tensors: `gm(*args) -> (loss, *grads)`, where `args`
     follow `placeholders` (parameters, then buffers, then inputs, then the target) and `grads` follow
-    the "param" placeholders. `placeholders` lists (fx name, kind, source) with kind "param" (trainable
-    parameter), "buffer" (buffer or frozen parameter) or "input", and source the parameter or buffer
-    path, "inputs.<i>" or "target". Calling `gm` updates the buffers it is given in place (BatchNorm
-    running statistics), as a training step does. `arguments` builds `args` from a model; `gm` was
-    traced on the CPU, so use `gm_on(device)` to run it elsewhere.
+    the "param" placeholders. With loss "external", `gm(*args) -> (output, *grads)` and the last argument
+    is the gradient of the output. `placeholders` lists (fx name, kind, source) with kind "param"
+    (trainable parameter), "buffer" (buffer or frozen parameter), "input" or "grad_output", and source the
+    parameter or buffer path, "inputs.<i>", "target" or "grad_output". Calling `gm` updates the buffers
+    it is given in place (BatchNorm running statistics), as a training step does. `arguments` builds
+    `args` from a model; `gm` was traced on the CPU, so use `gm_on(device)` to run it elsewhere.
     """
 
     graph: Graph
@@ -76,11 +82,12 @@ class Captured:
     seconds: float
     placeholders: list[tuple[str, str, str]] = field(default_factory=list)
 
-    def arguments(self, model: nn.Module, inputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> list:
-        """The positional arguments of `gm` taken from a model with real tensors and real inputs."""
+    def arguments(self, model: nn.Module, inputs: tuple[torch.Tensor, ...], target: torch.Tensor | None) -> list:
+        """The positional arguments of `gm` taken from a model with real tensors and real inputs; `target`
+        is the loss's target, or with loss "external" the gradient of the output (None if not known yet)."""
         state = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
-        data = {f"inputs.{i}": x for i, x in enumerate(inputs)} | {"target": target}
-        return [data[src] if kind == "input" else state[src] for _, kind, src in self.placeholders]
+        data = {f"inputs.{i}": x for i, x in enumerate(inputs)} | {"target": target, "grad_output": target}
+        return [state[src] if kind in ("param", "buffer") else data[src] for _, kind, src in self.placeholders]
 
     def gm_on(self, device) -> fx.GraphModule:
         """A copy of `gm` whose device constants (e.g. `arange(..., device=cpu)`) name `device`."""
@@ -97,7 +104,7 @@ class Captured:
 def capture(
     model: nn.Module,
     inputs: tuple[torch.Tensor, ...],
-    target: torch.Tensor,
+    target: torch.Tensor | None,
     loss: str = "cross_entropy",
     *,
     optimizer: str = "sgd_momentum",
@@ -110,6 +117,9 @@ def capture(
     any device, `meta` included. The model is not modified. `inputs` may mix float, integer and bool
     tensors. A model may return a tensor, a tuple or list (its first element is the output) or a
     mapping such as a Hugging Face ModelOutput (its "logits", else its first value).
+
+    With loss "external" `target` is not used (pass None): the step stops at the model's output and
+    starts its backward pass from a given gradient of it; the model must then return one tensor.
 
     `autocast` ("bfloat16" or "float16") runs the forward pass and the loss under `torch.autocast`,
     as mixed-precision training does: parameters stay in their dtype and the casts are ops of the
@@ -137,7 +147,7 @@ def make_inputs(
     "batch" in a shape becomes `batch_size`. On `meta` nothing is allocated; elsewhere floats are
     randn, integers randint(0, spec["high"]) and bools fair coin flips, drawn from `generator` (on the
     same device) if given.
-    Without a target spec (loss "sum" needs none) the target is a scalar the loss ignores.
+    Without a target spec (losses "sum" and "external" need none) the target is a scalar the loss ignores.
     """
     inputs = tuple(_make_tensor(s, batch_size, device, generator) for s in specs)
     return inputs, _make_tensor(target_spec or {"shape": []}, batch_size, device, generator)
@@ -192,7 +202,6 @@ def _trace(model, inputs, target, loss, autocast) -> tuple[fx.GraphModule, list[
     params = {k: _fake(p, mode) for k, p in model.named_parameters() if p.requires_grad}
     fixed = {k: _fake(p, mode) for k, p in model.named_parameters() if not p.requires_grad}
     fixed |= {k: _fake(b, mode) for k, b in model.named_buffers()}
-    data = [_fake(x, mode) for x in (*inputs, target)]
     names, n_params, n_fixed = list(params), len(params), len(fixed)
     layers = _Layers(model)
 
@@ -204,23 +213,53 @@ def _trace(model, inputs, target, loss, autocast) -> tuple[fx.GraphModule, list[
         layers.watch_backward(value)
         return value
 
+    def output_of(p, f, inputs):
+        with _autocast(autocast):
+            out = torch.func.functional_call(model, (p, f), inputs)
+        layers.watch_backward(out)
+        return out
+
     def step(*flat):
         p = dict(zip(names, flat[:n_params]))
         f = dict(zip(fixed, flat[n_params:n_params + n_fixed]))
-        grads, value = torch.func.grad_and_value(loss_of)(p, f, flat[n_params + n_fixed:-1], flat[-1])
+        inputs, last = flat[n_params + n_fixed:-1], flat[-1]
+        if loss == "external":  # `last` is the gradient of the output; the buffers are arguments, not
+            # differentiated, as with grad_and_value (a transformed function may not mutate what it closes over)
+            out, vjp = _vjp_with_argnums(output_of, p, f, inputs, argnums=0)
+            grads = vjp(last)  # with an int argnums, the gradients of that argument alone
+            return (out, *(grads[k] for k in names))
+        grads, value = torch.func.grad_and_value(loss_of)(p, f, inputs, last)
         return (value, *(grads[k] for k in names))
 
     traced = torch.func.functionalize(step, remove="mutations")
     try:
         with _quiet_fake_tensor_log(), fx_traceback.preserve_node_meta(), enable_python_dispatcher(), layers.active():
+            last = _output_like(model, inputs, autocast, mode) if loss == "external" else target
+            data = [_fake(x, mode) for x in (*inputs, last)]
             gm = make_fx(traced, tracing_mode="fake")(*params.values(), *fixed.values(), *data)
+    except CaptureError:
+        raise
     except Exception as e:  # noqa: BLE001 - any tracing failure becomes one clear CaptureError
         raise CaptureError(_explain(model, layers.failed_at, e)) from e
     sources = [("param", k) for k in params] + [("buffer", k) for k in fixed]
-    sources += [("input", f"inputs.{i}") for i in range(len(inputs))] + [("input", "target")]
+    sources += [("input", f"inputs.{i}") for i in range(len(inputs))]
+    sources += [("grad_output", "grad_output")] if loss == "external" else [("input", "target")]
     gm = _rename_placeholders(gm, [_placeholder_name(kind, src) for kind, src in sources])
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]  # as uniquified by fx
     return gm, [(name, kind, src) for name, (kind, src) in zip(names, sources)]
+
+
+def _output_like(model, inputs, autocast, mode: FakeTensorMode) -> torch.Tensor:
+    """A meta tensor with the shape and dtype of the model's output (contiguous): the gradient of the
+    output that a step with loss "external" is given. Runs the forward pass on fake tensors."""
+    state = {k: _fake(t, mode) for k, t in (*model.named_parameters(), *model.named_buffers())}
+    with mode, torch.no_grad(), _autocast(autocast):
+        out = torch.func.functional_call(model, state, tuple(_fake(x, mode) for x in inputs))
+    if not isinstance(out, torch.Tensor):
+        raise CaptureError(f"cannot capture {type(model).__name__} with loss 'external': its forward returns "
+                           f"{type(out).__name__}, not one tensor. To fix: return the tensor the loss reads "
+                           f"(the model's output is handed to your loss as it is)")
+    return torch.empty(out.shape, dtype=out.dtype, device="meta")
 
 
 def _autocast(dtype: str | None):
@@ -357,8 +396,8 @@ def _hint(e: Exception) -> str:
 
 
 def _placeholder_name(kind: str, source: str) -> str:
-    if source == "target":
-        return "target"
+    if source in ("target", "grad_output"):
+        return source
     prefix = {"param": "p_", "buffer": "b_", "input": "input_"}[kind]
     return re.sub(r"\W", "_", prefix + source.removeprefix("inputs."))
 

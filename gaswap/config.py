@@ -18,7 +18,8 @@ import yaml
 
 from gaswap.graph import COUNTABLE
 
-LOSSES = ("cross_entropy", "mse", "sum")
+LOSSES = ("cross_entropy", "mse", "sum", "external")  # external: computed outside the step
+NO_TARGET = ("sum", "external")  # losses that take no target
 OPTIMIZERS = ("sgd", "sgd_momentum", "adam")
 DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "bool")
 INT_DTYPES = ("int64", "int32")  # dtypes whose random values need an exclusive upper bound `high`
@@ -123,8 +124,8 @@ class Experiment:
     path: str  # the file it was loaded from
     model: ModelSpec  # the model to train
     inputs: tuple[TensorSpec, ...]  # positional inputs of model.forward
-    target: TensorSpec | None = None  # the loss target; required unless loss is "sum"
-    loss: str = "sum"  # one of LOSSES
+    target: TensorSpec | None = None  # the loss target; required unless loss is "sum" or "external"
+    loss: str = "sum"  # one of LOSSES; "external": the step ends at the model's output (gaswap.apply's module form)
     batch_size: int  # replaces "batch" in shapes
     optimizer: str = "sgd"  # one of OPTIMIZERS
     budget: Budget  # the memory budget
@@ -181,9 +182,9 @@ def load_experiment(path: str | Path) -> Experiment:
     raw.setdefault("search_space", DEFAULT_SEARCH_SPACE)
     checks = _EXPERIMENT_CHECKS | {"search_space": _space_check(path.parent)}
     experiment = _build(where, raw, Experiment, checks, ("model", "inputs", "batch_size", "budget"), path=str(path))
-    if experiment.loss == "sum" and experiment.target is not None:
-        where["target"].fail("not used by loss 'sum'; remove it or choose another loss")
-    if experiment.loss != "sum" and experiment.target is None:
+    if experiment.loss in NO_TARGET and experiment.target is not None:
+        where["target"].fail(f"not used by loss {experiment.loss!r}; remove it or choose another loss")
+    if experiment.loss not in NO_TARGET and experiment.target is None:
         where["target"].fail(f"required for loss {experiment.loss!r}")
     return experiment
 

@@ -2,7 +2,8 @@
 
 A `Tensor` is a *storage*: views and in-place results alias their base, so they are not tensors of their
 own; an op that reads a view lists the base storage among its inputs. Every tensor has at most one
-producer (None for parameters, buffers and inputs, which are resident for the whole step).
+producer (None for parameters, buffers, inputs and the gradient of the output, which are resident for the
+whole step).
 """
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from dataclasses import dataclass, field
 PHASES = ("fwd", "bwd")
 # Tensor kinds. "param", "buffer" and "input" exist before the step; "activation" is any storage an op
 # produces; "grad" is a parameter gradient, an output of the step that lives until the step ends.
-KINDS = ("param", "buffer", "input", "activation", "grad")
+# "grad_output" is the gradient of the model's output in a step whose loss is computed outside it (the
+# backward pass starts from it): counted as resident all step, like an input.
+KINDS = ("param", "buffer", "input", "grad_output", "activation", "grad")
+RESIDENT_KINDS = ("param", "buffer", "input", "grad_output")  # tensors without a producer
 # Persistent categories a budget may count. Activations, inputs and buffers always count.
 COUNTABLE = ("parameters", "gradients", "optimizer_state")
 
@@ -83,13 +87,18 @@ class Graph:
         return out
 
     def candidates(self) -> list[str]:
-        """Tensors a policy decides about: inputs and forward activations that the backward pass reads."""
+        """Tensors a policy decides about: inputs and forward activations that the backward pass reads.
+
+        In a step given the gradient of its output from outside (a "grad_output" tensor), the caller holds
+        the inputs all step, so they are not candidates; nor is the gradient, which arrives with the backward.
+        """
         phase = {op.name: op.phase for op in self.ops}
         cons = self.consumers()
+        inputs_swappable = not any(t.kind == "grad_output" for t in self.tensors.values())
         return [
             t.name
             for t in self.tensors.values()
-            if (t.kind == "input" or (t.kind == "activation" and phase[t.producer] == "fwd"))
+            if ((t.kind == "input" and inputs_swappable) or (t.kind == "activation" and phase[t.producer] == "fwd"))
             and t.name != self.loss
             and any(phase[c] == "bwd" for c in cons[t.name])
         ]
@@ -148,7 +157,7 @@ def _validate(g: Graph) -> None:
             raise GraphError(f"tensor {t.name!r}: unknown kind {t.kind!r} (expected one of {KINDS})")
         if t.size < 0:
             raise GraphError(f"tensor {t.name!r}: negative size {t.size}")
-        if (t.producer is None) != (t.kind in ("param", "buffer", "input")):
+        if (t.producer is None) != (t.kind in RESIDENT_KINDS):
             raise GraphError(f"tensor {t.name!r}: kind {t.kind!r} and producer {t.producer!r} disagree")
     for op in g.ops:
         if op.name in seen_ops:

@@ -6,16 +6,23 @@ captured fx graph. Views are rebuilt from their base storage whenever an op need
 dropped by the program is really gone. On CUDA, copies run on one stream per direction with pinned host
 buffers and events, so compute waits only for the copies it reads; on the CPU the same code copies into a
 host store synchronously.
+
+Two forms: `apply` wraps a model whose policy was searched with loss "external" into a `PolicyModule`,
+used like the model (`criterion(module(x), y).backward()`), the program split around the caller's loss;
+`apply_step` runs a policy whose step includes the loss as one call, `loss = step(*inputs, target)`.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 
 import torch
-from torch import fx
+from torch import fx, nn
 
-from gaswap.capture import Captured, tensor_outputs
+from gaswap import policy as policies
+from gaswap.capture import Captured, capture, tensor_outputs
 from gaswap.graph import COUNTABLE
 from gaswap.memory import host_memory
+from gaswap.policy import Policy, PolicyError
 
 
 class ProgramError(RuntimeError):
@@ -23,7 +30,11 @@ class ProgramError(RuntimeError):
 
 
 class StepRunner:
-    """Replays `program` over `captured.gm` on `device`: `runner(args) -> (loss, *grads)`."""
+    """Replays `program` over `captured.gm` on `device`: `runner(args) -> (loss, *grads)`.
+
+    A step with loss "external" also runs in two parts, around a loss computed outside it:
+    `output, state = runner.forward(args)`, then `grads = runner.backward(state, grad_output)`.
+    """
 
     def __init__(self, captured: Captured, program, device="cpu"):
         self.device = torch.device(device)
@@ -34,6 +45,8 @@ class StepRunner:
         self.ops = {op.name: op for op in captured.graph.ops}
         self.program = [tuple(step) for step in program]
         self._check_program()
+        self.grad_output = next((name for name, kind, _ in captured.placeholders if kind == "grad_output"), None)
+        self.split = self._split() if self.grad_output else None
 
     @torch.no_grad()  # the graph computes the gradients itself: autograd must not keep tensors alive
     def __call__(self, args: list):
@@ -42,11 +55,39 @@ class StepRunner:
         The step takes ownership of `args` (the list is emptied): an input the policy swaps out can only
         leave the device if nothing else holds it.
         """
-        copies = _Copies(self.device)
-        env = dict(zip(self.placeholders, args))
+        state = self._start(args)
+        self._execute(self.program, state)
+        return self._finish(self.results, state)
+
+    @torch.no_grad()
+    def forward(self, args: list) -> tuple[torch.Tensor, "StepState"]:
+        """The forward part of a step with loss "external": the program up to the first instruction of
+        the backward pass. Returns the model's output and the state `backward` continues from. `args` are
+        those of `__call__`, the gradient of the output left out (None); the step takes ownership of them.
+        """
+        if self.grad_output is None:
+            raise ProgramError("this step computes its own loss: run it whole (runner(args)), not in two parts")
+        state = self._start(args)
+        state.env.pop(self.grad_output)
+        self._execute(self.program[:self.split], state)
+        return self._value(self.results[0], state.env), state
+
+    @torch.no_grad()
+    def backward(self, state: "StepState", grad_output: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The rest of the step, from the gradient of the output: the gradients of the parameters.
+        The state is used up (its tensors are released)."""
+        state.env[self.grad_output] = grad_output.contiguous()  # the layout it was traced with
+        self._execute(self.program[self.split:], state)
+        return self._finish(self.results[1:], state)
+
+    def _start(self, args: list) -> "StepState":
+        state = StepState(dict(zip(self.placeholders, args)), _Copies(self.device))
         args.clear()
-        retired = {}
-        for verb, name in self.program:
+        return state
+
+    def _execute(self, program, state: "StepState") -> None:
+        env, copies, retired = state.env, state.copies, state.retired
+        for verb, name in program:
             if verb in ("run", "recompute"):
                 self._run(name, env, copies)
             elif verb == "swap_out":
@@ -57,8 +98,14 @@ class StepRunner:
                 env[name] = copies.to_device(name)
             elif verb == "free":
                 (retired if name in retired else env).pop(name)
-        copies.finish()
-        return tuple(self._value(n, env) for n in self.results)
+
+    def _finish(self, results: list, state: "StepState") -> tuple:
+        """The values of `results`; the state's tensors are released (a gradient is then held by the caller alone)."""
+        state.copies.finish()
+        values = tuple(self._value(n, state.env) for n in results)
+        state.env.clear()
+        state.retired.clear()
+        return values
 
     def _run(self, name: str, env: dict, copies: "_Copies") -> None:
         op, node = self.ops[name], self.nodes[name]
@@ -88,6 +135,28 @@ class StepRunner:
         if bad or sorted(runs) != sorted(self.ops):
             detail = f"unknown steps {bad[:3]}" if bad else "it does not run every op of the graph exactly once"
             raise ProgramError(f"the policy's program does not fit this graph: {detail}")
+
+    def _split(self) -> int:
+        """Where the backward part of the program starts: after the last forward op has run and the frees and
+        copies to the host that follow it, at the first instruction that computes or brings a tensor back."""
+        last_forward = max(k for k, (verb, name) in enumerate(self.program)
+                           if verb == "run" and self.ops[name].phase == "fwd")
+        split = next((k for k in range(last_forward + 1, len(self.program))
+                      if self.program[k][0] in ("run", "recompute", "swap_in")), len(self.program))
+        early = [name for verb, name in self.program[:split] if verb == "run" and self.grad_output in self.ops[name].inputs]
+        if early:
+            raise ProgramError(f"the policy's program runs {early[0]}, which reads the gradient of the output, before "
+                               f"the forward pass ends: it cannot run with the loss outside the step")
+        return split
+
+
+@dataclass
+class StepState:
+    """A step under way: tensors on the device by name, host copies, and device copies waiting to go."""
+
+    env: dict
+    copies: "_Copies"
+    retired: dict = field(default_factory=dict)
 
 
 class _Copies:
@@ -162,23 +231,135 @@ class PolicyStep:
         return loss
 
 
-def apply(model, policy_path, example_inputs, example_target, *, device=None) -> PolicyStep:
-    """The training step of `model` under the policy file at `policy_path`.
+class PolicyModule(nn.Module):
+    """`model` whose training steps run under a policy searched with loss "external": a drop-in module.
+
+    In training mode with gradients enabled, `module(*inputs)` runs the policy's program up to the
+    backward pass and returns the model's output; the backward of any loss computed from it runs the rest
+    of the program from the output's gradient and accumulates each parameter's `.grad` as autograd does.
+    In eval mode or under `torch.no_grad()` it is the model itself. Parameters, buffers, train/eval,
+    attributes and `state_dict` (same keys) are the model's. Inputs must have the shapes and dtypes the
+    policy was searched for; each output can be backpropagated through once. As in the captured step,
+    BatchNorm's running statistics are updated at the end of the backward part: a training-mode forward
+    pass whose output is never backpropagated leaves them as they were.
+    """
+
+    def __init__(self, model: nn.Module, captured: Captured, program, device):
+        super().__init__()
+        self.model = model
+        self.captured = captured
+        self.runner = StepRunner(captured, program, device)
+        traced = {n.name: n.meta["val"] for n in captured.gm.graph.nodes if n.op == "placeholder"}
+        self._input_specs = [(tuple(traced[name].shape), traced[name].dtype)
+                             for name, kind, _ in captured.placeholders if kind == "input"]
+        self._trainable = [src for _, kind, src in captured.placeholders if kind == "param"]
+        # state_dict keys are the model's own (no "model." prefix): checkpoints load with or without the policy
+        self.register_state_dict_post_hook(_strip_model_prefix)
+        self.register_load_state_dict_pre_hook(_add_model_prefix)
+
+    def forward(self, *inputs):
+        if not (self.training and torch.is_grad_enabled()):
+            return self.model(*inputs)
+        self._check(inputs)
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        return _PolicyFunction.apply(self, len(inputs), *inputs, *(params[k] for k in self._trainable))
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "model":
+                raise
+            return getattr(self.model, name)
+
+    def _check(self, inputs) -> None:
+        """Refuse inputs other than those the policy was searched for, saying what differs."""
+        if len(inputs) != len(self._input_specs):
+            raise PolicyError(f"the policy was searched for {len(self._input_specs)} input(s), got {len(inputs)}")
+        for i, (x, (shape, dtype)) in enumerate(zip(inputs, self._input_specs)):
+            if not isinstance(x, torch.Tensor):
+                raise PolicyError(f"input {i} is {type(x).__name__}, not a tensor")
+            if (tuple(x.shape), x.dtype) != (shape, dtype):
+                raise PolicyError(
+                    f"input {i} has shape {tuple(x.shape)} and dtype {x.dtype}, but the policy was searched for "
+                    f"shape {shape} and dtype {dtype}. Feed batches of that shape (e.g. DataLoader(drop_last=True)), "
+                    f"or search a policy for these shapes")
+            if x.requires_grad:
+                raise PolicyError(f"input {i} requires grad, but the policy's step computes parameter gradients only")
+
+
+class _PolicyFunction(torch.autograd.Function):
+    """A policy's step as one autograd node: the forward part of the program, then the rest in backward."""
+
+    @staticmethod
+    def forward(ctx, module: PolicyModule, n_inputs: int, *inputs_and_params):
+        args = module.captured.arguments(module.model, inputs_and_params[:n_inputs], None)
+        output, ctx.state = module.runner.forward(args)
+        ctx.runner, ctx.n_inputs = module.runner, n_inputs
+        return output.detach()  # an alias: the state must not hold the tensor autograd attaches this node to
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if ctx.state is None:
+            raise RuntimeError("backward through a policy's step a second time: the first released its tensors; "
+                               "run the forward pass again")
+        grads = ctx.runner.backward(ctx.state, grad_output)
+        ctx.state = None
+        return (None, None, *[None] * ctx.n_inputs, *grads)
+
+
+def _strip_model_prefix(module, state: dict, prefix: str, metadata) -> None:
+    _move_keys(state, prefix + "model.", prefix)
+
+
+def _add_model_prefix(module, state: dict, prefix: str, *args) -> None:
+    _move_keys(state, prefix, prefix + "model.")
+
+
+def _move_keys(state: dict, old: str, new: str) -> None:
+    """Rename the keys of `state` that start with `old` to start with `new` instead."""
+    for key in [k for k in state if k.startswith(old)]:
+        state[new + key[len(old):]] = state.pop(key)
+
+
+def apply(model, policy_path, example_inputs, *, device=None) -> PolicyModule:
+    """`model` as a module whose training steps run under the policy file at `policy_path`, which must have
+    been searched with `loss: external`: use it in place of the model (`criterion(module(x), y).backward()`).
+
+    `example_inputs` (a tensor or a tuple) fix the shapes and dtypes: they must be those the policy was
+    searched for, else the policy is refused with a message saying what differs.
+    """
+    policy, captured = _load(model, policy_path, example_inputs, None, external=True)
+    return PolicyModule(model, captured, policy.program, device or next(model.parameters()).device)
+
+
+def apply_step(model, policy_path, example_inputs, example_target, *, device=None) -> PolicyStep:
+    """The training step of `model`, loss included, under the policy file at `policy_path`.
 
     `example_inputs` (a tensor or a tuple) and `example_target` fix the shapes and dtypes: they must be
     those the policy was searched for, else the policy is refused with a message saying what differs.
     """
-    from gaswap import policy as policies
-    from gaswap.capture import capture
+    policy, captured = _load(model, policy_path, example_inputs, example_target, external=False)
+    return PolicyStep(model, captured, policy.program, device or next(model.parameters()).device)
 
+
+def _load(model, policy_path, example_inputs, example_target, *, external: bool) -> tuple[Policy, Captured]:
+    """The policy file and the model's step captured as the policy was, refusing a policy of the other form
+    (loss inside the step or not), of another model or of other shapes."""
     policy = policies.load(policy_path)
     if not policy.program:
-        raise policies.PolicyError(f"{policy_path}: the policy has no program; re-run the search that made it")
-    inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+        raise PolicyError(f"{policy_path}: the policy has no program; re-run the search that made it")
     prov = policy.provenance
-    captured = capture(model, inputs, example_target, prov.get("loss", "cross_entropy"),
-                       optimizer=prov.get("optimizer", "sgd_momentum"), counted=prov.get("counts", COUNTABLE),
-                       autocast=prov.get("autocast"))
+    loss = prov.get("loss", "cross_entropy")
+    if external and loss != "external":
+        raise PolicyError(f"{policy_path}: the policy's step includes the loss ({loss}), so it cannot run as a "
+                          f"module; use gaswap.apply_step(model, policy, inputs, target), or search a policy "
+                          f"with `loss: external`")
+    if not external and loss == "external":
+        raise PolicyError(f"{policy_path}: the policy was searched with `loss: external` (the loss is computed "
+                          f"outside its step); use gaswap.apply(model, policy, inputs), which returns a module")
+    inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    captured = capture(model, inputs, example_target, loss, optimizer=prov.get("optimizer", "sgd_momentum"),
+                       counted=prov.get("counts", COUNTABLE), autocast=prov.get("autocast"))
     policies.check_matches(policy, captured.graph, policy_path)
-    device = device or next(model.parameters()).device
-    return PolicyStep(model, captured, policy.program, device)
+    return policy, captured

@@ -2,7 +2,8 @@
 
 `python -m gaswap validate results/<experiment>/policy.yaml --steps N` builds the experiment's model with
 real parameters on the device at hand, re-captures its step, refuses a policy made for another graph,
-then trains N steps with the policy's program and writes `validation.json` beside the policy.
+then trains N steps with the policy's program and writes `validation.json` beside the policy. A step with
+loss "external" is given a fixed random gradient of the model's output, as if a loss were computed outside.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 from gaswap import config, policy as policies, workflow
 from gaswap.capture import capture
 from gaswap.files import write_atomic
-from gaswap.measure import device_name, resolve_device
+from gaswap.measure import device_name, keep_freed_host_memory, resolve_device
 from gaswap.memory import DeviceMemory
 from gaswap.runtime import StepRunner
 
@@ -44,11 +45,15 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto") -> d
         raise policies.PolicyError(f"{policy_path}: the policy has no program; re-run the search that made it")
     exp = config.load_experiment(policy.provenance["experiment_file"])
     dev = resolve_device(device)
+    if dev.type == "cpu":
+        keep_freed_host_memory()  # as when the costs were measured
     torch.manual_seed(exp.seed)
     model = workflow.build_model(exp, device=str(dev))
     inputs, target = workflow.make_inputs(exp, str(dev), torch.Generator(dev).manual_seed(exp.seed))
     captured = capture(model, inputs, target, exp.loss, optimizer=exp.optimizer, counted=exp.counts,
                        autocast=exp.autocast)
+    if exp.loss == "external":  # the loss is computed outside the step: stand in a fixed gradient of the output
+        target = workflow.output_gradient(captured, dev, exp.seed)
     here = {"model": {"factory": exp.model.factory, "kwargs": exp.model.kwargs}, "batch_size": exp.batch_size,
             "torch_version": str(torch.__version__)}
     policies.check_matches(policy, captured.graph, policy_path, provenance=policy.provenance | here)
@@ -85,7 +90,7 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto") -> d
         "device": device_name(dev),
         "cost_source": policy.provenance.get("cost_source"),
         "steps": steps,
-        "loss": float(loss),
+        "loss": float(loss) if exp.loss != "external" else None,  # external: `loss` is the model's output
         "predicted": {"peak_bytes": policy.predicted["peak_bytes"], "step_time_s": policy.predicted["step_time_s"]},
         "measured": {"peak_bytes": max(peaks), "step_time_s": statistics.median(times)},
         "budget_bytes": policy.provenance.get("budget_bytes"),

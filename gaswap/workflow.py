@@ -92,13 +92,14 @@ def prepare(experiment: config.Experiment, *, cache_dir=None, progress=None) -> 
                        counted=experiment.counts, autocast=experiment.autocast)
     capture_seconds = time.perf_counter() - started
     started = time.perf_counter()
-    costs = costs_for(experiment, captured.graph, cache_dir=cache_dir, progress=progress)
+    costs = costs_for(experiment, captured.graph, cache_dir=cache_dir, progress=progress, captured=captured)
     return Prepared(experiment, captured.graph, costs, capture_seconds, time.perf_counter() - started,
                     torch.__version__)
 
 
-def costs_for(experiment: config.Experiment, graph: Graph, *, cache_dir=None, progress=None) -> Costs:
-    """Estimated from the experiment's hardware profile, or measured on its device (cached on disk)."""
+def costs_for(experiment: config.Experiment, graph: Graph, *, cache_dir=None, progress=None, captured=None) -> Costs:
+    """Estimated from the experiment's hardware profile, or measured on its device (cached on disk). Given the
+    `captured` step of `graph`, a CPU times its ops in place, running the step on one batch with real weights."""
     spec = experiment.costs
     if spec.source == "estimate":
         try:
@@ -106,9 +107,27 @@ def costs_for(experiment: config.Experiment, graph: Graph, *, cache_dir=None, pr
         except ValueError as err:
             raise config.ConfigError(f"{experiment.path}: costs.profile: {err}") from None
         return estimate(graph, profile)
-    from gaswap.measure import measure
+    from gaswap.measure import measure, resolve_device
 
-    return measure(graph, spec.device, cache_dir, progress=progress)
+    in_place = None
+    if captured is not None and resolve_device(spec.device).type == "cpu":
+        import torch
+
+        torch.manual_seed(experiment.seed)
+        model = build_model(experiment, device="cpu")
+        inputs, target = make_inputs(experiment, "cpu", torch.Generator().manual_seed(experiment.seed))
+        if experiment.loss == "external":
+            target = output_gradient(captured, torch.device("cpu"), experiment.seed)
+        in_place = captured, lambda: captured.arguments(model, tuple(x.clone() for x in inputs), target.clone())
+    return measure(graph, spec.device, cache_dir, progress=progress, in_place=in_place)
+
+
+def output_gradient(captured, device, seed: int):
+    """A random tensor shaped like the model's output: the gradient a step with loss "external" is given."""
+    import torch
+
+    (like,) = [n.meta["val"] for n in captured.gm.graph.nodes if n.op == "placeholder" and n.name == "grad_output"]
+    return torch.randn(like.shape, dtype=like.dtype, device=device, generator=torch.Generator(device).manual_seed(seed))
 
 
 def keep_all(prepared: Prepared) -> Evaluated:

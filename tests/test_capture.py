@@ -8,7 +8,7 @@ from torch import nn
 
 from gaswap import zoo
 from gaswap.capture import LOSSES, CaptureError, capture, make_inputs
-from gaswap.graph import Graph
+from gaswap.graph import Graph, Tensor
 
 F32 = 4  # bytes per float32
 
@@ -79,10 +79,11 @@ def test_capture_is_deterministic():
 def test_losses_and_bad_arguments():
     model = zoo.mlp((6, 5, 3))
     x = torch.randn(2, 6)
-    for loss, target in [("mse", torch.randn(2, 3)), ("sum", torch.empty(0)), ("cross_entropy", torch.zeros(2).long())]:
+    for loss, target in [("mse", torch.randn(2, 3)), ("sum", torch.empty(0)), ("cross_entropy", torch.zeros(2).long()),
+                         ("external", None)]:
         g = capture(model, (x,), target, loss).graph
         assert _op(g, g.tensors[g.loss].producer).phase == "fwd"
-    assert set(LOSSES) == {"cross_entropy", "mse", "sum"}
+    assert set(LOSSES) == {"cross_entropy", "mse", "sum", "external"}
     with pytest.raises(ValueError, match="loss"):
         capture(model, (x,), torch.randn(2, 3), "hinge")
     with pytest.raises(ValueError, match="optimizer"):
@@ -344,6 +345,38 @@ def test_tuple_and_mapping_outputs_give_their_logits(wrap):
     torch.testing.assert_close(loss, nn.functional.cross_entropy(model.fc(x), y))
     with pytest.raises(CaptureError, match="returned str, not a tensor"):
         capture(_Outputs(lambda out, x: "logits"), (x,), y)
+
+
+def test_external_loss_steps_back_from_a_given_gradient_of_the_output():
+    """Loss "external": the forward pass to the model's output, then the backward pass from a placeholder
+    gradient shaped like it, which is resident all step but no candidate; nor are the inputs (the caller
+    holds them)."""
+    torch.manual_seed(0)
+    model = zoo.tiny_cnn(width=4)  # BatchNorm and residual; dropout off (eager draws differently)
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    inputs, _ = _classify_inputs(2, 3, 8, 8)
+    c = capture(copy.deepcopy(model), inputs, None, "external")
+    g = c.graph
+    assert c.placeholders[-2:] == [("input_0", "input", "inputs.0"), ("grad_output", "grad_output", "grad_output")]
+    assert g.tensors["grad_output"] == Tensor("grad_output", 2 * 10 * F32, "grad_output")
+    assert g.tensors[g.loss].size == 2 * 10 * F32 and _op(g, g.tensors[g.loss].producer).layer == "fc"
+    assert {op.phase for op in g.ops if "grad_output" in op.inputs} == {"bwd"}
+    assert not {op.layer for op in g.ops} & {"loss"}
+    assert g.candidates() and not {"grad_output", "input_0"} & set(g.candidates())
+    assert g.resident_bytes() >= g.tensors["grad_output"].size + g.tensors["input_0"].size
+    grad_output = torch.randn(2, 10)
+    fresh = copy.deepcopy(model)
+    out, *grads = c.gm(*c.arguments(fresh, inputs, grad_output))
+    ref = model(*inputs)
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(grads, torch.autograd.grad(ref, list(model.parameters()), grad_output), strict=True):
+        torch.testing.assert_close(a, b)
+    for a, b in zip(fresh.buffers(), model.buffers(), strict=True):  # BatchNorm statistics, updated in the step
+        torch.testing.assert_close(a, b)
+    with pytest.raises(CaptureError, match="loss 'external': its forward returns tuple, not one tensor"):
+        capture(_Outputs(lambda out, x: (out, x)), (torch.randn(2, 4),), None, "external")
 
 
 def test_cross_entropy_finds_the_class_dimension():

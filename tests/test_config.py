@@ -105,7 +105,7 @@ MALFORMED = [
     ({"budget": "0x"}, "budget: invalid size '0x': must be positive"),
     ({"budget": "20x"}, "budget: invalid size '20x': a fraction of the keep-all peak must be at most 10x"),
     ({"budget": 4.0e9}, "budget: invalid size 4000000000.0"),
-    ({"loss": "crossentropy"}, "loss: must be one of cross_entropy, mse, sum, got 'crossentropy' (did you mean"),
+    ({"loss": "crossentropy"}, "loss: must be one of cross_entropy, mse, sum, external, got 'crossentropy' (did you"),
     ({"optimizer": "adamw"}, "optimizer: must be one of sgd, sgd_momentum, adam, got 'adamw'"),
     ({"inputs": []}, "inputs: must be a non-empty list, got []"),
     ({"inputs": [{"shape": [8], "dtype": "float64"}]}, "inputs[0].dtype: must be one of float32"),
@@ -116,6 +116,7 @@ MALFORMED = [
     ({"target": {"shape": ["batch"], "dtype": "int64"}}, "target.high: required for integer dtype int64"),
     ({"target": DROP}, "target: required for loss 'cross_entropy'"),
     ({"loss": "sum"}, "target: not used by loss 'sum'"),
+    ({"loss": "external"}, "target: not used by loss 'external'"),
     ({"counts": ["params"]}, "counts[0]: must be one of parameters, gradients, optimizer_state, got 'params'"),
     ({"counts": ["gradients", "gradients"]}, "counts[1]: duplicate entry 'gradients'"),
     ({"costs": {"source": "guess"}}, "costs.source: must be one of estimate, measure, got 'guess'"),
@@ -243,3 +244,8 @@ def test_autocast_accepts_the_two_mixed_precision_dtypes(tmp_path):
     (tmp_path / "b.yaml").write_text(body + "autocast: fp8\n")
     with pytest.raises(ConfigError, match="b.yaml: autocast: "):
         load_experiment(tmp_path / "b.yaml")
+
+
+def test_external_loss_needs_no_target(tmp_path):
+    exp = load_patched(tmp_path, {"loss": "external", "target": DROP})
+    assert (exp.loss, exp.target) == ("external", None)

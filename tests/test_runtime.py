@@ -191,7 +191,7 @@ def test_apply_trains_like_the_unchanged_step(tmp_path):
 
     reference = train(plain, model, inputs, target)
     model.load_state_dict(state)
-    step = gaswap.apply(model, tmp_path / "policy.yaml", inputs, target)
+    step = gaswap.apply_step(model, tmp_path / "policy.yaml", inputs, target)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
     for k in range(3):  # the user's loop: the step replaces forward + backward
@@ -202,4 +202,4 @@ def test_apply_trains_like_the_unchanged_step(tmp_path):
     trained = [t.detach().clone() for t in (*model.parameters(), *model.buffers())]
     assert all(torch.equal(a, b) for a, b in zip(reference, trained))
     with pytest.raises(policies.PolicyError, match="made for graph"):
-        gaswap.apply(model, tmp_path / "policy.yaml", inputs[0][:2], target[:2])
+        gaswap.apply_step(model, tmp_path / "policy.yaml", inputs[0][:2], target[:2])
