@@ -286,7 +286,7 @@ def _copy_latency(dev: torch.device) -> float:
 # --------------------------------------------------------------------------- timing ops in place
 
 
-def profile_step(captured, make_args, device: str | torch.device = "cpu", warmup=2, repeats=7) -> dict[str, float]:
+def profile_step(captured, make_args, device: str | torch.device = "cpu", warmup=3, repeats=15) -> dict[str, float]:
     """Median seconds of each op of a captured step (by op name), timed in place: the runtime runs the whole
     step, every tensor kept, `warmup + repeats` times; `make_args()` gives the arguments of one run.
 
