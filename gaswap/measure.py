@@ -24,7 +24,9 @@ import math
 import platform
 import statistics
 import time
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .costs import CostCache, Costs, HardwareProfile, load_profile, roofline
@@ -89,8 +91,8 @@ def measure(graph: Graph, device: str = "auto", cache_dir=None, *, progress=None
     tried to time (0 when all came from the cache); `Costs.estimated` names the ops given a roofline figure.
 
     `in_place` is None or `(captured, make_args)`, the captured step of `graph` and a function giving real
-    arguments for it: on a CPU the ops are then timed in place as the whole step runs (`profile_step`; each
-    signature gets the median of its ops), else each op alone on random inputs. `progress` is None, a
+    arguments for it: on a CPU the ops and copies are then timed in place as the whole step runs
+    (`profile_step`; each signature gets the median of its ops), else each op alone on random inputs. `progress` is None, a
     callable(done, total) or a tqdm-like object (its `total` is set, then `update(1)` is called per
     signature). Figures are read from and added to the cache under `cache_dir`.
     """
@@ -104,7 +106,9 @@ def measure(graph: Graph, device: str = "auto", cache_dir=None, *, progress=None
     report = _reporter(progress, len(todo))
     try:
         if in_place and todo:
-            cache.op_time |= _by_signature(graph, profile_step(*in_place, dev))
+            profile = profile_step(*in_place, dev)
+            cache.op_time |= _by_signature(graph, profile.op_time)
+            cache.link = profile.link or cache.link
             report(len(todo))
         for done, signature in enumerate([] if in_place else todo, 1):
             _measure_signature(signature, dev, cache, warmup, repeats)
@@ -286,35 +290,67 @@ def _copy_latency(dev: torch.device) -> float:
 # --------------------------------------------------------------------------- timing ops in place
 
 
-def profile_step(captured, make_args, device: str | torch.device = "cpu", warmup=3, repeats=15) -> dict[str, float]:
-    """Median seconds of each op of a captured step (by op name), timed in place: the runtime runs the whole
-    step, every tensor kept, `warmup + repeats` times; `make_args()` gives the arguments of one run.
+@dataclass(frozen=True)
+class StepProfile:
+    """What `profile_step` measured: median seconds per op (by name), and the host copies fitted as
+    {"d2h", "h2d": bytes/s, "latency": s} (None when the step has nothing to swap)."""
+
+    op_time: dict[str, float]
+    link: dict[str, float] | None
+
+
+def profile_step(captured, make_args, device: str | torch.device = "cpu", warmup=3, repeats=15) -> StepProfile:
+    """Time a captured step in place: the runtime runs the whole step `warmup + repeats` times with every
+    tensor kept (for the ops), then as often with every candidate swapped (for the copies, fitted as a
+    latency plus bytes over a bandwidth per direction); `make_args()` gives the arguments of one run.
 
     In place, an op finds its inputs where the op before left them (caches, allocator) and pays the
-    runtime's own overhead (arguments, views rebuilt), as it will in training: on a CPU, timing each op
-    alone on the same inputs over and over underestimates a real step by a third.
+    runtime's own overhead (arguments, views rebuilt, bookkeeping of copies), as it will in training: on a
+    CPU, an op timed alone on the same inputs over and over looks a third faster than in a real step.
     """
     graph = captured.graph
     encoding = Encoding(graph)
-    keep = encoding.uniform(Action.KEEP)
-    anything = Costs(dict.fromkeys((op.name for op in graph.ops), 1.0), 1.0, 1.0, "any", "any")  # keep-all: no copies
-    program = Simulator(graph, anything).run(encoding.decode(keep.keys), keep.actions, trace=True).program
+    keep, swap = encoding.uniform(Action.KEEP), encoding.uniform(Action.SWAP)
+    order = encoding.decode(keep.keys)
+    simulator = Simulator(graph, Costs(dict.fromkeys((op.name for op in graph.ops), 1.0), 1.0, 1.0, "any", "any"))
     dev = resolve_device(device)
-    runner = _TimedRunner(captured, program, dev)
-    for run in range(warmup + repeats):
-        runner.times = {op.name: [] for op in graph.ops} if run == warmup else runner.times
-        runner(make_args())
-    return {name: statistics.median(times) for name, times in runner.times.items()}
+
+    def timed(actions) -> dict[tuple[str, str], list[float]]:
+        runner = _TimedRunner(captured, simulator.run(order, actions, trace=True).program, dev)
+        for run in range(warmup + repeats):
+            runner.times = {} if run == warmup else runner.times
+            runner(make_args())
+        return runner.times
+
+    ops = timed(keep.actions)
+    op_time = {op.name: statistics.median(ops[("run", op.name)]) for op in graph.ops}
+    link = _fit_link(graph, timed(swap.actions), dev) if int(Action.SWAP) in swap.actions else None
+    return StepProfile(op_time, link)
+
+
+def _fit_link(graph: Graph, times: dict[tuple[str, str], list[float]], dev: torch.device) -> dict[str, float]:
+    """Least-squares latency (shared) and bandwidth per direction of the copies timed by `profile_step`; a
+    direction whose fit is not a positive rate (e.g. copies all of one size) falls back to `measure_link`."""
+    rows = [(verb == "swap_out", graph.tensors[name].size, statistics.median(ts))
+            for (verb, name), ts in times.items() if verb in ("swap_out", "swap_in")]
+    design = np.array([[1.0, size if out else 0.0, 0.0 if out else size] for out, size, _ in rows])
+    (latency, per_byte_d2h, per_byte_h2d), *_ = np.linalg.lstsq(design, np.array([s for *_, s in rows]), rcond=None)
+    fallback = measure_link(dev) if min(per_byte_d2h, per_byte_h2d) <= 0 else (0.0, 0.0)
+    return {"d2h": float(1 / per_byte_d2h if per_byte_d2h > 0 else fallback[0]),
+            "h2d": float(1 / per_byte_h2d if per_byte_h2d > 0 else fallback[1]),
+            "latency": max(0.0, float(latency))}
 
 
 class _TimedRunner(StepRunner):
-    """A StepRunner that records the seconds of every op it runs (synchronizing the device around each)."""
+    """A StepRunner that records the seconds of each instruction by (verb, name), synchronizing the device
+    around each (so copies are timed whole, not overlapped)."""
 
-    times: dict[str, list[float]] = {}
+    times: dict[tuple[str, str], list[float]] = {}
 
-    def _run(self, name, env, copies) -> None:
-        _sync(self.device)
-        start = time.perf_counter()
-        super()._run(name, env, copies)
-        _sync(self.device)
-        self.times.setdefault(name, []).append(time.perf_counter() - start)
+    def _execute(self, program, state) -> None:
+        for instruction in program:
+            _sync(self.device)
+            start = time.perf_counter()
+            super()._execute([instruction], state)
+            _sync(self.device)
+            self.times.setdefault(tuple(instruction), []).append(time.perf_counter() - start)

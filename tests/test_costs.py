@@ -1,4 +1,5 @@
 """Cost model: roofline estimates, hardware profiles, measuring on the CPU and the on-disk cache."""
+import dataclasses
 import json
 import re
 
@@ -216,8 +217,9 @@ def test_measure_in_place_times_every_op_of_the_running_step(tmp_path):
 
     graph = captured.graph
     profile = profile_step(captured, make_args, "cpu", warmup=1, repeats=3)
-    assert len(runs) == 4 and set(profile) == {op.name for op in graph.ops}
-    assert all(t > 0 for t in profile.values())
+    assert len(runs) == 8  # kept, then swapped
+    assert set(profile.op_time) == {op.name for op in graph.ops} and all(t > 0 for t in profile.op_time.values())
+    assert profile.link["d2h"] > 0 and profile.link["h2d"] > 0 and profile.link["latency"] >= 0
 
     first = measure(graph, "cpu", tmp_path, in_place=(captured, make_args))
     signatures = {op.signature for op in graph.ops}
@@ -225,3 +227,19 @@ def test_measure_in_place_times_every_op_of_the_running_step(tmp_path):
     assert set(first.op_time) == {op.name for op in graph.ops}
     assert measure(graph, "cpu", tmp_path, in_place=(captured, make_args)).measured == 0  # cached
     assert CostCache(device_name("cpu"), torch.__version__, tmp_path).op_time == {}  # standalone: another cache
+
+
+def test_copies_timed_in_place_are_fitted_as_a_latency_plus_bandwidths():
+    from gaswap.graph import chain
+    from gaswap.measure import _fit_link
+
+    graph = chain(4, size=1000)
+    sizes = {name: 1000 * (k + 1) for k, name in enumerate(["a1", "a2", "a3"])}
+    graph = Graph(graph.ops, {n: dataclasses.replace(t, size=sizes.get(n, t.size)) for n, t in graph.tensors.items()},
+                  loss=graph.loss)
+    times = {("swap_out", n): [2e-6 + b / 1e9] * 3 for n, b in sizes.items()}
+    times |= {("swap_in", n): [2e-6 + b / 4e9] for n, b in sizes.items()}
+    times[("run", "f1")] = [1.0]  # not a copy: ignored
+    link = _fit_link(graph, times, torch.device("cpu"))
+    assert link == pytest.approx({"d2h": 1e9, "h2d": 4e9, "latency": 2e-6}, rel=1e-6)
+    assert all(type(v) is float for v in link.values())  # plain floats: they go into YAML policy files
