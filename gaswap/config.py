@@ -87,6 +87,7 @@ class CostSpec:
     source: str = "measure"  # "measure" on a device or "estimate" from a hardware profile
     profile: str | None = None  # hardware profile name; required for (and only for) source "estimate"
     device: str = "auto"  # where to measure: auto | cpu | cuda
+    threads: int | None = None  # CPU intra-op threads (torch.set_num_threads) to measure and validate with
 
 
 @dataclass(frozen=True)
@@ -358,6 +359,8 @@ def _costs(where, raw):
         where["profile"].fail("required when source is 'estimate'")
     if costs.source != "estimate" and costs.profile is not None:
         where["profile"].fail(f"only used when source is 'estimate', not {costs.source!r}")
+    if costs.threads is not None and (costs.source, costs.device) != ("measure", "cpu"):
+        where["threads"].fail("only used when measuring on the CPU (source 'measure', device 'cpu')")
     return costs
 
 
@@ -408,6 +411,7 @@ _COST_CHECKS = {
     "source": _choice(COST_SOURCES),
     "profile": _optional(_string),
     "device": _choice(DEVICES),
+    "threads": _optional(_POSITIVE),
 }
 _GA_CHECKS = {
     "population": _POSITIVE,

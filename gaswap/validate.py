@@ -47,6 +47,8 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto") -> d
     dev = resolve_device(device)
     if dev.type == "cpu":
         keep_freed_host_memory()  # as when the costs were measured
+        if exp.costs.threads:
+            torch.set_num_threads(exp.costs.threads)
     torch.manual_seed(exp.seed)
     model = workflow.build_model(exp, device=str(dev))
     inputs, target = workflow.make_inputs(exp, str(dev), torch.Generator(dev).manual_seed(exp.seed))

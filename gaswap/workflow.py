@@ -113,6 +113,8 @@ def costs_for(experiment: config.Experiment, graph: Graph, *, cache_dir=None, pr
     if captured is not None and resolve_device(spec.device).type == "cpu":
         import torch
 
+        if spec.threads:
+            torch.set_num_threads(spec.threads)  # validate runs with as many
         torch.manual_seed(experiment.seed)
         model = build_model(experiment, device="cpu")
         inputs, target = make_inputs(experiment, "cpu", torch.Generator().manual_seed(experiment.seed))

@@ -122,6 +122,9 @@ MALFORMED = [
     ({"costs": {"source": "guess"}}, "costs.source: must be one of estimate, measure, got 'guess'"),
     ({"costs": {"source": "estimate"}}, "costs.profile: required when source is 'estimate'"),
     ({"costs": {"source": "measure", "device": "tpu"}}, "costs.device: must be one of auto, cpu, cuda"),
+    ({"costs": {"source": "measure", "device": "cpu", "threads": 0}}, "costs.threads: must be a positive integer, got 0"),
+    ({"costs": {"source": "measure", "device": "auto", "threads": 1}},
+     "costs.threads: only used when measuring on the CPU (source 'measure', device 'cpu')"),
     ({"search_space": "hybird"}, "search_space: unknown search space 'hybird' (did you mean 'hybrid'?) "
                                  "(known: hybrid, order_only, recompute_only, swap_only)"),
     ({"search_space": "nowhere/x.yaml"}, "search_space: search space file"),
