@@ -70,7 +70,8 @@ def device_name(device: str | torch.device) -> str:
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
     if dev.type == "cpu":
-        return f"cpu: {_cpu_model()} ({torch.get_num_threads()} threads)"
+        threads = torch.get_num_threads()
+        return f"cpu: {_cpu_model()} ({threads} thread{'' if threads == 1 else 's'})"
     return dev.type
 
 
