@@ -230,6 +230,7 @@ class _Model:
         nt, n = len(sim.size), len(order)
         last_use, last_fwd = last_uses(sim, order)
         self.last_use = last_use
+        self.needed = [0] * nt  # inputs of the recomputations under way (nested)
         made = [0] * nt
         for p, i in enumerate(order):
             for t in sim.op_out[i]:
@@ -269,12 +270,16 @@ class _Model:
             self.forbid(guard)
             return
         for u in sim.op_in[i]:
+            self.needed[u] += 1
+        for u in sim.op_in[i]:
             g = self.absent(u, guard)
             if g is not False:
                 self.rematerialize(u, g)
         self.run_op(i, guard)
+        for u in sim.op_in[i]:
+            self.needed[u] -= 1
         for u in sim.op_in[i] + sim.op_out[i]:
-            if self.last_use[u] < self.pos and not sim.persistent[u] and u != t:
+            if self.last_use[u] < self.pos and not sim.persistent[u] and u != t and not self.needed[u]:
                 self.res[u] = self.AND(self.res[u], _neg(guard))
 
     def run_op(self, i: int, guard) -> None:

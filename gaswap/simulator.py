@@ -144,6 +144,7 @@ class _Run:
         self.clock = self.d2h_free = self.h2d_free = 0.0
         self.compute = 0.0
         self.pos = 0  # position of the op being prepared or run
+        self.needed = [0] * nt  # inputs of the recomputations under way (nested)
 
     def result(self) -> SimResult:
         sim, order, act = self.sim, self.order, self.act
@@ -395,13 +396,18 @@ class _Run:
         if i < 0 or not sim.op_recomputable[i]:
             why = "its producer is random or mutates state" if i >= 0 else "it has no producer"
             raise Unrealizable(f"{sim.tensor_names[t]} is needed by {reader} but is gone and {why}")
+        needed = self.needed
+        for u in sim.op_in[i]:
+            needed[u] += 1  # re-producing another input must not drop this one
         for u in sim.op_in[i]:
             if not self.resident[u]:
                 self.rematerialize(u, sim.op_names[i])
         self.run_op(i, self.start_time(sim.op_in[i]), "recompute", f"recompute {sim.op_names[i]} for {reader}")
-        for u in sim.op_in[i] + sim.op_out[i]:  # drop what no later op reads
+        for u in sim.op_in[i]:
+            needed[u] -= 1
+        for u in sim.op_in[i] + sim.op_out[i]:  # drop what no later op reads, nor a recompute under way
             transient = not sim.persistent[u] or self.act[u] != KEEP
-            if self.resident[u] and self.last_use[u] < self.pos and transient and u != t:
+            if self.resident[u] and self.last_use[u] < self.pos and transient and u != t and not needed[u]:
                 self.free(u, self.clock)
 
 

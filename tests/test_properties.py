@@ -279,6 +279,41 @@ def test_a_budget_only_moves_copies(problem, budget):
                [(e.kind, e.name) for e in op_events(free, "recompute") + op_events(free, "op")]
 
 
+@PROPERTY
+@given(problems())
+def test_the_program_is_runnable(problem):
+    """The program a runtime replays never runs an op whose inputs it has dropped or not yet brought back,
+    never copies back what is not on the host, and runs every op of the graph once, in the policy's order."""
+    graph, costs, encoding, c = problem
+    order = encoding.decode(c.keys)
+    r = simulate(graph, costs, order, c.actions)
+    if not r.valid:
+        return
+    ops = {op.name: op for op in graph.ops}
+    present = {t.name for t in graph.tensors.values() if t.producer is None}
+    retired, on_host, runs = set(), set(), []
+    for verb, name in r.program:
+        if verb in ("run", "recompute"):
+            missing = set(ops[name].inputs) - present
+            assert not missing, f"{verb} {name} reads {missing}, which the program dropped"
+            present |= set(ops[name].outputs)
+            runs += [name] if verb == "run" else []
+        elif verb == "swap_out":
+            assert name in present
+            on_host.add(name)
+        elif verb == "swap_in":
+            assert name in on_host and name not in present
+            present.add(name)
+        elif verb == "retire":
+            present.remove(name)
+            retired.add(name)
+        elif name in retired:  # free: a retired copy goes first (its tensor may be back on the device already)
+            retired.remove(name)
+        else:
+            present.remove(name)
+    assert runs == [graph.ops[i].name for i in order]
+
+
 # --- minimal examples of the simulator bugs the properties above found ---------------------------------------
 
 def _two_output_graph(b_size=1):
@@ -365,3 +400,30 @@ def test_bug_5_a_prefetch_admitted_before_a_large_allocation():
     assert free.peak_bytes == 7
     assert bounded.peak_bytes == 6
     assert ("h2d", "swap_in", "a", 5.0, 7.0) in trace(bounded)
+
+
+def test_bug_6_a_nested_recompute_dropped_an_input_its_caller_still_reads():
+    """f2 reads a and b; c is recomputed for b0, and a and b, read by the forward only, are gone by then.
+    Recomputing c re-runs f0 (for a), then f1 (for b),
+    and f1's recompute dropped a as read by no later position, though f2 was about to read it: f2 ran
+    without a, memory under-counted, and the runtime refused the program (a is not on the device)."""
+    tensors = {t.name: t for t in (Tensor("x", 1, "input"), Tensor("a", 1, "activation", "f0"),
+                                   Tensor("b", 1, "activation", "f1"), Tensor("c", 1, "activation", "f2"),
+                                   Tensor("L", 1, "activation", "loss"), Tensor("gc", 1, "activation", "bL"),
+                                   Tensor("gx", 1, "activation", "b0"))}
+    ops = (Op("f0", "f", ("x",), ("a",)), Op("f1", "f", ("a",), ("b",)), Op("f2", "f", ("a", "b"), ("c",)),
+           Op("loss", "l", ("c",), ("L",)), Op("bL", "b", ("L",), ("gc",), "bwd"),
+           Op("b0", "b", ("gc", "c"), ("gx",), "bwd"))
+    g = Graph(ops, tensors, loss="L")
+    enc = Encoding(g)
+    assert enc.candidates == ["c"]
+    r = Simulator(g, unit_costs(g)).run(list(range(6)), (R,), trace=True)
+    present = {"x", "L"}
+    for verb, name in r.program:  # replay the program: every op finds its inputs
+        if verb in ("run", "recompute"):
+            op = next(o for o in ops if o.name == name)
+            assert set(op.inputs) <= present, f"{name} reads {set(op.inputs) - present}, which is gone"
+            present |= set(op.outputs)
+        elif verb == "free":
+            present.discard(name)
+    assert r.peak_bytes == 6  # x, L, gc, a, b and c while f2 re-makes c (a was not counted)
