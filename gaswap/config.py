@@ -224,16 +224,31 @@ def _suggest(word: Any, options) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """yaml's SafeLoader, refusing a key given twice in one mapping (safe_load keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def _read_yaml(path: Path) -> dict:
-    """The top-level mapping of a YAML file (safe_load only)."""
+    """The top-level mapping of a YAML file (safe types only; a key given twice is an error)."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not a UTF-8 text file (byte {err.start}: {err.reason})") from None
     except OSError as err:
         raise ConfigError(f"{path}: cannot read ({err.strerror or err})") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         line = f"line {mark.line + 1}: " if mark else ""

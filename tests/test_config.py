@@ -146,12 +146,21 @@ def test_malformed_experiment(tmp_path, patch, fragment):
     ("model: {factory: m:f\nbudget: 4GB\n", "line 2: invalid YAML"),
     ("- a\n- b\n", "top level must be a mapping, got ['a', 'b']"),
     ("", "top level must be a mapping, got None"),
+    ("budget: 4GB\nseed: 1\nbudget: 8GB\n", "line 3: invalid YAML: key 'budget' is given twice"),
+    ("ga: {population: 8, population: 16}\n", "line 1: invalid YAML: key 'population' is given twice"),
 ])
 def test_malformed_file(tmp_path, text, fragment):
     with pytest.raises(ConfigError, match=r"exp\.yaml: ") as err:
         load_experiment(write(tmp_path, text))
     assert fragment in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_a_file_that_is_not_utf8_is_refused(tmp_path):
+    path = tmp_path / "exp.yaml"
+    path.write_bytes("budget: 4GB  # \u00e9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"exp\.yaml: not a UTF-8 text file \(byte 14: invalid continuation byte\)"):
+        load_experiment(path)
 
 
 def test_missing_file(tmp_path):
