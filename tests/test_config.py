@@ -159,7 +159,7 @@ def test_malformed_file(tmp_path, text, fragment):
 def test_a_file_that_is_not_utf8_is_refused(tmp_path):
     path = tmp_path / "exp.yaml"
     path.write_bytes("budget: 4GB  # \u00e9\n".encode("latin-1"))
-    with pytest.raises(ConfigError, match=r"exp\.yaml: not a UTF-8 text file \(byte 14: invalid continuation byte\)"):
+    with pytest.raises(ConfigError, match=r"exp\.yaml: not a UTF-8 text file \(byte 15: invalid continuation byte\)"):
         load_experiment(path)
 
 
