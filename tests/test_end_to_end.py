@@ -73,7 +73,8 @@ ga: {population: 8, generations: 2}
     ("budget: 4GB\ncosts: {source: estimate, profile: tpu9}\n", "costs.profile: unknown hardware profile 'tpu9'"),
 ])
 def test_bad_experiments_fail_with_one_clear_line(tmp_path, capsys, change, message):
-    assert search(tmp_path, write(tmp_path, BASE + change)) == 2
+    lines = {line.split(":")[0]: line for line in (BASE + change).splitlines()}  # a changed key replaces BASE's
+    assert search(tmp_path, write(tmp_path, "\n".join(lines.values()) + "\n")) == 2
     errors = [line for line in re.split(r"[\r\n]", capsys.readouterr().err) if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0]
     assert not (tmp_path / "results/exp").exists()
