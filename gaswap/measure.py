@@ -93,9 +93,9 @@ def measure(graph: Graph, device: str = "auto", cache_dir=None, *, progress=None
 
     `in_place` is None or `(captured, make_args)`, the captured step of `graph` and a function giving real
     arguments for it: on a CPU the ops and copies are then timed in place as the whole step runs
-    (`profile_step`; each signature gets the median of its ops), else each op alone on random inputs. `progress` is None, a
-    callable(done, total) or a tqdm-like object (its `total` is set, then `update(1)` is called per
-    signature). Figures are read from and added to the cache under `cache_dir`.
+    (`profile_step`; each signature gets the median of its ops), else each op alone on random inputs.
+    `progress` is None, a callable(done, total) or a tqdm-like object (its `total` is set, then `update(1)`
+    is called per signature). Figures are read from and added to the cache under `cache_dir`.
     """
     dev = resolve_device(device)
     if dev.type == "cpu":
@@ -287,7 +287,6 @@ def _copy_latency(dev: torch.device) -> float:
     return _median_time(lambda: host.copy_(on_device, non_blocking=True), dev, warmup=2, repeats=5)
 
 
-
 # --------------------------------------------------------------------------- timing ops in place
 
 
@@ -346,7 +345,9 @@ class _TimedRunner(StepRunner):
     """A StepRunner that records the seconds of each instruction by (verb, name), synchronizing the device
     around each (so copies are timed whole, not overlapped)."""
 
-    times: dict[tuple[str, str], list[float]] = {}
+    def __init__(self, captured, program, device):
+        super().__init__(captured, program, device)
+        self.times: dict[tuple[str, str], list[float]] = {}
 
     def _execute(self, program, state) -> None:
         for instruction in program:

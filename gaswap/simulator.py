@@ -2,7 +2,8 @@
 
 Three streams: compute runs ops in the policy's order; a device->host (d2h) and a host->device (h2d) copy
 stream overlap with it (unless `Costs.copies_overlap` is False, as on a CPU: then a copy holds up compute,
-and a swapped tensor is copied back just before its reader, since nothing is gained by doing it earlier). Memory is counted in bytes on the device, in time order:
+and a swapped tensor is copied back just before its reader, since nothing is gained by doing it earlier).
+Memory is counted in bytes on the device, in time order:
 
 - parameters, buffers, inputs and optimizer state are resident all step (as the graph counts them);
 - an op allocates its outputs when it starts; a tensor is freed when the last op reading it ends;
@@ -11,7 +12,8 @@ and a swapped tensor is copied back just before its reader, since nothing is gai
 - SWAP: a d2h copy starts when the producer ends (and the d2h stream is free); the device copy is freed once
   that copy is done and no forward reader remains. The h2d copy back is issued, with its device memory
   allocated, at the latest op before the first backward reader whose preceding compute covers the copy
-  (just-in-time prefetch); a reader waits for the copy to land;
+  (just-in-time prefetch); under a budget it waits while it would push memory over the budget before its
+  reader runs (`room_until`); a reader waits for the copy to land;
 - RECOMPUTE: freed after its last forward reader; before its first backward reader its producer runs again,
   first re-producing (recursively) inputs that are gone; re-produced tensors stay until their last reader.
 
