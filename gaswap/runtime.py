@@ -244,11 +244,12 @@ class PolicyModule(nn.Module):
     pass whose output is never backpropagated leaves them as they were.
     """
 
-    def __init__(self, model: nn.Module, captured: Captured, program, device):
+    def __init__(self, model: nn.Module, captured: Captured, program, device, autocast: str | None = None):
         super().__init__()
         self.model = model
         self.captured = captured
         self.runner = StepRunner(captured, program, device)
+        self.autocast = autocast  # the mixed precision the policy was searched with: its casts are in the graph
         traced = {n.name: n.meta["val"] for n in captured.gm.graph.nodes if n.op == "placeholder"}
         self._input_specs = [(tuple(traced[name].shape), traced[name].dtype)
                              for name, kind, _ in captured.placeholders if kind == "input"]
@@ -262,7 +263,8 @@ class PolicyModule(nn.Module):
             return self.model(*inputs)
         self._check(inputs)
         params = dict(self.model.named_parameters(remove_duplicate=False))
-        return _PolicyFunction.apply(self, len(inputs), *inputs, *(params[k] for k in self._trainable))
+        with torch.autocast(self.runner.device.type, enabled=False):  # the graph has its casts already
+            return _PolicyFunction.apply(self, len(inputs), *inputs, *(params[k] for k in self._trainable))
 
     def __getattr__(self, name: str):
         try:
@@ -286,6 +288,14 @@ class PolicyModule(nn.Module):
                     f"or search a policy for these shapes")
             if x.requires_grad:
                 raise PolicyError(f"input {i} requires grad, but the policy's step computes parameter gradients only")
+        device = self.runner.device.type
+        if torch.is_autocast_enabled(device):
+            dtype = str(torch.get_autocast_dtype(device)).removeprefix("torch.")
+            if dtype != self.autocast:
+                searched = f"with `autocast: {self.autocast}`" if self.autocast else "without autocast"
+                raise PolicyError(f"the module is called under torch.autocast({dtype}), but the policy was searched "
+                                  f"{searched}: search it with `autocast: {dtype}` in the experiment, whose step then "
+                                  f"holds the casts, or call the module outside torch.autocast")
 
 
 class _PolicyFunction(torch.autograd.Function):
@@ -303,7 +313,8 @@ class _PolicyFunction(torch.autograd.Function):
         if ctx.state is None:
             raise RuntimeError("backward through a policy's step a second time: the first released its tensors; "
                                "run the forward pass again")
-        grads = ctx.runner.backward(ctx.state, grad_output)
+        with torch.autocast(ctx.runner.device.type, enabled=False):
+            grads = ctx.runner.backward(ctx.state, grad_output)
         ctx.state = None
         return (None, None, *[None] * ctx.n_inputs, *grads)
 
@@ -330,7 +341,8 @@ def apply(model, policy_path, example_inputs, *, device=None) -> PolicyModule:
     searched for, else the policy is refused with a message saying what differs.
     """
     policy, captured = _load(model, policy_path, example_inputs, None, external=True)
-    return PolicyModule(model, captured, policy.program, device or next(model.parameters()).device)
+    return PolicyModule(model, captured, policy.program, device or next(model.parameters()).device,
+                        autocast=policy.provenance.get("autocast"))
 
 
 def apply_step(model, policy_path, example_inputs, example_target, *, device=None) -> PolicyStep:

@@ -161,14 +161,15 @@ def test_the_module_step_holds_the_predicted_peak(model_name):
     assert len(peaks) > 1  # the policies differ in memory
 
 
-def save_policy(tmp_path, cap, loss: str):
-    """A policy file for the captured graph (the mixed policy), with `loss` in its provenance."""
+def save_policy(tmp_path, cap, loss: str, autocast=None):
+    """A policy file for the captured graph (the mixed policy), with `loss` (and `autocast`) in its provenance."""
     graph, enc = cap.graph, Encoding(cap.graph)
     order, actions = policies_for(cap)["mixed"]
     sim = simulate(cap, order, actions)
     path = tmp_path / f"{loss}.yaml"
     policies.save(policies.from_result(graph, enc.candidates, order, actions, {"peak_bytes": sim.peak_bytes},
-                                       {"loss": loss, "optimizer": "sgd_momentum"}, sim.program), path)
+                                       {"loss": loss, "optimizer": "sgd_momentum", "autocast": autocast}, sim.program),
+                  path)
     return path
 
 
@@ -260,3 +261,22 @@ def test_an_output_dropped_without_backward_releases_the_step():
         assert memory.current() > before  # the activations the backward would read
         del out
         assert memory.current() == before
+
+
+def test_autocast_around_the_module_must_match_the_policys(tmp_path):
+    """The casts of mixed precision are ops of the searched graph: a policy searched without autocast is
+    refused under torch.autocast, and one searched with bfloat16 gives the same values whether or not the
+    caller wraps it in autocast(bfloat16)."""
+    model, inputs, target, cap = setup("cnn", dropout=False)
+    plain = gaswap.apply(model, save_policy(tmp_path, cap, "external"), inputs)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
+            PolicyError, match=r"called under torch.autocast\(bfloat16\), but the policy was searched without autocast"):
+        plain(*inputs)
+
+    mixed_cap = capture(model, inputs, None, "external", autocast="bfloat16")
+    path = save_policy(tmp_path / "mixed", mixed_cap, "external", autocast="bfloat16")
+    mixed = gaswap.apply(model, path, inputs)
+    outside = mixed(*inputs)  # forward only: BatchNorm statistics (updated in the backward part) stay put
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = mixed(*inputs)
+    assert outside.dtype == torch.bfloat16 and torch.equal(inside, outside)
