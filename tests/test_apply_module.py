@@ -10,22 +10,19 @@ import torch.nn.functional as F
 
 import gaswap
 from gaswap import policy as policies
-from gaswap import zoo
 from gaswap.capture import capture, make_inputs
 from gaswap.cli import main
 from gaswap.costs import estimate, load_profile
-from gaswap.encoding import Action, Encoding
+from gaswap.encoding import Encoding
 from gaswap.memory import DeviceMemory
 from gaswap.policy import PolicyError
 from gaswap.runtime import PolicyModule, ProgramError, StepRunner
 from gaswap.simulator import Simulator
 
-MODELS = {  # BatchNorm, residual and dropout; a GPT with dropout
-    "cnn": (lambda: zoo.tiny_cnn(num_classes=10, width=8), [{"shape": ["batch", 3, 16, 16]}],
-            {"shape": ["batch"], "dtype": "int64", "high": 10}),
-    "gpt": (lambda: zoo.gpt(vocab=50, layers=2, width=32, heads=4, seq=8, dropout=0.1),
-            [{"shape": ["batch", 8], "dtype": "int64", "high": 50}], {"shape": ["batch", 8], "dtype": "int64", "high": 50}),
-}
+from tiny_models import MODELS as ALL_MODELS
+from tiny_models import policy_set
+
+MODELS = {name: ALL_MODELS[name] for name in ("cnn", "gpt")}  # BatchNorm, residual and dropout; a GPT with dropout
 
 
 def criterion(out, target):
@@ -48,18 +45,11 @@ def policies_for(cap):
     """keep-all, swap-all, recompute-all, a random order with everything kept, and a random order with random
     actions (the first valid one a seeded generator draws): name -> (order, actions)."""
     enc, rng = Encoding(cap.graph), random.Random(7)
-    keep = enc.uniform(Action.KEEP)
     shuffled = enc.random(rng)
     mixed = enc.random(rng)
     while not simulate(cap, enc.decode(mixed.keys), mixed.actions, check=False).valid:
         mixed = enc.random(rng)
-    return {
-        "keep": (enc.decode(keep.keys), keep.actions),
-        "swap": (enc.decode(keep.keys), enc.uniform(Action.SWAP).actions),
-        "recompute": (enc.decode(keep.keys), enc.uniform(Action.RECOMPUTE).actions),
-        "reordered": (enc.decode(shuffled.keys), keep.actions),
-        "mixed": (enc.decode(mixed.keys), mixed.actions),
-    }
+    return policy_set(enc, shuffled, mixed)
 
 
 def simulate(cap, order, actions, check=True):

@@ -13,15 +13,8 @@ from gaswap.encoding import Action, Encoding
 from gaswap.memory import DeviceMemory
 from gaswap.runtime import ProgramError, StepRunner
 from gaswap.simulator import Simulator
+from tiny_models import MODELS, policy_set
 
-MODELS = {
-    "cnn": (lambda: zoo.tiny_cnn(num_classes=10, width=8), [{"shape": ["batch", 3, 16, 16]}],
-            {"shape": ["batch"], "dtype": "int64", "high": 10}),
-    "gpt": (lambda: zoo.gpt(vocab=50, layers=2, width=32, heads=4, seq=8, dropout=0.1),
-            [{"shape": ["batch", 8], "dtype": "int64", "high": 50}], {"shape": ["batch", 8], "dtype": "int64", "high": 50}),
-    "mlp": (lambda: zoo.mlp(sizes=(12, 32, 32, 5), dropout=0.2), [{"shape": ["batch", 12]}],
-            {"shape": ["batch"], "dtype": "int64", "high": 5}),
-}
 
 
 def setup(name, batch=4):
@@ -35,16 +28,9 @@ def setup(name, batch=4):
 
 def policies_for(graph):
     """keep-all, swap-heavy, recompute-heavy, reordered and mixed: (name, order, actions)."""
-    enc, rng = Encoding(graph), random.Random(7)
-    keep = enc.uniform(Action.KEEP)
-    shuffled = enc.random(rng)
-    return {
-        "keep": (enc.decode(keep.keys), keep.actions),
-        "swap": (enc.decode(keep.keys), enc.uniform(Action.SWAP).actions),
-        "recompute": (enc.decode(keep.keys), enc.uniform(Action.RECOMPUTE).actions),
-        "reordered": (enc.decode(shuffled.keys), keep.actions),
-        "mixed": (enc.decode(shuffled.keys), shuffled.actions),
-    }
+    enc = Encoding(graph)
+    shuffled = enc.random(random.Random(7))
+    return policy_set(enc, shuffled, shuffled)
 
 
 def fresh_args(cap, model, inputs, target):

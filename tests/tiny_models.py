@@ -1,0 +1,25 @@
+"""Tiny models and the set of policies the runtime tests run them under (CPU, seconds)."""
+from gaswap import zoo
+from gaswap.encoding import Action
+
+MODELS = {  # name -> (factory, input specs, target spec): BatchNorm, residual and dropout; a GPT; an MLP
+    "cnn": (lambda: zoo.tiny_cnn(num_classes=10, width=8), [{"shape": ["batch", 3, 16, 16]}],
+            {"shape": ["batch"], "dtype": "int64", "high": 10}),
+    "gpt": (lambda: zoo.gpt(vocab=50, layers=2, width=32, heads=4, seq=8, dropout=0.1),
+            [{"shape": ["batch", 8], "dtype": "int64", "high": 50}], {"shape": ["batch", 8], "dtype": "int64", "high": 50}),
+    "mlp": (lambda: zoo.mlp(sizes=(12, 32, 32, 5), dropout=0.2), [{"shape": ["batch", 12]}],
+            {"shape": ["batch"], "dtype": "int64", "high": 5}),
+}
+
+
+def policy_set(encoding, shuffled, mixed) -> dict:
+    """keep-all, swap-all, recompute-all (captured order), everything kept in `shuffled`'s order, and `mixed`
+    (order and actions): name -> (order, actions)."""
+    keep = encoding.uniform(Action.KEEP)
+    return {
+        "keep": (encoding.decode(keep.keys), keep.actions),
+        "swap": (encoding.decode(keep.keys), encoding.uniform(Action.SWAP).actions),
+        "recompute": (encoding.decode(keep.keys), encoding.uniform(Action.RECOMPUTE).actions),
+        "reordered": (encoding.decode(shuffled.keys), keep.actions),
+        "mixed": (encoding.decode(mixed.keys), mixed.actions),
+    }
