@@ -53,7 +53,7 @@ def keep_freed_host_memory() -> bool:
     """Ask glibc's malloc to keep freed memory for reuse instead of returning it to the OS, as CUDA's caching
     allocator does for the GPU; True if it could. Without it, a CPU training step pays page faults for
     memory it freed a moment ago, and its time varies from one process to the next by tens of percent.
-    Process-wide; `measure` and `validate` call it on a CPU so that op timings and steps agree."""
+    Process-wide; `use_cpu` calls it, for measuring and for validating, so that op timings and steps agree."""
     name = ctypes.util.find_library("c")
     libc = ctypes.CDLL(name) if name else None
     if libc is None or not hasattr(libc, "mallopt"):
@@ -62,6 +62,14 @@ def keep_freed_host_memory() -> bool:
     largest = 2**31 - 1
     return all(libc.mallopt(option, value) == 1 for option, value in
                ((m_mmap_threshold, largest), (m_trim_threshold, largest), (m_top_pad, 256 << 20)))
+
+
+def use_cpu(threads: int | None = None) -> None:
+    """Set up this process's CPU as a device the same way for measuring and for running steps: glibc keeps
+    freed memory (`keep_freed_host_memory`) and, if given, `threads` intra-op threads."""
+    keep_freed_host_memory()
+    if threads:
+        torch.set_num_threads(threads)
 
 
 def device_name(device: str | torch.device) -> str:
@@ -87,7 +95,7 @@ def _cpu_model() -> str:
 
 
 def measure(graph: Graph, device: str = "auto", cache_dir=None, *, progress=None, warmup=2, repeats=5,
-            in_place=None) -> Costs:
+            in_place=None, threads: int | None = None) -> Costs:
     """Measured Costs for every op of `graph`. `Costs.measured` is how many distinct signatures this call
     tried to time (0 when all came from the cache); `Costs.estimated` names the ops given a roofline figure.
 
@@ -95,11 +103,12 @@ def measure(graph: Graph, device: str = "auto", cache_dir=None, *, progress=None
     arguments for it: on a CPU the ops and copies are then timed in place as the whole step runs
     (`profile_step`; each signature gets the median of its ops), else each op alone on random inputs.
     `progress` is None, a callable(done, total) or a tqdm-like object (its `total` is set, then `update(1)`
-    is called per signature). Figures are read from and added to the cache under `cache_dir`.
+    is called per signature). Figures are read from and added to the cache under `cache_dir`. On a CPU,
+    `threads` intra-op threads time the ops (see `use_cpu`).
     """
     dev = resolve_device(device)
     if dev.type == "cpu":
-        keep_freed_host_memory()
+        use_cpu(threads)
     in_place = in_place if dev.type == "cpu" else None
     name = device_name(dev)
     cache = CostCache(name, torch.__version__, cache_dir, timing="in place" if in_place else "standalone")

@@ -190,7 +190,7 @@ class _Run:
                     self.swap_out(t, 0.0)
 
         op_in, op_out, names = sim.op_in, sim.op_out, sim.op_names
-        size, budget, out_bytes = sim.size, sim.budget, sim.out_bytes
+        budget = sim.budget
         resident = self.resident
         for p, i in enumerate(order):
             self.pos = p

@@ -18,7 +18,7 @@ import torch
 from gaswap import config, policy as policies, workflow
 from gaswap.capture import capture
 from gaswap.files import write_atomic
-from gaswap.measure import device_name, keep_freed_host_memory, resolve_device
+from gaswap.measure import device_name, resolve_device, use_cpu
 from gaswap.memory import DeviceMemory
 from gaswap.runtime import StepRunner
 
@@ -46,9 +46,7 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto") -> d
     exp = config.load_experiment(policy.provenance["experiment_file"])
     dev = resolve_device(device)
     if dev.type == "cpu":
-        keep_freed_host_memory()  # as when the costs were measured
-        if exp.costs.threads:
-            torch.set_num_threads(exp.costs.threads)
+        use_cpu(exp.costs.threads)  # as when the costs were measured
     torch.manual_seed(exp.seed)
     model = workflow.build_model(exp, device=str(dev))
     inputs, target = workflow.make_inputs(exp, str(dev), torch.Generator(dev).manual_seed(exp.seed))

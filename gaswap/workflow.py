@@ -113,15 +113,13 @@ def costs_for(experiment: config.Experiment, graph: Graph, *, cache_dir=None, pr
     if captured is not None and resolve_device(spec.device).type == "cpu":
         import torch
 
-        if spec.threads:
-            torch.set_num_threads(spec.threads)  # validate runs with as many
         torch.manual_seed(experiment.seed)
         model = build_model(experiment, device="cpu")
         inputs, target = make_inputs(experiment, "cpu", torch.Generator().manual_seed(experiment.seed))
         if experiment.loss == "external":
             target = output_gradient(captured, torch.device("cpu"), experiment.seed)
         in_place = captured, lambda: captured.arguments(model, tuple(x.clone() for x in inputs), target.clone())
-    return measure(graph, spec.device, cache_dir, progress=progress, in_place=in_place)
+    return measure(graph, spec.device, cache_dir, progress=progress, in_place=in_place, threads=spec.threads)
 
 
 def output_gradient(captured, device, seed: int):
