@@ -10,21 +10,9 @@ from __future__ import annotations
 import heapq
 import random
 from dataclasses import dataclass
-from enum import IntEnum
 
 from gaswap.graph import Graph
-
-
-class Action(IntEnum):
-    """What happens to a candidate activation between its forward and backward uses."""
-
-    KEEP = 0
-    SWAP = 1
-    RECOMPUTE = 2
-
-    @classmethod
-    def parse(cls, text: str) -> "Action":
-        return cls[text.upper()]
+from gaswap.program import Action
 
 
 @dataclass(frozen=True)

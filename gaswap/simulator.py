@@ -28,14 +28,10 @@ from dataclasses import dataclass
 
 from gaswap.costs import Costs
 from gaswap.graph import COUNTABLE, Graph
+from gaswap.program import Action, Instruction, Verb
 
-KEEP, SWAP, RECOMPUTE = 0, 1, 2
-# Instruction verbs of `SimResult.program`, the simulated step as a runtime replays it, in issue order:
-#   run OP / recompute OP   run the op (a recompute re-runs a forward op; outputs already present are dropped)
-#   swap_out T              start copying T to the host (its device copy stays)
-#   retire T                T's device copy goes once its copy to the host has landed
-#   swap_in T               allocate T on the device and start copying it back
-#   free T                  drop T's device copy (a retired one, or any other)
+KEEP, SWAP = Action.KEEP, Action.SWAP
+# `SimResult.program` is the simulated step as a runtime replays it: Instructions in issue order.
 # What device memory holds, for traced runs (`SimResult.changes`).
 CATEGORIES = ("parameters", "optimizer state", "inputs and buffers", "gradients", "activations", "swapped in",
               "recomputed")
@@ -65,7 +61,7 @@ class SimResult:
     timeline: tuple[Event, ...] = ()
     memory: tuple[tuple[float, int], ...] = ()  # (time, device bytes) after each change
     changes: tuple[tuple[float, str, int], ...] = ()  # (time, one of CATEGORIES, +/- bytes), in order
-    program: tuple[tuple[str, str], ...] = ()  # what a runtime does, in order (see `Instruction verbs`)
+    program: tuple[Instruction, ...] = ()  # what a runtime does, in order
 
     def by_category(self) -> list[tuple[float, dict[str, int]]]:
         """Device bytes per category after each change of a traced run: [(time, {category: bytes})]."""
@@ -132,7 +128,7 @@ class _Run:
         self.events: list[Event] = []
         self.memory: list[tuple[float, int]] = []
         self.changes: list[tuple[float, str, int]] = []
-        self.program: list[tuple[str, str]] = []
+        self.program: list[Instruction] = []
         self.category: list[str] = [""] * nt  # what each resident tensor counts as (traced runs)
         if trace:
             self.note_resident()
@@ -242,7 +238,7 @@ class _Run:
             if self.trace:
                 self.memory.append((freed_at, self.mem))
                 self.changes.append((freed_at, self.category[t], -freed))
-                self.program.append(("free", self.sim.tensor_names[t]))
+                self.program.append(Instruction(Verb.FREE, self.sim.tensor_names[t]))
 
     def room_until(self, t: int, p: int, c: int) -> bool:
         """Whether bringing `t` back now keeps memory under the budget while the ops at positions p..c-1 run
@@ -306,7 +302,7 @@ class _Run:
         if self.trace:
             self.memory.append((when, self.mem))
             self.changes.append((when, self.category[t], -self.sim.size[t]))
-            self.program.append(("free", self.sim.tensor_names[t]))
+            self.program.append(Instruction(Verb.FREE, self.sim.tensor_names[t]))
 
     def release(self, t: int, when: float) -> None:
         """Free `t` after its last reader; a swapped tensor's device copy waits for its d2h copy."""
@@ -314,7 +310,7 @@ class _Run:
             self.resident[t] = False
             heapq.heappush(self.pending, (self.d2h_end[t], t, self.sim.size[t]))
             if self.trace:
-                self.program.append(("retire", self.sim.tensor_names[t]))
+                self.program.append(Instruction(Verb.RETIRE, self.sim.tensor_names[t]))
         else:
             self.free(t, when)
 
@@ -359,7 +355,7 @@ class _Run:
         self.compute += sim.op_time[i]
         if self.trace:
             self.events.append(Event("compute", kind, sim.op_names[i], start, end, reason))
-            self.program.append(("run" if kind == "op" else "recompute", sim.op_names[i]))
+            self.program.append(Instruction(Verb.RUN if kind == "op" else Verb.RECOMPUTE, sim.op_names[i]))
 
     def swap_out(self, t: int, when: float) -> None:
         start = max(self.d2h_free, when, self.clock if self.sim.serial_copies else when)
@@ -370,7 +366,7 @@ class _Run:
         if self.trace:
             name = self.sim.tensor_names[t]
             self.events.append(Event("d2h", "swap_out", name, start, end, f"swap-out {name} after its producer"))
-            self.program.append(("swap_out", name))
+            self.program.append(Instruction(Verb.SWAP_OUT, name))
 
     def swap_in(self, t: int, when: float, reason: str) -> None:
         self.alloc(self.sim.size[t], when)
@@ -385,7 +381,7 @@ class _Run:
         if self.trace:
             name = self.sim.tensor_names[t]
             self.events.append(Event("h2d", "swap_in", name, start, end, f"swap-in {name}: {reason}"))
-            self.program.append(("swap_in", name))
+            self.program.append(Instruction(Verb.SWAP_IN, name))
 
     # --- bringing tensors back ---
     def rematerialize(self, t: int, reader: str) -> None:
