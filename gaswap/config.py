@@ -14,8 +14,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
-import yaml
-
+from gaswap.files import UnreadableFile, load_yaml
 from gaswap.graph import COUNTABLE
 
 LOSSES = ("cross_entropy", "mse", "sum", "external")  # external: computed outside the step
@@ -32,6 +31,10 @@ BATCH = "batch"  # the shape entry replaced by the batch size
 MAX_FRACTION = 10  # the largest budget accepted as a fraction of the keep-all peak ("10x")
 SEARCH_SPACES_DIR = Path(__file__).resolve().parents[1] / "search_spaces"
 DEFAULT_SEARCH_SPACE = "hybrid"
+MAX_FILE_BYTES = 2**20  # an experiment or search-space file is a few hundred bytes; larger ones are refused unread
+MAX_WORKERS = 256  # ga.workers and costs.threads: more is a typo, not a machine
+MAX_ELEMENTS = 2**48  # elements of one input tensor, batch included
+MAX_INT32, MAX_SEED = 2**31 - 1, 2**32 - 1
 _UNITS = {"B": 1, "KB": 10**3, "KiB": 2**10, "MB": 10**6, "MiB": 2**20,
           "GB": 10**9, "GiB": 2**30, "TB": 10**12, "TiB": 2**40}
 _SIZE = re.compile(rf"(-?\d+(?:\.\d+)?)\s*({'|'.join(_UNITS)}|x)?")
@@ -187,6 +190,11 @@ def load_experiment(path: str | Path) -> Experiment:
         where["target"].fail(f"not used by loss {experiment.loss!r}; remove it or choose another loss")
     if experiment.loss not in NO_TARGET and experiment.target is None:
         where["target"].fail(f"required for loss {experiment.loss!r}")
+    tensors = [("inputs", i, spec) for i, spec in enumerate(experiment.inputs)] + [("target", None, experiment.target)]
+    for key, i, spec in tensors:
+        if spec is not None and math.prod(experiment.batch_size if d == BATCH else d for d in spec.shape) > MAX_ELEMENTS:
+            place = where[key] if i is None else where[key][i]
+            place["shape"].fail(f"more than {MAX_ELEMENTS} elements with batch size {experiment.batch_size}")
     return experiment
 
 
@@ -224,36 +232,12 @@ def _suggest(word: Any, options) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """yaml's SafeLoader, refusing a key given twice in one mapping (safe_load keeps the last silently)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep)
-
-
 def _read_yaml(path: Path) -> dict:
-    """The top-level mapping of a YAML file (safe types only; a key given twice is an error)."""
+    """The top-level mapping of a YAML file (bounded size, safe types only, no aliases, no key given twice)."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file") from None
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"{path}: not a UTF-8 text file (byte {err.start}: {err.reason})") from None
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read ({err.strerror or err})") from None
-    try:
-        raw = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        line = f"line {mark.line + 1}: " if mark else ""
-        problem = getattr(err, "problem", None) or str(err).replace("\n", " ")
-        raise ConfigError(f"{path}: {line}invalid YAML: {problem}") from err
+        raw = load_yaml(path, MAX_FILE_BYTES)
+    except UnreadableFile as err:
+        raise ConfigError(str(err)) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {_show(raw)}")
     return raw
@@ -278,10 +262,12 @@ def _record(cls: type, checks: dict[str, Check], required=()) -> Check:
     return lambda where, raw: _build(where, raw, cls, checks, required)
 
 
-def _integer(minimum: int, what: str) -> Check:
+def _integer(minimum: int, what: str, maximum: int = MAX_INT32) -> Check:
     def check(where, value):
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             where.fail(f"must be {what}, got {_show(value)}")
+        if value > maximum:
+            where.fail(f"must be at most {maximum}, got {_show(value)}")
         return value
     return check
 
@@ -349,6 +335,8 @@ def _kwargs(where, value):
 def _dim(where, value):
     if value != BATCH and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         where.fail(f"must be a positive integer or {BATCH!r}, got {_show(value)}")
+    if value != BATCH and value > MAX_INT32:
+        where.fail(f"must be at most {MAX_INT32}, got {_show(value)}")
     return value
 
 
@@ -416,22 +404,23 @@ def _space_check(base: Path) -> Check:
 
 
 _POSITIVE = _integer(1, "a positive integer")
+_WORKERS = _integer(1, "a positive integer", MAX_WORKERS)
 _PROBABILITY = _number(0, 1, "a probability in [0, 1]")
 _TENSOR_CHECKS = {
     "shape": _list(_dim),
     "dtype": _choice(DTYPES),
-    "high": _optional(_POSITIVE),
+    "high": _optional(_integer(1, "a positive integer", 2**63 - 1)),
 }
 _COST_CHECKS = {
     "source": _choice(COST_SOURCES),
     "profile": _optional(_string),
     "device": _choice(DEVICES),
-    "threads": _optional(_POSITIVE),
+    "threads": _optional(_WORKERS),
 }
 _GA_CHECKS = {
     "population": _POSITIVE,
     "generations": _POSITIVE,
-    "workers": _POSITIVE,
+    "workers": _WORKERS,
     "cx_prob": _PROBABILITY,
     "mut_prob": _PROBABILITY,
     "patience": _optional(_POSITIVE),
@@ -447,7 +436,8 @@ _SPACE_CHECKS = {
     "cx_indpb": _PROBABILITY,
 }
 _EXPERIMENT_CHECKS = {
-    "name": _pattern(r"[\w.-]+", "a name of letters, digits, '_', '.' and '-'"),
+    "name": _pattern(r"\w[\w.-]{0,99}", "a name of letters, digits, '_', '.' and '-' (at most 100, not "
+                             "starting with '.' or '-')"),
     "model": _record(ModelSpec, {
         "factory": _pattern(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", "'module:callable', e.g. 'gaswap.zoo:alexnet'"),
         "kwargs": _kwargs,
@@ -461,6 +451,6 @@ _EXPERIMENT_CHECKS = {
     "counts": _list(_choice(COUNTABLE), unique=True),
     "costs": _costs,
     "ga": _record(GASettings, _GA_CHECKS),
-    "seed": _integer(0, "a non-negative integer"),
+    "seed": _integer(0, "a non-negative integer", MAX_SEED),
     "autocast": _optional(_choice(AUTOCAST)),
 }

@@ -54,20 +54,35 @@ class Prepared:
 
 
 def build_model(experiment: config.Experiment, device: str = "meta"):
-    """The experiment's model, with parameters on `device` ("meta" allocates nothing)."""
+    """The experiment's model, with parameters on `device` ("meta" allocates nothing). Whatever the factory
+    raises (SystemExit included) becomes a ConfigError naming it; so does a factory returning no nn.Module."""
     import torch
 
-    from gaswap.zoo import resolve
+    from gaswap.zoo import check_model, resolve
 
+    path = experiment.model.factory
     try:
-        factory = resolve(experiment.model.factory)
+        factory = resolve(path)
     except ValueError as err:
         raise config.ConfigError(f"{experiment.path}: model.factory: {err}") from None
     try:
         with torch.device(device):
-            return factory(**experiment.model.kwargs)
+            model = factory(**experiment.model.kwargs)
     except TypeError as err:
-        raise config.ConfigError(f"{experiment.path}: model.kwargs: {experiment.model.factory} refused them: {err}") from None
+        raise config.ConfigError(f"{experiment.path}: model.kwargs: {path} refused them: {err}") from None
+    except (Exception, SystemExit) as err:
+        raise config.ConfigError(f"{experiment.path}: model: {path}(**kwargs) failed: {type(err).__name__}: "
+                                 f"{_one_line(err)}") from None
+    try:
+        return check_model(path, model)
+    except ValueError as err:
+        raise config.ConfigError(f"{experiment.path}: model.factory: {err}") from None
+
+
+def _one_line(err: BaseException) -> str:
+    """An exception's message on one line, shortened."""
+    text = " ".join(str(err).split())
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def make_inputs(experiment: config.Experiment, device: str = "meta", generator=None):
@@ -91,10 +106,22 @@ def prepare(experiment: config.Experiment, *, cache_dir=None, progress=None) -> 
     captured = capture(model, inputs, target, experiment.loss, optimizer=experiment.optimizer,
                        counted=experiment.counts, autocast=experiment.autocast)
     capture_seconds = time.perf_counter() - started
+    check_trainable(captured.graph)
     started = time.perf_counter()
     costs = costs_for(experiment, captured.graph, cache_dir=cache_dir, progress=progress, captured=captured)
     return Prepared(experiment, captured.graph, costs, capture_seconds, time.perf_counter() - started,
                     torch.__version__)
+
+
+def check_trainable(graph: Graph) -> None:
+    """Refuse (CaptureError) a step with nothing to plan: no gradient (the output is detached or depends
+    on no trainable parameter) or no activation that the backward pass reads."""
+    if not any(t.kind == "grad" for t in graph.tensors.values()):
+        raise CaptureError("the step computes no gradient: the model's output does not depend on any trainable "
+                           "parameter (is it detached, or computed under torch.no_grad?)")
+    if not graph.candidates():
+        raise CaptureError("the backward pass reads no activation of the forward pass: nothing to keep, swap or "
+                           "recompute (is the model's output detached, or computed under torch.no_grad?)")
 
 
 def costs_for(experiment: config.Experiment, graph: Graph, *, cache_dir=None, progress=None, captured=None) -> Costs:
