@@ -23,6 +23,7 @@ from pathlib import Path
 
 from gaswap import checkpoint as checkpoints
 from gaswap import config, results
+from gaswap.results import Refused  # noqa: F401  (re-exported for callers of check_results_folder)
 from gaswap.capture import CaptureError  # noqa: F401  (re-exported for the CLI)
 from gaswap.checkpoint import CheckpointError  # noqa: F401  (re-exported for the CLI)
 from gaswap import policy as policies
@@ -35,10 +36,6 @@ from gaswap.simulator import Simulator, lower_bound
 
 class Infeasible(Exception):
     """No policy found under the budget."""
-
-
-class Refused(Exception):
-    """What is on disk forbids the command: another experiment's results folder, or no checkpoint to resume."""
 
 
 @dataclass(frozen=True)
@@ -167,56 +164,14 @@ def keep_all(prepared: Prepared) -> Evaluated:
 
 def results_folder(root: str | Path, experiment: config.Experiment) -> Path:
     """`root/<experiment name>`, the folder the experiment's results go to."""
-    if experiment.name in (".", ".."):
-        raise config.ConfigError(f"{experiment.path}: name: {experiment.name!r} cannot name a results folder")
-    return Path(root) / experiment.name
+    return results.folder_of(root, experiment.name)
 
 
 def check_results_folder(experiment: config.Experiment, out: str | Path, *, resume: bool = False,
                          force: bool = False) -> None:
-    """Refuse (`Refused`) to replace a folder holding another experiment's results or something that is not a
-    gaswap results folder, unless `force`; with `resume`, refuse when there is no checkpoint to resume."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise Refused(f"{out} exists and is not a folder; move it away or choose another --results folder")
-    if out.is_dir() and not force:
-        owner = _owner(out)
-        if owner is None and any(out.iterdir()):
-            raise Refused(f"{out}/ exists but has no readable gaswap summary.json or checkpoint; use --force to "
-                          f"replace it, or choose another --results folder")
-        if owner is not None and not _same_experiment(owner, experiment):
-            raise Refused(f"{out}/ holds the results of experiment {owner[0]!r} ({owner[1] or 'file unknown'}), "
-                          f"not of {experiment.name!r} ({experiment.path}); use --force to replace them, choose "
-                          f"another --results folder, or give this experiment another `name:`")
-    if resume and not (out / checkpoints.NAME).is_file():
-        raise Refused(f"{out / checkpoints.NAME}: no checkpoint to resume from (no search of {experiment.name!r} "
-                      f"was interrupted there, or it completed); run without --resume to start a search")
-
-
-def _owner(out: Path) -> tuple[str, str | None] | None:
-    """(experiment, experiment file) of a results folder, from its summary.json or else its checkpoint."""
-    try:
-        summary = json.loads((out / "summary.json").read_text())
-    except (OSError, ValueError):
-        summary = None
-    if not (isinstance(summary, dict) and isinstance(summary.get("experiment"), str)):
-        summary = checkpoints.about(out / checkpoints.NAME) if (out / checkpoints.NAME).is_file() else None
-    if not (isinstance(summary, dict) and isinstance(summary.get("experiment"), str)):
-        return None
-    file = summary.get("experiment_file")
-    return summary["experiment"], file if isinstance(file, str) else None
-
-
-def _same_experiment(owner: tuple[str, str | None], experiment: config.Experiment) -> bool:
-    name, file = owner
-    if name != experiment.name:
-        return False
-    if file is None or file == experiment.path:
-        return True
-    try:
-        return os.path.samefile(file, experiment.path)
-    except OSError:
-        return False
+    """`results.check_folder` for this experiment: refuse another experiment's folder unless `force`, and
+    a `resume` without a checkpoint."""
+    results.check_folder(experiment.name, experiment.path, out, resume=resume, force=force)
 
 
 def run_search(prepared: Prepared, out: str | Path, *, on_generation=None, resume: bool = False,
@@ -228,16 +183,22 @@ def run_search(prepared: Prepared, out: str | Path, *, on_generation=None, resum
     early: the results so far are written, marked incomplete, beside the checkpoint. `force` replaces a
     folder made by another experiment (see `check_results_folder`).
     """
+    exp = prepared.experiment
+    with results.locked(out):
+        results.recover(out)
+        check_results_folder(exp, out, resume=resume, force=force)
+        return _search_and_write(prepared, Path(out), on_generation, resume, stop)
+
+
+def _search_and_write(prepared: Prepared, out: Path, on_generation, resume: bool, stop) -> tuple[SearchResult, dict]:
     exp, graph, costs = prepared.experiment, prepared.graph, prepared.costs
-    out = Path(out)
-    check_results_folder(exp, out, resume=resume, force=force)
     reference = keep_all(prepared)
     budget = exp.budget.resolve(reference.peak_bytes)
     result = search(graph, costs, exp.search_space, exp.ga, budget, exp.seed, on_generation=on_generation,
                     checkpoint=out / checkpoints.NAME, resume=resume, stop=stop,
                     about={"experiment": exp.name, "experiment_file": exp.path})
     if result.best is None and result.complete:
-        _discard_checkpoint(out)
+        results.discard_checkpoint(out)
         raise Infeasible(
             f"{exp.path}: no policy found under the budget {config.format_size(budget)}: the smallest peak "
             f"reached was {config.format_size(result.smallest_peak)}, and no policy can go below "
@@ -262,25 +223,11 @@ def run_search(prepared: Prepared, out: str | Path, *, on_generation=None, resum
         "generations": exp.ga.generations,
     }
     # bench tables compare methods on this experiment, whatever this search found: they stay
-    carry = ("bench.csv", "bench.md") if out.is_dir() and _same_experiment(_owner(out) or ("", None), exp) else ()
+    owner = results.owner_of(out) if out.is_dir() else None
+    carry = ("bench.csv", "bench.md") if owner and results.same_experiment(owner, exp.name, exp.path) else ()
     carry += () if result.complete else (checkpoints.NAME,)
     results.write(out, result, make_policy, summary, carry=carry)
     return result, summary
-
-
-def _discard_checkpoint(out: Path) -> None:
-    """Remove the checkpoint of a search that found nothing, with partial results that hold no policy either
-    (those of its own interrupted runs), or the folder the checkpoint alone made."""
-    (out / checkpoints.NAME).unlink(missing_ok=True)
-    try:
-        summary = json.loads((out / "summary.json").read_text())
-        partial = summary.get("complete") is False and summary.get("best") is None
-    except (OSError, ValueError, AttributeError):
-        partial = False
-    if partial:
-        shutil.rmtree(out, ignore_errors=True)
-    elif out.is_dir() and not any(out.iterdir()):
-        out.rmdir()
 
 
 class Stop:
