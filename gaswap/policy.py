@@ -127,8 +127,9 @@ def _check_types(body: dict, path: Path) -> None:
         "order": "must be a list of op names" if not names(body["order"]) else None,
         "actions": (f"must map tensor names to {', '.join(LABELS)}" if not isinstance(body["actions"], dict) or not
                     all(isinstance(k, str) and v in LABELS for k, v in body["actions"].items()) else None),
-        "predicted": ("must hold a positive peak_bytes and step_time_s" if not isinstance(predicted, dict) or not
-                      all(_positive(predicted.get(k)) for k in ("peak_bytes", "step_time_s")) else None),
+        "predicted": ("must be a mapping whose peak_bytes and step_time_s are positive numbers" if not
+                      isinstance(predicted, dict) or not all(_positive(predicted[k]) for k in
+                                                             ("peak_bytes", "step_time_s") if k in predicted) else None),
         "provenance": "must be a mapping" if not isinstance(body.get("provenance") or {}, dict) else None,
         "program": "must be a list of 'verb name' lines" if not names(body["program"] or []) else None,
     }
@@ -154,8 +155,9 @@ def check_matches(policy: Policy, graph: Graph, path: str | Path = "policy", pro
         raise PolicyError(f"{path}: made with torch {made_with}, this is torch {torch_version}: captured graphs "
                           f"and kernels differ between releases; re-run the search with this torch")
     if policy.fingerprint != graph.fingerprint():
-        raise PolicyError(f"{path}: made for another model or inputs: {differences(policy, graph, provenance)}. "
-                          f"Re-run the search for this model, shapes and dtype.")
+        raise PolicyError(f"{path}: made for graph {policy.fingerprint}, but this model and inputs give graph "
+                          f"{graph.fingerprint()}: {differences(policy, graph, provenance)}. Re-run the search for "
+                          f"this model, shapes and dtype.")
     check_content(policy, graph, path)
 
 
@@ -185,7 +187,7 @@ def differences(policy: Policy, graph: Graph, provenance: dict | None = None) ->
     if not said:  # same op and tensor names: sizes or shapes changed
         said.append("the same ops and activations with other tensor sizes (batch size, a layer's width or the "
                     "number of classes?)")
-    return "; ".join(said) + f" (graph {policy.fingerprint} vs {graph.fingerprint()})"
+    return "; ".join(said)
 
 
 def _short(value) -> str:

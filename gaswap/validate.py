@@ -50,6 +50,8 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, e
     policy = policies.load(policy_path)
     if not policy.program:
         raise policies.PolicyError(f"{policy_path}: the policy has no program; re-run the search that made it")
+    if not all(k in policy.predicted for k in ("peak_bytes", "step_time_s")):
+        raise policies.PolicyError(f"{policy_path}: predicted: needs peak_bytes and step_time_s to compare with")
     exp = _experiment(policy, policy_path, experiment, trust_factory)
     dev = resolve_device(device)
     if dev.type == "cpu":
