@@ -222,6 +222,8 @@ def _search_and_write(prepared: Prepared, out: Path, on_generation, resume: bool
         "keep_all": {"peak_bytes": reference.peak_bytes, "step_time_s": reference.step_time},
         "generations": exp.ga.generations,
     }
+    if costs.source == "measured":  # ops that could not be timed got a roofline figure: say which
+        summary["estimated_ops"] = list(costs.estimated)
     # bench tables compare methods on this experiment, whatever this search found: they stay
     owner = results.owner_of(out) if out.is_dir() else None
     carry = ("bench.csv", "bench.md") if owner and results.same_experiment(owner, exp.name, exp.path) else ()
