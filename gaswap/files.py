@@ -32,7 +32,7 @@ def read_text(path: str | Path, limit: int) -> str:
     if path.is_dir():
         raise UnreadableFile(f"{path}: is a folder, not a file")
     if size > limit:
-        raise UnreadableFile(f"{path}: {size} bytes, more than the {limit} this file may have")
+        raise UnreadableFile(f"{path}: {size} bytes, more than the {limit} bytes this file may have")
     try:
         with open(path, "rb") as f:
             data = f.read(limit + 1)  # the file may have grown since stat()

@@ -100,10 +100,13 @@ def prepare(experiment: config.Experiment, *, cache_dir=None, progress=None) -> 
     started = time.perf_counter()
     model = build_model(experiment)
     inputs, target = make_inputs(experiment)
-    captured = capture(model, inputs, target, experiment.loss, optimizer=experiment.optimizer,
-                       counted=experiment.counts, autocast=experiment.autocast)
+    try:
+        captured = capture(model, inputs, target, experiment.loss, optimizer=experiment.optimizer,
+                           counted=experiment.counts, autocast=experiment.autocast)
+        check_trainable(captured.graph)
+    except CaptureError as err:
+        raise CaptureError(f"{experiment.path}: {err}") from None
     capture_seconds = time.perf_counter() - started
-    check_trainable(captured.graph)
     started = time.perf_counter()
     costs = costs_for(experiment, captured.graph, cache_dir=cache_dir, progress=progress, captured=captured)
     return Prepared(experiment, captured.graph, costs, capture_seconds, time.perf_counter() - started,
@@ -133,6 +136,12 @@ def costs_for(experiment: config.Experiment, graph: Graph, *, cache_dir=None, pr
         return estimate(graph, profile)
     from gaswap.measure import measure, resolve_device
 
+    if spec.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise config.ConfigError(f"{experiment.path}: costs.device: cuda, but this machine has no CUDA device "
+                                     f"(use auto or cpu, or costs from a hardware profile)")
     in_place = None
     if captured is not None and resolve_device(spec.device).type == "cpu":
         import torch
