@@ -12,12 +12,13 @@ The peaks are measured on one step of each (CUDA: the allocator; CPU: gaswap's s
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 import torch.nn.functional as F
 
 import gaswap
-from gaswap import config, policy as policies, workflow
+from gaswap import config, policy as policies, workflow, zoo
 from gaswap.measure import resolve_device
 from gaswap.memory import DeviceMemory
 from gaswap.validate import OPTIMIZERS
@@ -88,9 +89,14 @@ def main() -> None:
     parser.add_argument("policy", help="a policy file, e.g. results/tiny_cnn_cpu/policy.yaml")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--every", type=int, default=25, help="print the losses every this many steps")
+    parser.add_argument("--trust-factory", action="store_true",
+                        help="build the model the policy's experiment names even when it is not one of gaswap's zoo")
     args = parser.parse_args()
     policy = policies.load(args.policy)
     exp = config.load_experiment(policy.provenance["experiment_file"])
+    if not zoo.shipped(exp.model.factory) and not args.trust_factory:  # a shared policy must not pick code to run
+        sys.exit(f"error: {args.policy}: its experiment builds the model with {exp.model.factory}, code named only "
+                 f"by the policy file; pass --trust-factory if you trust it")
     device = resolve_device("auto")
     data = batches(exp, device, 4)
     plain, plain_peak = train(exp, device, data, args.steps, eager(exp))

@@ -451,6 +451,16 @@ def test_a_full_disk_keeps_the_previous_results(capsys, tmp_path, monkeypatch):
     assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["exp"]  # nothing left behind
 
 
+def test_a_read_only_results_folder(capsys, tmp_path, monkeypatch):
+    import tempfile
+
+    def read_only(**kwargs):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), kwargs["dir"])
+
+    monkeypatch.setattr(tempfile, "mkdtemp", read_only)  # as for a non-root user in a folder without write access
+    search(capsys, tmp_path, BASE, 5, f"{tmp_path / 'results'}: cannot read or write (Permission denied)")
+
+
 def test_a_second_search_into_a_locked_folder_is_refused(capsys, tmp_path):
     import fcntl
 
