@@ -82,30 +82,34 @@ def main(argv=None) -> int:
     return run(args)
 
 
+# Errors a user can act on, by exit code: (module, class). Looked up among the modules already imported, so that
+# a bad experiment file is refused without importing torch.
+KNOWN_ERRORS = {
+    EXIT_CONFIG: (("gaswap.config", "ConfigError"), ("gaswap.capture", "CaptureError"),
+                  ("gaswap.results", "ResultsError")),
+    EXIT_REFUSED: (("gaswap.policy", "PolicyError"), ("gaswap.results", "Refused"),
+                   ("gaswap.checkpoint", "CheckpointError")),
+}
+
+
 def run(args) -> int:
     """Run a verb; every failure a user can meet is one `error:` line and its exit code, never a traceback."""
-    from gaswap.capture import CaptureError
-    from gaswap.checkpoint import CheckpointError
-    from gaswap.policy import PolicyError
-    from gaswap.results import Refused, ResultsError
-
     try:
         return args.run(args)
-    except (config.ConfigError, CaptureError, ResultsError) as err:
-        return _error(err, EXIT_CONFIG)
-    except (PolicyError, Refused, CheckpointError) as err:
-        return _error(err, EXIT_REFUSED)
+    except KeyboardInterrupt as err:  # Ctrl-C outside a search, or a second signal during one
+        signum = getattr(err, "signum", signal.SIGINT)
+        print(f"\ninterrupted ({signal.Signals(signum).name})", file=sys.stderr)
+        return 128 + signum
     except OSError as err:
         where = f"{err.filename}: " if err.filename else ""
         return _error(f"{where}cannot read or write ({err.strerror or err})", EXIT_IO)
     except MemoryError:
         return _error("out of host memory", EXIT_IO)
-    except KeyboardInterrupt as err:  # Ctrl-C outside a search, or a second signal during one
-        signum = getattr(err, "signum", signal.SIGINT)
-        print(f"\ninterrupted ({signal.Signals(signum).name})", file=sys.stderr)
-        return 128 + signum
-    except Exception as err:  # a bug: say so in one line
-        if os.environ.get("GASWAP_DEBUG"):
+    except Exception as err:
+        for code, kinds in KNOWN_ERRORS.items():
+            if any(isinstance(err, getattr(sys.modules.get(module), name, ())) for module, name in kinds):
+                return _error(err, code)
+        if os.environ.get("GASWAP_DEBUG"):  # a bug: say so in one line
             raise
         return _error(f"internal error, please report it: {type(err).__name__}: {err} "
                       f"(GASWAP_DEBUG=1 shows the traceback)", EXIT_INTERNAL)
@@ -119,9 +123,9 @@ def _error(err, code: int) -> int:
 
 def search(args) -> int:
     """Capture, cost, search and write `results/<experiment>/`; print a short table."""
+    exp = config.load_experiment(args.experiment)  # a bad file is refused before torch is imported
     from gaswap import results, workflow
 
-    exp = config.load_experiment(args.experiment)
     out = workflow.results_folder(args.results, exp)
     with results.locked(out):  # one search per results folder, from the first check to the last file
         note = results.recover(out)
