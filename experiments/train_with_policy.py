@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import gaswap
-from gaswap import config, policy as policies, workflow, zoo
+from gaswap import config, experiment, policy as policies, zoo
 from gaswap.measure import resolve_device
 from gaswap.memory import DeviceMemory
 from gaswap.validate import OPTIMIZERS
@@ -34,9 +34,9 @@ LOSSES = {
 def batches(exp, device, count: int):
     """`count` fixed synthetic batches (inputs, target), cycled through by both runs."""
     gen = torch.Generator(device).manual_seed(exp.seed)
-    data = [workflow.make_inputs(exp, str(device), gen) for _ in range(count)]
+    data = [experiment.make_inputs(exp, str(device), gen) for _ in range(count)]
     if exp.loss == "external":
-        shape = workflow.build_model(exp)(*workflow.make_inputs(exp)[0]).shape  # on the meta device
+        shape = experiment.build_model(exp)(*experiment.make_inputs(exp)[0]).shape  # on the meta device
         data = [(inputs, torch.randn(shape, device=device, generator=gen)) for inputs, _ in data]
     return data
 
@@ -44,7 +44,7 @@ def batches(exp, device, count: int):
 def train(exp, device, data, steps, step_fn):
     """Train a fresh copy of the model (same seed) for `steps`; return (losses, peak bytes of step 2)."""
     torch.manual_seed(exp.seed)
-    model = workflow.build_model(exp, device=str(device))
+    model = experiment.build_model(exp, device=str(device))
     optimizer = OPTIMIZERS[exp.optimizer]([p for p in model.parameters() if p.requires_grad])
     run = step_fn(model, data[0])
     losses, peak = [], None

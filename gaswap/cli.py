@@ -138,6 +138,7 @@ def search(args) -> int:
 def _search(args, exp, out) -> int:
     from gaswap import workflow
     from gaswap.checkpoint import NAME as CHECKPOINT
+    from gaswap.signals import stop_on_signals
 
     if not args.resume and (out / CHECKPOINT).is_file():
         print(f"note: {out / CHECKPOINT} holds an interrupted search; this new search replaces it "
@@ -152,7 +153,7 @@ def _search(args, exp, out) -> int:
           f"({prepared.costs_seconds:.1f} s)")
     try:
         with tqdm(total=exp.ga.generations, desc="search", unit="gen") as gens, \
-                workflow.stop_on_signals(lambda message: gens.write(message, file=sys.stderr)) as stop:
+                stop_on_signals(lambda message: gens.write(message, file=sys.stderr)) as stop:
 
             def on_generation(record):
                 gens.n = record["generation"]
