@@ -169,9 +169,11 @@ def _release(version: str) -> str:
 def differences(policy: Policy, graph: Graph, provenance: dict | None = None) -> str:
     """What differs between the graph a policy was made for and `graph`, in words."""
     said = []
-    for key in PROVENANCE_CHECKED if provenance else ():
-        if key != "torch_version" and policy.provenance.get(key) != provenance.get(key):
-            said.append(f"{key}: policy {_short(policy.provenance.get(key))}, here {_short(provenance.get(key))}")
+    provenance = provenance or {}
+    for key in PROVENANCE_CHECKED:
+        if key in provenance and key != "torch_version" and policy.provenance.get(key) != provenance[key]:
+            said.append(f"{key}: policy {_short(policy.provenance.get(key))}, here {_short(provenance[key])}")
+    said += _input_differences(policy, provenance.get("input_shapes"))
     ops = {op.name for op in graph.ops}
     mine = set(policy.order)
     if ops - mine or mine - ops:
@@ -185,9 +187,28 @@ def differences(policy: Policy, graph: Graph, provenance: dict | None = None) ->
         said.append(f"activations it decides for that this graph lacks: {', '.join(gone)}" if gone else
                     f"this graph has activations it does not decide for: {', '.join(sorted(candidates - set(policy.actions))[:3])}")
     if not said:  # same op and tensor names: sizes or shapes changed
-        said.append("the same ops and activations with other tensor sizes (batch size, a layer's width or the "
-                    "number of classes?)")
+        model = policy.provenance.get("model")
+        made_for = f"; the policy was made for {_short(model)}" if isinstance(model, dict) else ""
+        said.append(f"the same ops and activations with other tensor sizes (a layer's width or the number of "
+                    f"classes?){made_for}")
     return "; ".join(said)
+
+
+def _input_differences(policy: Policy, here) -> list[str]:
+    """How `here`, [(shape, dtype)] of the example inputs at hand, differ from the inputs the policy was made for."""
+    specs, batch = policy.provenance.get("inputs"), policy.provenance.get("batch_size")
+    if not isinstance(here, list) or not isinstance(specs, list) or not isinstance(batch, int):
+        return []
+    if len(here) != len(specs):
+        return [f"the policy takes {len(specs)} inputs, here {len(here)}"]
+    said = []
+    for k, (spec, (shape, dtype)) in enumerate(zip(specs, here)):
+        if not isinstance(spec, dict) or not isinstance(spec.get("shape"), list):
+            continue
+        wanted = [batch if d == "batch" else d for d in spec["shape"]], spec.get("dtype", "float32")
+        if wanted != (list(shape), dtype):
+            said.append(f"input {k}: policy {wanted[0]} {wanted[1]} (batch size {batch}), here {list(shape)} {dtype}")
+    return said
 
 
 def _short(value) -> str:

@@ -341,6 +341,25 @@ def test_a_policy_for_another_batch_says_what_differs(searched, capsys, tmp_path
     validate(capsys, forged(tmp_path, body | {"provenance": provenance}), 4, "batch_size: policy 4, here 8")
 
 
+def test_a_policy_for_another_class_count_says_what_differs(searched, capsys, tmp_path):
+    tmp, _ = searched
+    (tmp_path / "exp.yaml").write_text(patched(BASE, model="{factory: gaswap.zoo:mlp, kwargs: {sizes: [8, 16, 16, 6]}}",
+                                               target="{shape: [batch], dtype: int64, high: 6}"))
+    validate(capsys, tmp / "mixed.yaml", 4, "model: policy {'factory': 'gaswap.zoo:mlp', 'kwargs': {'sizes': [8, 16, "
+             "16, 4]}}, here {'factory': 'gaswap.zoo:mlp', 'kwargs': {'sizes': [8, 16, 16, 6]}}",
+             "--experiment", tmp_path / "exp.yaml")
+
+
+def test_apply_step_with_another_batch_says_which_input_differs(searched):
+    import gaswap
+    from gaswap import zoo
+
+    tmp, _ = searched
+    with pytest.raises(policies.PolicyError, match=r"input 0: policy \[4, 8\] float32 \(batch size 4\), here "
+                                                   r"\[2, 8\] float32"):
+        gaswap.apply_step(zoo.mlp(sizes=[8, 16, 16, 4]), tmp / "mixed.yaml", torch.randn(2, 8), torch.randint(0, 4, (2,)))
+
+
 def test_a_policy_edited_without_its_checksum(searched, capsys, tmp_path):
     tmp, _ = searched
     text = (tmp / "mixed.yaml").read_text().replace(": swap\n", ": keep\n", 1)
