@@ -128,7 +128,7 @@ def test_a_factory_that_is_no_model_factory_never_runs(capsys, tmp_path, factory
     ("{factory: hostile_models:detached}", "is the model's output detached"),
     ("{factory: hostile_models:Returns, kwargs: {what: none}}", "the model returned NoneType, not a tensor"),
     ("{factory: hostile_models:Returns, kwargs: {what: number}}", "the model returned float, not a tensor"),
-    ("{factory: hostile_models:Returns, kwargs: {what: argmax}}", "is the model's output detached"),
+    ("{factory: hostile_models:Returns, kwargs: {what: argmax}}", "in the loss function, Expected floating point"),
 ])
 def test_a_model_that_cannot_be_trained(capsys, tmp_path, model, message):
     search(capsys, tmp_path, patched(BASE, model=model), 2, message)
