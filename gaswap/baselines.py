@@ -12,8 +12,7 @@ import math
 from gaswap.costs import Costs
 from gaswap.encoding import Action, Chromosome, Encoding
 from gaswap.graph import Graph
-from gaswap.milp import last_uses
-from gaswap.simulator import SimResult, Simulator
+from gaswap.simulator import SimResult, Simulator, liveness
 
 
 def keep_all(graph: Graph, costs: Costs, budget: int) -> Chromosome:
@@ -76,7 +75,7 @@ def dtr(graph: Graph, costs: Costs, budget: int) -> Chromosome:
     evictable = {index[t]: k for k, (t, allowed) in enumerate(zip(encoding.candidates, encoding.allowed))
                  if Action.RECOMPUTE in allowed}
     order = encoding.decode(encoding.captured_keys())
-    last_use, last_fwd = last_uses(sim, order)
+    last_use, last_fwd, _ = liveness(sim, order)
     resident, last_access, evicted = set(), {}, set()
     clock, mem = 0.0, sim.base_bytes
     for p, i in enumerate(order):

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from gaswap.costs import Costs
 from gaswap.encoding import Action, Chromosome, Encoding
 from gaswap.graph import Graph
-from gaswap.simulator import SimResult, Simulator
+from gaswap.simulator import SimResult, Simulator, liveness
 
 MAX_EVENTS = 20000  # op runs the formulation may hold before it is declared too large
 
@@ -228,7 +228,7 @@ class _Model:
     def run_order(self, order) -> None:
         sim = self.sim
         nt, n = len(sim.size), len(order)
-        last_use, last_fwd = last_uses(sim, order)
+        last_use, last_fwd, _ = liveness(sim, order)
         self.last_use = last_use
         self.needed = [0] * nt  # inputs of the recomputations under way (nested)
         made = [0] * nt
@@ -316,17 +316,6 @@ class _Model:
             self.impossible = True
         else:
             self.row([(1, guard)], hi=0)
-
-
-def last_uses(sim: Simulator, order) -> tuple[list[int], list[int]]:
-    """Per tensor, the position in `order` of its last reader and of its last forward reader (-1: none)."""
-    last_use, last_fwd = [-1] * len(sim.size), [-1] * len(sim.size)
-    for p, i in enumerate(order):
-        for t in sim.op_in[i]:
-            last_use[t] = p
-            if sim.op_fwd[i]:
-                last_fwd[t] = p
-    return last_use, last_fwd
 
 
 def _linear(terms) -> tuple[dict[int, float], float]:

@@ -21,6 +21,7 @@ from gaswap import policy as policies
 from gaswap.config import format_size
 from gaswap.encoding import Action, Encoding
 from gaswap.graph import Graph
+from gaswap.program import Verb
 from gaswap.simulator import CATEGORIES, SimResult, Simulator
 
 MIB, GIB = 2**20, 2**30
@@ -310,7 +311,7 @@ def _levels(run: SimResult) -> pd.DataFrame:
 def _backward_start(run: SimResult, graph: Graph) -> float:
     """When the first backward op starts (ms)."""
     backward = {op.name for op in graph.ops if op.phase == "bwd"}
-    return min(e.start for e in run.timeline if e.kind == "op" and e.name in backward) * 1e3
+    return min(e.start for e in run.timeline if e.kind == Verb.RUN and e.name in backward) * 1e3
 
 
 def _streams(ax, run: SimResult) -> None:

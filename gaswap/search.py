@@ -51,7 +51,7 @@ class Evaluated:
 
     def counts(self) -> dict[str, int]:
         """How many candidates each action covers."""
-        return {a.name.lower(): sum(1 for x in self.chromosome.actions if x == a) for a in Action}
+        return {a.label: sum(1 for x in self.chromosome.actions if x == a) for a in Action}
 
 
 @dataclass(frozen=True)
