@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from gaswap.costs import Costs
 from gaswap.encoding import Action, Chromosome, Encoding
 from gaswap.graph import Graph
-from gaswap.simulator import SimResult, Simulator, liveness
+from gaswap.problem import Problem
+from gaswap.simulator import SimResult, liveness
 
 MAX_EVENTS = 20000  # op runs the formulation may hold before it is declared too large
 
@@ -61,9 +62,10 @@ class TooLarge(Exception):
 def solve(graph: Graph, costs: Costs, budget: int, *, time_limit: float = 60.0) -> MilpResult:
     """The fastest keep/recompute policy in the captured order whose peak fits `budget` bytes."""
     started = time.perf_counter()
-    encoding = Encoding(graph, (Action.KEEP, Action.RECOMPUTE))
+    problem = Problem(graph, costs, budget, actions=(Action.KEEP, Action.RECOMPUTE))
+    encoding = problem.encoding
     try:
-        model = _Model(graph, costs, budget, encoding)
+        model = _Model(problem)
     except TooLarge:
         return MilpResult("too large", None, float("inf"), time.perf_counter() - started, 0, 0, 0)
     sizes = (len(model.x), len(model.defs), len(model.rows))
@@ -74,7 +76,7 @@ def solve(graph: Graph, costs: Costs, budget: int, *, time_limit: float = 60.0) 
     for k, v in model.x.items():
         actions[k] = Action.RECOMPUTE if values[v] > 0.5 else Action.KEEP
     chromosome = Chromosome(encoding.captured_keys(), tuple(int(a) for a in actions))
-    simulated = Simulator(graph, costs, budget).run(encoding.decode(chromosome.keys), chromosome.actions)
+    simulated = problem.simulate(chromosome)
     return MilpResult(status, chromosome, model.constant + objective, time.perf_counter() - started, *sizes,
                       simulated=simulated)
 
@@ -110,9 +112,10 @@ def brute_force(graph: Graph, costs: Costs, budget: int, actions=(Action.KEEP, A
         count *= len(allowed)
     if count > limit:
         raise ValueError(f"{count} policies to enumerate, more than the limit {limit}")
-    sim = Simulator(graph, costs, budget)
+    problem = Problem(graph, costs, budget, actions=actions)
+    sim = problem.simulator
     keys = encoding.captured_keys()
-    order = encoding.decode(keys)
+    order = problem.order(Chromosome(keys, ()))
     best = None
     for combo in itertools.product(*encoding.allowed):
         r = sim.run(order, combo)
@@ -129,9 +132,10 @@ class _Model:
     x variable and (a, b) for v = a AND b. `rows` are (coefficients by variable, lower, upper).
     """
 
-    def __init__(self, graph: Graph, costs: Costs, budget: int, encoding: Encoding):
-        self.sim = sim = Simulator(graph, costs, budget)
-        self.budget = budget
+    def __init__(self, problem: Problem):
+        self.sim = sim = problem.simulator
+        self.budget = problem.budget
+        encoding = problem.encoding
         self.defs: list[tuple[int, int] | None] = []
         self.rows: list[tuple[dict[int, float], float, float]] = []
         self.objective: dict[int, float] = {}

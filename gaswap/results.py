@@ -12,13 +12,14 @@ import io
 import json
 import shutil
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
 from gaswap import policy as policies
-from gaswap.search import Evaluated, SearchResult
+from gaswap.problem import GENERATION_FIELDS, Evaluated, SearchResult
 
 FRONT_COLUMNS = ("policy", "peak_bytes", "step_time_s", "overhead", "keep", "swap", "recompute")
-HISTORY_COLUMNS = ("generation", "evaluations", "best_time_s", "front_size", "hypervolume", "seconds")
+HISTORY_COLUMNS = GENERATION_FIELDS
 
 
 def overhead(e: Evaluated, keep_all: Evaluated) -> float:
@@ -52,7 +53,7 @@ def write(folder: str | Path, result: SearchResult, make_policy, summary: dict, 
         if result.best is not None:
             policies.save(make_policy(result.best), tmp / "policy.yaml")
         _write_csv(tmp / "front.csv", FRONT_COLUMNS, rows)
-        _write_csv(tmp / "history.csv", HISTORY_COLUMNS, result.history)
+        _write_csv(tmp / "history.csv", HISTORY_COLUMNS, [asdict(g) for g in result.history])
         body = summary | {
             "best": (point(result.best, keep_all) | {"policy": "policy.yaml"}) if result.best else None,
             "seeds": {name: point(e, keep_all) | {"valid": e.valid} for name, e in result.seeds.items()},

@@ -27,10 +27,10 @@ from gaswap.capture import CaptureError  # noqa: F401  (re-exported for the CLI)
 from gaswap.checkpoint import CheckpointError  # noqa: F401  (re-exported for the CLI)
 from gaswap import policy as policies
 from gaswap.costs import Costs, estimate, load_profile
-from gaswap.encoding import Action, Encoding
 from gaswap.graph import Graph
-from gaswap.search import Evaluated, SearchResult, search
-from gaswap.simulator import Simulator, lower_bound
+from gaswap.problem import Evaluated, Problem, SearchResult
+from gaswap.search import search
+from gaswap.simulator import lower_bound
 
 
 class Infeasible(Exception):
@@ -132,10 +132,7 @@ def output_gradient(captured, device, seed: int):
 
 def keep_all(prepared: Prepared) -> Evaluated:
     """The captured order with every activation kept: what plain PyTorch does."""
-    enc = Encoding(prepared.graph)
-    c = enc.uniform(Action.KEEP)
-    r = Simulator(prepared.graph, prepared.costs).run(enc.decode(c.keys), c.actions)
-    return Evaluated(c, r.step_time, r.peak_bytes, r.valid)
+    return Problem(prepared.graph, prepared.costs).keep_all()
 
 
 def results_folder(root: str | Path, experiment: config.Experiment) -> Path:
@@ -206,9 +203,9 @@ def run_search(prepared: Prepared, out: str | Path, *, on_generation=None, resum
     check_results_folder(exp, out, resume=resume, force=force)
     reference = keep_all(prepared)
     budget = exp.budget.resolve(reference.peak_bytes)
-    result = search(graph, costs, exp.search_space, exp.ga, budget, exp.seed, on_generation=on_generation,
-                    checkpoint=out / checkpoints.NAME, resume=resume, stop=stop,
-                    about={"experiment": exp.name, "experiment_file": exp.path})
+    problem = Problem(graph, costs, budget, exp.search_space)
+    result = search(problem, exp.ga, exp.seed, on_generation=on_generation, checkpoint=out / checkpoints.NAME,
+                    resume=resume, stop=stop, about={"experiment": exp.name, "experiment_file": exp.path})
     if result.best is None and result.complete:
         _discard_checkpoint(out)
         raise Infeasible(
@@ -217,16 +214,12 @@ def run_search(prepared: Prepared, out: str | Path, *, on_generation=None, resum
             f"{config.format_size(lower_bound(graph))} (resident memory plus the largest single op). "
             f"Raise the budget, or search longer (ga.generations) or a wider search space."
         )
-    encoding = Encoding(graph)
     provenance = describe(prepared) | {"budget_bytes": budget}
 
-    simulator = Simulator(graph, costs, budget)
-
     def make_policy(e: Evaluated) -> policies.Policy:
-        order = encoding.decode(e.chromosome.keys)
-        program = simulator.run(order, e.chromosome.actions, trace=True).program  # what the runtime replays
-        return policies.from_result(graph, encoding.candidates, order, e.chromosome.actions,
-                                    results.point(e, reference), provenance, program)
+        program = problem.simulate(e.chromosome, trace=True).program  # what the runtime replays
+        return policies.from_result(graph, problem.encoding.candidates, problem.order(e.chromosome),
+                                    e.chromosome.actions, results.point(e, reference), provenance, program)
 
     summary = describe(prepared) | {
         "budget_bytes": budget,

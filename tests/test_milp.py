@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from strategies import costs_for, training_graphs
 
 from gaswap import milp
-from gaswap.benchmark import residual_graph
+from gaswap.graph import residual_graph
 from gaswap.encoding import Action, Encoding
 from gaswap.graph import chain
 from gaswap.simulator import Simulator
