@@ -80,7 +80,8 @@ def _bench(prepared, budget: int, keep_time: float, time_limit: float):
     if m.chromosome is None:
         yield _row("milp", False, None, None, keep_time, m.seconds, note)
     else:
-        note += f"; {_counts(m.chromosome.actions)}" + ("" if m.verified else "; the simulator disagrees")
+        note += f"; MIP gap {m.gap:.3%}; {_counts(m.chromosome.actions)}"
+        note += "" if m.verified else "; the simulator disagrees"
         yield _simulated_row("milp", m.simulated, budget, keep_time, m.seconds, note)
     yield from _ga_rows(prepared, budget, keep_time, seeds)
 

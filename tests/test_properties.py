@@ -333,7 +333,9 @@ def test_bug_1_zero_time_swap_in_after_zero_time_ops():
     bisect_right(prefix, prefix[c] - h2d_time) - 1 is n when h2d_time is 0 and no time passes after the
     reader at c, and prefetch[n] was out of range (fixed in 2956480: clamped to c)."""
     g = chain(1, size=0)
-    Simulator(g, unit_costs(g, op_time=0.0)).run([0, 1], (S,))
+    r = Simulator(g, unit_costs(g, op_time=0.0)).run([0, 1], (S,), trace=True)
+    assert r.valid and r.step_time == 0.0 and r.peak_bytes == 0
+    assert [str(i) for i in r.program] == ["swap_out x", "run f1", "free x", "swap_in x", "run b1", "free x", "free g1"]
 
 
 def test_bug_2_recomputed_duplicate_is_in_the_traces():
