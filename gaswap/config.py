@@ -99,7 +99,11 @@ class GASettings:
     workers: int = 1  # processes evaluating individuals
     cx_prob: float = 0.9  # probability that a pair of parents is crossed over
     mut_prob: float = 0.5  # probability that a child is mutated
-    patience: int | None = None  # stop when the best feasible time hasn't improved for this many generations
+    patience: int | None = None  # converged: stop when for this many generations neither the best feasible
+    #                              time nor the front's hypervolume improved by more than `tolerance`
+    tolerance: float = 0.0  # relative improvement that counts for `patience` (0.001 = 0.1 %)
+    max_evaluations: int | None = None  # stop once this many policies were evaluated
+    max_seconds: float | None = None  # stop once the search ran this long (resumed runs included)
 
 
 @dataclass(frozen=True)
@@ -435,6 +439,9 @@ _GA_CHECKS = {
     "cx_prob": _PROBABILITY,
     "mut_prob": _PROBABILITY,
     "patience": _optional(_POSITIVE),
+    "tolerance": _number(0, 1, "a relative improvement in [0, 1]"),
+    "max_evaluations": _optional(_POSITIVE),
+    "max_seconds": _optional(_number(0, math.inf, "a non-negative number of seconds")),
 }
 _SPACE_CHECKS = {
     "description": _string,

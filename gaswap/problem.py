@@ -127,7 +127,7 @@ class SearchResult:
     smallest_peak: int  # the lowest peak any evaluated valid policy reached (useful when none fits)
     complete: bool = True  # False when `stop` ended the search before it ran its course
     generations_done: int = 0
-    stopped_by: str = ""  # what ended it: "generations", "patience", or "interrupted"
+    stopped_by: str = ""  # what ended it: "generations", "evaluations", "seconds", "converged", "interrupted"
 
     @property
     def best(self) -> Evaluated | None:

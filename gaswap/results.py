@@ -37,8 +37,10 @@ def write(folder: str | Path, result: SearchResult, make_policy, summary: dict, 
 
     `make_policy(evaluated)` turns a front point into a `Policy`; `summary` holds the experiment's
     description (experiment, device, cost source, budget, keep-all...), to which this adds the best policy,
-    the seeds, the evaluations, the search time and whether the search ran to its end (`complete`,
-    `generations_done`). Files named in `carry` (bench tables, a checkpoint) are copied from the old folder into the new.
+    the seeds, the evaluations, the search time, whether the search ran to its end (`complete`,
+    `generations_done`) and what stopped it (`stopped_by`: "generations", "evaluations", "seconds",
+    "converged" or "interrupted"). Files named in `carry` (bench tables, a checkpoint) are copied from the
+    old folder into the new.
     """
     folder = Path(folder)
     keep_all = result.seeds["keep_all"]
@@ -62,6 +64,7 @@ def write(folder: str | Path, result: SearchResult, make_policy, summary: dict, 
             "search_seconds": result.seconds,
             "complete": result.complete,
             "generations_done": result.generations_done,
+            "stopped_by": result.stopped_by,
         }
         (tmp / "summary.json").write_text(json.dumps(body, indent=2, default=_plain) + "\n")
         for name in carry:

@@ -12,9 +12,11 @@ INFEASIBLE + its violation, so every feasible policy dominates it and infeasible
 
 `Search` is the loop, step by step (pymoo's ask/tell): `initial()` or `restore(state)`, then `step()` while
 `has_next()`, then `result()`; `state()` is everything carried from one generation to the next, as plain
-data. `search()` drives it, with an optional checkpoint file written after the initial population and after
-every generation (`gaswap.checkpoint`), so a stopped or killed search resumes and reaches exactly what an
-uninterrupted one reaches (wall-clock seconds aside). Evaluations go through `map(problem.evaluate, batch)`:
+data. `search()` drives it, with an optional checkpoint file (`gaswap.checkpoint`) written after the initial
+population, at most every CHECKPOINT_SECONDS after that, and when the search leaves between generations, so
+a stopped or killed search resumes and reaches exactly what an uninterrupted one reaches (wall-clock seconds
+aside). It stops on the first of: `ga.generations`, `ga.max_evaluations`, `ga.max_seconds`, or convergence
+(`ga.patience` generations without the best time or the hypervolume improving by `ga.tolerance`). Evaluations go through `map(problem.evaluate, batch)`:
 the builtin-like `serial_map` or a `gaswap.parallel.ProcessMap`.
 """
 from __future__ import annotations
@@ -34,6 +36,7 @@ from gaswap.parallel import ProcessMap, serial_map
 from gaswap.problem import Evaluated, Generation, Problem, SearchResult
 
 INFEASIBLE = 1e9  # objective offset of policies that break the budget
+CHECKPOINT_SECONDS = 30.0  # at most one checkpoint per this many seconds while a search runs
 
 
 def _deap_types():
@@ -84,8 +87,6 @@ class Search:
         self.generation = 0
         self.evaluations = 0
         self.smallest_peak = 2**62  # the lowest peak of any valid policy evaluated
-        self.best_time = math.inf  # the best feasible time so far, and for how many generations it has held
-        self.stale = 0
         self.seconds_before = 0.0  # search time spent before this process took over
         self.reference = (math.inf, float(problem.budget))  # hypervolume reference point
         self.started = time.perf_counter()
@@ -103,15 +104,26 @@ class Search:
         self.reference = _reference_point(self.seeds, self.budget)
 
     def has_next(self) -> bool:
-        """Whether the search goes on: generations left, and the best time improved within `patience`."""
+        """Whether the search goes on (see `stopped_by`)."""
         return self.stopped_by() is None
 
     def stopped_by(self) -> str | None:
-        """What ends the search now ("generations", "patience"), or None."""
-        if self.generation >= self.ga.generations:
+        """What ends the search now, or None: "generations" (ga.generations done), "evaluations"
+        (ga.max_evaluations reached), "seconds" (ga.max_seconds spent) or "converged" (for ga.patience
+        generations neither the best feasible time nor the hypervolume improved by more than ga.tolerance)."""
+        ga = self.ga
+        if self.generation >= ga.generations:
             return "generations"
-        if self.ga.patience and self.stale >= self.ga.patience:
-            return "patience"
+        if ga.max_evaluations and self.evaluations >= ga.max_evaluations:
+            return "evaluations"
+        if ga.max_seconds is not None and self.seconds() >= ga.max_seconds:
+            return "seconds"
+        if ga.patience and len(self.history) > ga.patience:
+            now, then = self.history[-1], self.history[-1 - ga.patience]
+            faster = now.best_time_s < then.best_time_s * (1 - ga.tolerance)
+            wider = now.hypervolume > then.hypervolume * (1 + ga.tolerance)
+            if not (faster or wider):
+                return "converged"
         return None
 
     def step(self) -> Generation:
@@ -130,10 +142,6 @@ class Search:
                             len(points), hypervolume(points, self.reference), self.seconds())
         self.generation = record.generation
         self.history.append(record)
-        if record.best_time_s < self.best_time:
-            self.best_time, self.stale = record.best_time_s, 0
-        else:
-            self.stale += 1
         return record
 
     def seconds(self) -> float:
@@ -147,7 +155,7 @@ class Search:
         complete = stopped_by is not None if complete is None else complete
         return SearchResult(front, self.seeds, tuple(self.history), self.evaluations, self.seconds(),
                             self.smallest_peak, complete=complete, generations_done=self.generation,
-                            stopped_by=stopped_by if complete and stopped_by else "interrupted")
+                            stopped_by=(stopped_by or "") if complete else "interrupted")
 
     # --- state ---
     def state(self) -> dict:
@@ -155,7 +163,7 @@ class Search:
         version, internal, gauss_next = self.rng.getstate()
         return {
             "generation": self.generation, "evaluations": self.evaluations, "seconds": self.seconds(),
-            "smallest_peak": self.smallest_peak, "best_time_s": self.best_time, "stale": self.stale,
+            "smallest_peak": self.smallest_peak,
             "rng": [version, list(internal), gauss_next],
             "population": [_plain(i.evaluated) + [i.fitness.crowding_dist] for i in self.population],
             "archive": [_plain(e) for e in self.archive.values()],
@@ -175,8 +183,7 @@ class Search:
             version, internal, gauss_next = plain["rng"]
             self.rng.setstate((version, tuple(internal), gauss_next))
             self.generation, self.evaluations = int(plain["generation"]), int(plain["evaluations"])
-            self.smallest_peak, self.best_time = int(plain["smallest_peak"]), float(plain["best_time_s"])
-            self.stale, self.seconds_before = int(plain["stale"]), float(plain["seconds"])
+            self.smallest_peak, self.seconds_before = int(plain["smallest_peak"]), float(plain["seconds"])
             self.history = [Generation(**h) for h in plain["history"]]
             self.seeds = {str(name): _evaluated(row, encoding) for name, row in plain["seeds"].items()}
             self.archive = {}
@@ -216,15 +223,18 @@ class Search:
 
 
 def search(problem: Problem, ga, seed: int, *, seeds: dict[str, Chromosome] | None = None, on_generation=None,
-           checkpoint=None, resume: bool = False, stop=None, about: dict | None = None) -> SearchResult:
+           checkpoint=None, resume: bool = False, stop=None, about: dict | None = None,
+           checkpoint_seconds: float = CHECKPOINT_SECONDS) -> SearchResult:
     """Run a `Search` on `problem` to its end; `ga.workers` processes evaluate.
 
     `on_generation(record)` is called after each generation with its `Generation`.
-    `checkpoint` (a path): the state is written there after the initial population and every generation;
-    with `resume`, the search continues from it (CheckpointError when it is missing, unreadable or made under
-    another configuration) and ends exactly where an uninterrupted search ends. `stop()` is asked before
-    each generation: True ends the search there, with `complete` False. `about` (plain data) is stored in
-    the checkpoint to say what it belongs to.
+    `checkpoint` (a path): the state is written there after the initial population, then after a generation
+    when `checkpoint_seconds` passed since the last write, and whenever the search leaves between two
+    generations (done, `stop`, or an exception raised by `on_generation`): a search killed outright loses
+    at most `checkpoint_seconds` of work. With `resume`, the search continues from it (CheckpointError when
+    it is missing, unreadable or made under another configuration) and ends exactly where an uninterrupted
+    search ends. `stop()` is asked before each generation: True ends the search there, with `complete`
+    False. `about` (plain data) is stored in the checkpoint to say what it belongs to.
     """
     with (ProcessMap(ga.workers) if ga.workers > 1 else _Serial()) as pmap:
         s = Search(problem, ga, seed, seeds=seeds, map=pmap)
@@ -236,18 +246,32 @@ def search(problem: Problem, ga, seed: int, *, seeds: dict[str, Chromosome] | No
             s.restore(checkpoints.load(checkpoint, key), checkpoint)
         else:
             s.initial()
+        saved = time.perf_counter()
 
         def save() -> None:
+            nonlocal saved
             if checkpoint is not None:
                 checkpoints.save(checkpoint, s.state(), key, about)
+                saved = time.perf_counter()
 
         if not resume:
             save()
+        unsaved = False
         while s.has_next() and not (stop is not None and stop()):
             record = s.step()
-            save()
+            unsaved = True
+            if time.perf_counter() - saved >= checkpoint_seconds:
+                save()
+                unsaved = False
             if on_generation:
-                on_generation(record)
+                try:
+                    on_generation(record)
+                except BaseException:
+                    if unsaved:  # between two generations: the state is whole
+                        save()
+                    raise
+        if unsaved:
+            save()
         return s.result()
 
 

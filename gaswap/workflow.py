@@ -193,7 +193,7 @@ def run_search(prepared: Prepared, out: str | Path, *, on_generation=None, resum
                force: bool = False, stop=None) -> tuple[SearchResult, dict]:
     """Search the experiment's policies and write its results folder; raises Infeasible when none fits.
 
-    The search checkpoints into `out/.checkpoint.json` after every generation; `resume` continues from there
+    The search checkpoints into `out/.checkpoint.json` (see `search.search`); `resume` continues from there
     (CheckpointError when it is unusable). `stop()` (e.g. the `Stop` of `stop_on_signals`) ends the search
     early: the results so far are written, marked incomplete, beside the checkpoint. `force` replaces a
     folder made by another experiment (see `check_results_folder`).
