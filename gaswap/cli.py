@@ -156,8 +156,8 @@ def _search(args, exp, out) -> int:
                 stop_on_signals(lambda message: gens.write(message, file=sys.stderr)) as stop:
 
             def on_generation(record):
-                gens.n = record["generation"]
-                gens.set_postfix(best=_ms(record["best_time_s"]), front=record["front_size"])
+                gens.n = record.generation
+                gens.set_postfix(best=_ms(record.best_time_s), front=record.front_size)
 
             result, summary = workflow.run_search(prepared, out, on_generation=on_generation, resume=args.resume,
                                                   force=args.force, stop=stop)
@@ -222,10 +222,10 @@ def table(result, summary) -> str:
 
 def speed(args) -> int:
     """Print simulator evaluations per second on experiment graphs and a synthetic graph."""
-    from gaswap import benchmark
+    from gaswap.speed import simulator_speed
 
-    for line in benchmark.simulator_speed(args.experiments or ["experiments/alexnet_4gb.yaml"],
-                                          args.synthetic_ops, args.seconds):
+    for line in simulator_speed(args.experiments or ["experiments/alexnet_4gb.yaml"], args.synthetic_ops,
+                                args.seconds):
         print(line)
     return 0
 
@@ -271,9 +271,9 @@ def plot(args) -> int:
 
 def bench(args) -> int:
     """Compare baselines, the GA in each search space and the MILP at several budgets."""
-    from gaswap import bench as benchmark
+    from gaswap.bench import run as run_bench, to_markdown
 
-    rows = benchmark.run(args.experiment, args.budgets.split(","), results_root=args.results,
-                         cache_dir=args.cache, time_limit=args.time_limit)
-    print(benchmark.to_markdown(rows, config.load_experiment(args.experiment).name))
+    rows = run_bench(args.experiment, args.budgets.split(","), results_root=args.results,
+                     cache_dir=args.cache, time_limit=args.time_limit)
+    print(to_markdown(rows, config.load_experiment(args.experiment).name))
     return 0

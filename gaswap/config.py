@@ -338,8 +338,14 @@ class GASettings:
     workers: int = key(_WORKERS, f"processes evaluating individuals (1 to {MAX_WORKERS})", 1)
     cx_prob: float = key(_PROBABILITY, "probability that a pair of parents is crossed over", 0.9)
     mut_prob: float = key(_PROBABILITY, "probability that a child is mutated", 0.5)
-    patience: int | None = key(_optional(_POSITIVE), "stop when the best feasible time has not improved for this "
-                                                     "many generations (none: run every generation)", None)
+    patience: int | None = key(_optional(_POSITIVE), "converged: stop when for this many generations neither the "
+                               "best feasible time nor the front's hypervolume improved by more than `tolerance` "
+                               "(none: run every generation)", None)
+    tolerance: float = key(_number(0, 1, "a relative improvement in [0, 1]"),
+                           "relative improvement that counts for `patience` (0.001 = 0.1 %)", 0.0)
+    max_evaluations: int | None = key(_optional(_POSITIVE), "stop once this many policies were evaluated", None)
+    max_seconds: float | None = key(_optional(_number(0, math.inf, "a non-negative number of seconds")),
+                                    "stop once the search ran this long (resumed runs included)", None)
 
 
 @dataclass(frozen=True)

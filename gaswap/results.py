@@ -21,15 +21,16 @@ import os
 import shutil
 import tempfile
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 
 from gaswap import checkpoint as checkpoints
 from gaswap import policy as policies
 from gaswap.files import umask
-from gaswap.search import Evaluated, SearchResult
+from gaswap.problem import GENERATION_FIELDS, Evaluated, SearchResult
 
 FRONT_COLUMNS = ("policy", "peak_bytes", "step_time_s", "overhead", "keep", "swap", "recompute")
-HISTORY_COLUMNS = ("generation", "evaluations", "best_time_s", "front_size", "hypervolume", "seconds")
+HISTORY_COLUMNS = GENERATION_FIELDS
 
 
 def overhead(e: Evaluated, keep_all: Evaluated) -> float:
@@ -47,8 +48,10 @@ def write(folder: str | Path, result: SearchResult, make_policy, summary: dict, 
 
     `make_policy(evaluated)` turns a front point into a `Policy`; `summary` holds the experiment's
     description (experiment, device, cost source, budget, keep-all...), to which this adds the best policy,
-    the seeds, the evaluations, the search time and whether the search ran to its end (`complete`,
-    `generations_done`). Files named in `carry` (bench tables, a checkpoint) are copied from the old folder into the new.
+    the seeds, the evaluations, the search time, whether the search ran to its end (`complete`,
+    `generations_done`) and what stopped it (`stopped_by`: "generations", "evaluations", "seconds",
+    "converged" or "interrupted"). Files named in `carry` (bench tables, a checkpoint) are copied from the
+    old folder into the new.
     """
     folder = Path(folder)
     keep_all = result.seeds["keep_all"]
@@ -72,7 +75,7 @@ def _fill(tmp: Path, folder: Path, result, make_policy, summary: dict, keep_all,
         if result.best is not None:
             policies.save(make_policy(result.best), tmp / "policy.yaml")
         _write_csv(tmp / "front.csv", FRONT_COLUMNS, rows)
-        _write_csv(tmp / "history.csv", HISTORY_COLUMNS, result.history)
+        _write_csv(tmp / "history.csv", HISTORY_COLUMNS, [asdict(g) for g in result.history])
         body = summary | {
             "best": (point(result.best, keep_all) | {"policy": "policy.yaml"}) if result.best else None,
             "seeds": {name: point(e, keep_all) | {"valid": e.valid} for name, e in result.seeds.items()},
@@ -81,6 +84,7 @@ def _fill(tmp: Path, folder: Path, result, make_policy, summary: dict, keep_all,
             "search_seconds": result.seconds,
             "complete": result.complete,
             "generations_done": result.generations_done,
+            "stopped_by": result.stopped_by,
         }
         (tmp / "summary.json").write_text(json.dumps(body, indent=2, default=_plain) + "\n")
         for name in carry:

@@ -21,10 +21,10 @@ from gaswap.experiment import build_model, make_inputs, output_gradient
 from gaswap.results import Refused  # noqa: F401  (what check_results_folder raises)
 from gaswap import policy as policies
 from gaswap.costs import Costs, estimate, load_profile
-from gaswap.encoding import Action, Encoding
 from gaswap.graph import Graph
-from gaswap.search import Evaluated, SearchResult, search
-from gaswap.simulator import Simulator, lower_bound
+from gaswap.problem import Evaluated, Problem, SearchResult
+from gaswap.search import search
+from gaswap.simulator import lower_bound
 
 
 class Infeasible(Exception):
@@ -111,10 +111,7 @@ def costs_for(experiment: config.Experiment, graph: Graph, *, cache_dir=None, pr
 
 def keep_all(prepared: Prepared) -> Evaluated:
     """The captured order with every activation kept: what plain PyTorch does."""
-    enc = Encoding(prepared.graph)
-    c = enc.uniform(Action.KEEP)
-    r = Simulator(prepared.graph, prepared.costs).run(enc.decode(c.keys), c.actions)
-    return Evaluated(c, r.step_time, r.peak_bytes, r.valid)
+    return Problem(prepared.graph, prepared.costs).keep_all()
 
 
 def results_folder(root: str | Path, experiment: config.Experiment) -> Path:
@@ -133,7 +130,7 @@ def run_search(prepared: Prepared, out: str | Path, *, on_generation=None, resum
                force: bool = False, stop=None) -> tuple[SearchResult, dict]:
     """Search the experiment's policies and write its results folder; raises Infeasible when none fits.
 
-    The search checkpoints into `out/.checkpoint.json` after every generation; `resume` continues from there
+    The search checkpoints into `out/.checkpoint.json` (see `search.search`); `resume` continues from there
     (CheckpointError when it is unusable). `stop()` (e.g. the `Stop` of `stop_on_signals`) ends the search
     early: the results so far are written, marked incomplete, beside the checkpoint. `force` replaces a
     folder made by another experiment (see `check_results_folder`).
@@ -149,9 +146,9 @@ def _search_and_write(prepared: Prepared, out: Path, on_generation, resume: bool
     exp, graph, costs = prepared.experiment, prepared.graph, prepared.costs
     reference = keep_all(prepared)
     budget = exp.budget.resolve(reference.peak_bytes)
-    result = search(graph, costs, exp.search_space, exp.ga, budget, exp.seed, on_generation=on_generation,
-                    checkpoint=out / checkpoints.NAME, resume=resume, stop=stop,
-                    about={"experiment": exp.name, "experiment_file": exp.path})
+    problem = Problem(graph, costs, budget, exp.search_space)
+    result = search(problem, exp.ga, exp.seed, on_generation=on_generation, checkpoint=out / checkpoints.NAME,
+                    resume=resume, stop=stop, about={"experiment": exp.name, "experiment_file": exp.path})
     if result.best is None and result.complete:
         results.discard_checkpoint(out)
         raise Infeasible(
@@ -160,16 +157,12 @@ def _search_and_write(prepared: Prepared, out: Path, on_generation, resume: bool
             f"{config.format_size(lower_bound(graph))} (resident memory plus the largest single op). "
             f"Raise the budget, or search longer (ga.generations) or a wider search space."
         )
-    encoding = Encoding(graph)
     provenance = describe(prepared) | {"budget_bytes": budget}
 
-    simulator = Simulator(graph, costs, budget)
-
     def make_policy(e: Evaluated) -> policies.Policy:
-        order = encoding.decode(e.chromosome.keys)
-        program = simulator.run(order, e.chromosome.actions, trace=True).program  # what the runtime replays
-        return policies.from_result(graph, encoding.candidates, order, e.chromosome.actions,
-                                    results.point(e, reference), provenance, program)
+        program = problem.simulate(e.chromosome, trace=True).program  # what the runtime replays
+        return policies.from_result(graph, problem.encoding.candidates, problem.order(e.chromosome),
+                                    e.chromosome.actions, results.point(e, reference), provenance, program)
 
     summary = describe(prepared) | {
         "budget_bytes": budget,
