@@ -54,7 +54,8 @@ def main(argv=None) -> int:
     p = verbs.add_parser("validate", help="run real training steps under a policy: measured vs predicted")
     p.add_argument("policy", help="policy file, e.g. results/tiny_cnn_cpu/policy.yaml")
     p.add_argument("--steps", type=_at_least(3), default=5, help="training steps (at least 3; default 5)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto (cuda if present), cpu or cuda")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto (cuda if present), cpu or cuda")
     p.add_argument("--experiment", default=None,
                    help="the experiment file to build the model from (default: the one the policy names; its "
                         "factory must then be one of gaswap's own models unless --trust-factory)")

@@ -3,10 +3,10 @@
 The glue between the torch side (capture, measure) and the torch-free core; the CLI calls it.
 
 A search writes `results/<experiment>/` and, while it runs, its checkpoint `results/<experiment>/.checkpoint.json`
-(see gaswap.checkpoint). Stopped by SIGINT or SIGTERM (`gaswap.signals.stop_on_signals`), it finishes the current generation,
-writes the results so far (summary.json: "complete": false) and keeps the checkpoint; `resume` continues from
-it. A complete search removes its checkpoint. A results folder made by another experiment is not replaced
-unless `force`.
+(see gaswap.checkpoint). Stopped by SIGINT or SIGTERM (`gaswap.signals.stop_on_signals`), it finishes the
+current generation, writes the results so far (summary.json: "complete": false) and keeps the checkpoint;
+`resume` continues from it. A complete search removes its checkpoint. A results folder made by another
+experiment is not replaced unless `force` (see gaswap.results, which owns results folders).
 """
 from __future__ import annotations
 
