@@ -272,9 +272,12 @@ def plot(args) -> int:
 
 def bench(args) -> int:
     """Compare baselines, the GA in each search space and the MILP at several budgets."""
+    exp = config.load_experiment(args.experiment)
+    from gaswap import results
     from gaswap.bench import run as run_bench, to_markdown
 
-    rows = run_bench(args.experiment, args.budgets.split(","), results_root=args.results,
-                     cache_dir=args.cache, time_limit=args.time_limit)
-    print(to_markdown(rows, config.load_experiment(args.experiment).name))
+    with results.locked(results.folder_of(args.results, exp.name)):  # refused at once while a search writes there
+        rows = run_bench(args.experiment, args.budgets.split(","), results_root=args.results,
+                         cache_dir=args.cache, time_limit=args.time_limit)
+    print(to_markdown(rows, exp.name))
     return 0

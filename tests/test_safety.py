@@ -495,6 +495,19 @@ def test_a_second_search_into_a_locked_folder_is_refused(capsys, tmp_path):
     assert not (tmp_path / "results" / "exp").exists()
 
 
+def test_bench_into_a_folder_a_search_is_writing_is_refused_at_once(capsys, tmp_path):
+    import fcntl
+
+    (tmp_path / "results").mkdir()
+    (tmp_path / "exp.yaml").write_text(BASE)
+    with open(tmp_path / "results" / ".exp.lock", "w") as lock:
+        lock.write("4343\n")
+        lock.flush()
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        expect(capsys, 4, "is being written by another gaswap process (pid 4343", "bench", tmp_path / "exp.yaml",
+               "--results", tmp_path / "results", "--budgets", "0.5")
+
+
 def test_a_kill_between_the_two_renames_rolls_back_with_the_checkpoint(capsys, tmp_path):
     (tmp_path / "exp.yaml").write_text(BASE)
     args = ["search", str(tmp_path / "exp.yaml"), "--results", str(tmp_path / "results")]
