@@ -93,6 +93,21 @@ def torch_partition(fn: Callable, *example_args, budget: float = 1.0, optimizer:
     return recorder.joint.graph, policy_of_partition(recorder.joint, recorder.saved)
 
 
+def saved_by(fn: Callable, policy: Policy, *example_args) -> list[str]:
+    """The activations the forward saves for the backward when `fn` is compiled under `policy` (partitioned
+    as `backend(policy)` does, then stopped before inductor generates code)."""
+    partitioner = PolicyPartitioner(policy)
+
+    class _Stop(_Recorder):
+        def __call__(self, gm, joint_inputs, **kwargs):
+            self.joint = True
+            partitioner(gm, joint_inputs, **kwargs)
+            raise _Captured()
+
+    _record(_Stop("sgd_momentum", ()), fn, example_args)
+    return partitioner.saved
+
+
 def _record(recorder: "_Recorder", fn: Callable, example_args) -> "_Recorder":
     compiled = torch.compile(fn, backend=_inductor_with(recorder), fullgraph=True, dynamic=False)
     try:
