@@ -180,9 +180,14 @@ def saved_storages(fw: fx.GraphModule, num_fwd_outputs: int, joint: Joint) -> li
 
 
 def policy_of_partition(joint: Joint, saved: list[str]) -> dict[str, str]:
-    """The keep/recompute actions of a partition: a candidate is kept if the forward saved it."""
+    """The keep/recompute actions of a partition: a candidate is kept if the forward saved it, or if its op may
+    not run twice (the partition saved something computed from it instead, e.g. a dropout mask from its seed).
+    Tensors the partition saves that are not candidates (a backward op hoisted into the forward, such as
+    ReLU's mask) have no action: the projection is approximate there."""
     kept = set(saved)
-    return {t: "keep" if t in kept else "recompute" for t in joint.graph.candidates()}
+    ops = {op.name: op for op in joint.graph.ops}
+    return {t: "keep" if t in kept or not ops[joint.graph.tensors[t].producer].recomputable else "recompute"
+            for t in joint.graph.candidates()}
 
 
 # --- the joint graph as a gaswap Graph ------------------------------------------------------------------
