@@ -13,8 +13,10 @@ figure compared is the process's CPU time per step, steadier than wall time on a
 experiment's `costs.threads` intra-op threads; wall time is in the CSV), then one step under the peak meter. The meter is independent of gaswap: on
 CUDA the caching allocator's peak; on a CPU the process's resident-set high-water mark (`VmHWM`, reset
 through /proc/self/clear_refs after glibc's `malloc_trim` hands freed memory back), less what was resident
-before the step. Both count gradients and every temporary. On a CPU, a swap would not lower this figure
-(the host store is the same RAM), so the compared policies keep or recompute only.
+before the step. Both count gradients and every temporary. The predicted peak beside it is the simulated
+peak less the bytes resident before a step (parameters, buffers, inputs, optimizer state). On a CPU, a
+swap would not lower this figure (the host store is the same RAM), so the compared policies keep or
+recompute only.
 
 Writes `results/<experiment>/compare.csv`, `compare.md` and the gaswap policies (`compiled/pNN.yaml`).
 """
@@ -60,7 +62,7 @@ class Method:
     model: torch.nn.Module
     run: object
     optimizer: object
-    predicted: tuple = (None, None)  # simulated (peak bytes, step seconds), where there is a policy
+    predicted: tuple = (None, None)  # simulated (peak bytes above resident, step seconds), where there is a policy
     recomputed: int | None = None
     compile_s: float = 0.0
 
@@ -89,12 +91,13 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), resul
         torch_points[budget] = (chromosome, simulate(graph, costs, None, chromosome))
     ours = _search(exp, graph, costs, encoding, torch_points, below, progress)
     folder = Path(results_root) / exp.name
+    resident = graph.resident_bytes()  # the meter measures above what is resident before a step
     eager, opt = _fresh(model, exp)
     methods = [Method("eager", "-", eager, eager, opt)]
     for budget, (chromosome, r) in torch_points.items():
         m, opt = _fresh(model, exp)
         methods.append(Method("torch.compile", f"{budget:g}", m, _torch_compiled(m, budget), opt,
-                              (r.peak_bytes, r.step_time), _count(chromosome)))
+                              (r.peak_bytes - resident, r.step_time), _count(chromosome)))
     for k, (label, evaluated) in enumerate(ours):
         policy = compiled.make_policy(graph, dict(zip(encoding.candidates, (Action(a).name.lower() for a in
                                                                                evaluated.chromosome.actions))),
@@ -105,7 +108,7 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), resul
         policies.save(policy, folder / "compiled" / f"p{k:02d}.yaml")
         m, opt = _fresh(model, exp)
         methods.append(Method("gaswap", label, m, compiled.compile(m, policy), opt,
-                              (evaluated.peak_bytes, evaluated.step_time), _count(evaluated.chromosome)))
+                              (evaluated.peak_bytes - resident, evaluated.step_time), _count(evaluated.chromosome)))
     rows = _measure(methods, inputs, target, exp, device, rounds, steps, progress)
     write_atomic(folder / "compare.csv", to_csv(rows))
     write_atomic(folder / "compare.md", to_markdown(rows, exp.name, device_name(device)))

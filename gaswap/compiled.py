@@ -139,7 +139,8 @@ def check_compiled(policy: Policy) -> None:
     """Refuse a policy that was not made for a compiled graph, or that swaps."""
     if policy.provenance.get("form") != "compiled":
         raise PolicyError("the policy was searched on gaswap's own captured graph, not on torch.compile's joint graph: "
-                          "search it with `compile: true` in the experiment (search space 'compiled')")
+                          "`gaswap compare EXPERIMENT` searches compiled policies (results/<experiment>/compiled/), "
+                          "or use gaswap.apply / apply_step for this one")
     swapped = [t for t, a in policy.actions.items() if a == "swap"]
     if swapped:
         raise PolicyError(f"the policy swaps {len(swapped)} tensors (e.g. {swapped[0]}): compiled policies keep or "
