@@ -87,7 +87,7 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), resul
     torch_points = {}
     for budget in TORCH_BUDGETS:
         _, actions = compiled.torch_partition(model, *inputs, budget=budget, optimizer=exp.optimizer, counted=exp.counts)
-        chromosome = Chromosome(encoding.captured_keys(), tuple(int(Action.parse(actions[t])) for t in encoding.candidates))
+        chromosome = Chromosome(encoding.captured_keys(), _actions(encoding, actions))
         torch_points[budget] = (chromosome, simulate(graph, costs, None, chromosome))
     ours = _search(exp, graph, costs, encoding, torch_points, below, progress)
     folder = Path(results_root) / exp.name
@@ -113,6 +113,16 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), resul
     write_atomic(folder / "compare.csv", to_csv(rows))
     write_atomic(folder / "compare.md", to_markdown(rows, exp.name, device_name(device)))
     return rows
+
+
+def _actions(encoding: Encoding, actions: dict[str, str]) -> tuple[int, ...]:
+    """`actions` (a partition's) as a chromosome's, KEEP where gaswap cannot recompute a tensor (e.g. a dropout
+    mask whose seed torch saved instead: the seed is not a candidate)."""
+    out = []
+    for t, allowed in zip(encoding.candidates, encoding.allowed):
+        action = Action.parse(actions[t])
+        out.append(int(action if action in allowed else Action.KEEP))
+    return tuple(out)
 
 
 def _search(exp, graph, costs, encoding, torch_points, below, progress) -> list[tuple[str, object]]:
