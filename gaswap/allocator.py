@@ -321,63 +321,89 @@ def replay(graph: Graph, result, *, steps: int = 2, expandable_segments: bool = 
     a step the loss and gradients go (after the optimizer step's temporaries, if `optimizer` is given);
     the next step allocates its inputs again. The peaks are over all steps (the allocator caches segments
     across steps, so the second step shows the steady state)."""
-    if not result.program:
-        raise ValueError("replay needs a traced SimResult (Simulator.run(..., trace=True))")
     alloc = CachingAllocator(expandable_segments=expandable_segments, capacity=capacity)
-    size = {t.name: (t.size if graph.counts(t) else 0) for t in graph.tensors.values()}
-    outputs = {op.name: op.outputs for op in graph.ops}
-    times = _instruction_times(result)
-    persistent = [t for t in graph.tensors.values() if t.producer is None and t.kind != "input"]
-    for t in persistent:
-        alloc.malloc(size[t.name])
-    for nbytes in _optimizer_state(graph):
+    resident, events = step_events(graph, result, swap_in_stream=swap_in_stream, swap_out_free=swap_out_free)
+    for nbytes in resident:
         alloc.malloc(nbytes)
-    inputs = [t.name for t in graph.tensors.values() if t.kind == "input"]
     optimizer_peak = 0
     for _ in range(steps):
-        live = {name: alloc.malloc(size[name]) for name in inputs}
-        retired: dict[str, int] = {}  # swapped-out device copies waiting for their copy to the host
-        early: set[str] = set()  # retired copies already freed (record_stream): skip their `free`
-        d2h_queued = 0.0  # when the d2h work issued so far ends
-        for (verb, name), (start, end) in zip(result.program, times):
-            if verb in (Verb.RUN, Verb.RECOMPUTE):
-                for t in outputs[name]:
-                    handle = alloc.malloc(size[t], "compute", start)
-                    if t in live:  # re-produced while kept: the copy is dropped
-                        alloc.free(handle)
-                    else:
-                        live[t] = handle
-            elif verb == Verb.SWAP_IN:
-                live[name] = alloc.malloc(size[name], swap_in_stream, start)
-            elif verb == Verb.SWAP_OUT:
-                d2h_queued = max(d2h_queued, end)
-            elif verb == Verb.RETIRE:  # the device copy waits for its copy to the host; a swap-in may come first
-                if swap_out_free == "record_stream":
-                    alloc.free(live.pop(name), d2h_queued)
-                    early.add(name)
-                else:
-                    retired[name] = live.pop(name)
-            elif verb == Verb.FREE:  # a retired copy goes before the swapped-in one (see Simulator.settle)
-                if name in retired:
-                    alloc.free(retired.pop(name))
-                elif name in early:
-                    early.remove(name)
-                else:
-                    alloc.free(live.pop(name))
+        handles: dict[int, int] = {}
+        for kind, key, nbytes, stream, when, *_ in events:
+            if kind == "malloc":
+                handles[key] = alloc.malloc(nbytes, stream, when)
+            else:
+                alloc.free(handles.pop(key), when)
         if optimizer:
-            before = alloc.peak_allocated
-            alloc.peak_allocated = alloc.allocated
-            temps = [alloc.malloc(size[t.name]) for t in graph.tensors.values()
+            before, alloc.peak_allocated = alloc.peak_allocated, alloc.allocated
+            temps = [alloc.malloc(t.size if graph.counts(t) else 0) for t in graph.tensors.values()
                      if t.kind == "param" for _ in range(OPTIMIZER_TEMPORARIES[optimizer])]
             optimizer_peak = max(optimizer_peak, alloc.peak_allocated)
             alloc.peak_allocated = max(before, alloc.peak_allocated)
             for handle in temps:
                 alloc.free(handle)
-        for handle in list(live.values()) + list(retired.values()):
+        for handle in handles.values():  # the loss and gradients: gone after the optimizer step
             alloc.free(handle)
         alloc.process_events(float("inf"))
     return AllocatorPeaks(result.peak_bytes, alloc.peak_requested, alloc.peak_allocated, alloc.peak_reserved,
                           optimizer_peak, alloc.segment_allocs)
+
+
+def step_events(graph: Graph, result, *, swap_in_stream: str = "compute", swap_out_free: str = "event"):
+    """The allocations of one step of a traced SimResult, as `replay` describes them: (resident, events).
+
+    `resident` lists the bytes of what is there before the step (parameters, buffers, optimizer state;
+    not the inputs); `events` are ("malloc", key, bytes, stream, time, tensor, instruction) and ("free", key,
+    0, "", reusable_at or None, tensor, instruction) in program order, keys unique per allocation, `instruction`
+    the index in `result.program` (-1: before it). Keys never freed are alive at the step's end."""
+    if not result.program:
+        raise ValueError("allocator replay needs a traced SimResult (Simulator.run(..., trace=True))")
+    size = {t.name: (t.size if graph.counts(t) else 0) for t in graph.tensors.values()}
+    outputs = {op.name: op.outputs for op in graph.ops}
+    resident = [size[t.name] for t in graph.tensors.values() if t.producer is None and t.kind != "input"]
+    resident += _optimizer_state(graph)
+    events: list[tuple] = []
+    keys = itertools.count()
+
+    at = -1  # the instruction being replayed
+
+    def malloc(name: str, stream: str, when: float) -> int:
+        key = next(keys)
+        events.append(("malloc", key, size[name], stream, when, name, at))
+        return key
+
+    def free(key: int, reusable_at: float | None = None) -> None:
+        events.append(("free", key, 0, "", reusable_at, "", at))
+
+    live = {t.name: malloc(t.name, "compute", 0.0) for t in graph.tensors.values() if t.kind == "input"}
+    retired: dict[str, int] = {}  # swapped-out device copies waiting for their copy to the host
+    early: set[str] = set()  # retired copies already freed (record_stream): skip their `free`
+    d2h_queued = 0.0  # when the d2h work issued so far ends
+    for at, ((verb, name), (start, end)) in enumerate(zip(result.program, _instruction_times(result))):
+        if verb in (Verb.RUN, Verb.RECOMPUTE):
+            for t in outputs[name]:
+                key = malloc(t, "compute", start)
+                if t in live:  # re-produced while kept: the copy is dropped
+                    free(key)
+                else:
+                    live[t] = key
+        elif verb == Verb.SWAP_IN:
+            live[name] = malloc(name, swap_in_stream, start)
+        elif verb == Verb.SWAP_OUT:
+            d2h_queued = max(d2h_queued, end)
+        elif verb == Verb.RETIRE:  # the device copy waits for its copy to the host; a swap-in may come first
+            if swap_out_free == "record_stream":
+                free(live.pop(name), d2h_queued)
+                early.add(name)
+            else:
+                retired[name] = live.pop(name)
+        elif verb == Verb.FREE:  # a retired copy goes before the swapped-in one (see Simulator.settle)
+            if name in retired:
+                free(retired.pop(name))
+            elif name in early:
+                early.remove(name)
+            else:
+                free(live.pop(name))
+    return resident, events
 
 
 def _optimizer_state(graph: Graph) -> list[int]:

@@ -50,6 +50,10 @@ def main(argv=None) -> int:
     p.add_argument("--cache", default=None, help="cost cache folder")
     p.add_argument("--time-limit", type=float, default=60.0, help="MILP time limit per budget, seconds")
     p.set_defaults(run=bench)
+    p = verbs.add_parser("memory", help="GPU memory of policies: live, allocator allocated/reserved, arena plan")
+    p.add_argument("experiments", nargs="+", help="experiment files, e.g. experiments/alexnet_4gb.yaml")
+    p.add_argument("--results", default="results", help="folder of result folders with shipped policies")
+    p.set_defaults(run=memory)
     args = parser.parse_args(argv)
     try:
         return args.run(args)
@@ -169,6 +173,21 @@ def speed(args) -> int:
     for line in benchmark.simulator_speed(args.experiments or ["experiments/alexnet_4gb.yaml"],
                                           args.synthetic_ops, args.seconds):
         print(line)
+    return 0
+
+
+def memory(args) -> int:
+    """Print the GPU-memory table of `gaswap.gpu_memory` for the experiments (estimated costs only)."""
+    from gaswap import gpu_memory, workflow
+
+    table = []
+    for path in args.experiments:
+        exp = config.load_experiment(path)
+        if exp.costs.source != "estimate":
+            print(f"error: {path}: costs.source must be 'estimate' here (no device is used)", file=sys.stderr)
+            return EXIT_CONFIG
+        table += gpu_memory.rows(workflow.prepare(exp), args.results)
+    print(gpu_memory.markdown(table))
     return 0
 
 
