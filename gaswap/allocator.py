@@ -309,7 +309,8 @@ OPTIMIZER_TEMPORARIES = {"sgd": 0, "sgd_momentum": 0, "adam": 1}
 
 def replay(graph: Graph, result, *, steps: int = 2, expandable_segments: bool = False, swap_in_stream: str = "compute",
            swap_out_free: str = "event", optimizer: str | None = None, capacity: int | None = None) -> AllocatorPeaks:
-    """Replay a traced SimResult's program through the allocator model for `steps` training steps.
+    """Replay a traced SimResult's program (or a policy's: anything with a `program`) through the allocator
+    model for `steps` training steps.
 
     What is resident all step (parameters, buffers, inputs, optimizer state, as the graph counts them) is
     allocated first, once (optimizer state as one tensor per parameter and state slot). Then, per step:
@@ -344,8 +345,9 @@ def replay(graph: Graph, result, *, steps: int = 2, expandable_segments: bool = 
         for handle in handles.values():  # the loss and gradients: gone after the optimizer step
             alloc.free(handle)
         alloc.process_events(float("inf"))
-    return AllocatorPeaks(result.peak_bytes, alloc.peak_requested, alloc.peak_allocated, alloc.peak_reserved,
-                          optimizer_peak, alloc.segment_allocs)
+    simulated = getattr(result, "peak_bytes", None) or getattr(result, "predicted", {}).get("peak_bytes", 0)
+    return AllocatorPeaks(simulated, alloc.peak_requested, alloc.peak_allocated, alloc.peak_reserved, optimizer_peak,
+                          alloc.segment_allocs)
 
 
 def step_events(graph: Graph, result, *, swap_in_stream: str = "compute", swap_out_free: str = "event"):
@@ -420,7 +422,10 @@ def _optimizer_state(graph: Graph) -> list[int]:
 
 def _instruction_times(result) -> list[tuple[float, float]]:
     """(start, end) of each instruction of a traced SimResult: run/recompute/swap_out/swap_in take their
-    timeline event's (both are appended together, in the same order); free/retire the time reached so far."""
+    timeline event's (both are appended together, in the same order); free/retire the time reached so far.
+    A program without a timeline (a policy file's) gets time 0 throughout: frees then wait for nothing."""
+    if not getattr(result, "timeline", ()):
+        return [(0.0, 0.0)] * len(result.program)
     events = iter([e for e in result.timeline if e.kind != "wait"])
     now, out = 0.0, []
     for verb, _ in result.program:

@@ -54,6 +54,11 @@ def main(argv=None) -> int:
     p.add_argument("experiments", nargs="+", help="experiment files, e.g. experiments/alexnet_4gb.yaml")
     p.add_argument("--results", default="results", help="folder of result folders with shipped policies")
     p.set_defaults(run=memory)
+    p = verbs.add_parser("check-gpu", help="on a CUDA machine: CUDA tests, search + validate two experiments, "
+                                           "allocator model vs measured memory, one JSON report")
+    p.add_argument("--out", default="gpu_check.json", help="the JSON report (default: gpu_check.json)")
+    p.add_argument("--steps", type=int, default=5, help="validation steps per experiment (default 5)")
+    p.set_defaults(run=check_gpu)
     args = parser.parse_args(argv)
     try:
         return args.run(args)
@@ -189,6 +194,20 @@ def memory(args) -> int:
         table += gpu_memory.rows(workflow.prepare(exp), args.results)
     print(gpu_memory.markdown(table))
     return 0
+
+
+def check_gpu(args) -> int:
+    """Run the GPU check (gaswap.gpu_check) and write its report; 0 also when there is no GPU (it says so)."""
+    from gaswap import gpu_check
+
+    report = gpu_check.run(args.out, steps=args.steps)
+    if report.get("skipped"):
+        print(f"skipped: {report['skipped']}; wrote {args.out}")
+        return 0
+    for name, figures in report.get("experiments", {}).items():
+        print(f"{name}: {figures.get('goals', figures.get('error'))}")
+    print(f"{len(report['errors'])} error(s); wrote {args.out} in {report['seconds']} s")
+    return 0 if not report["errors"] else 1
 
 
 def _ms(seconds: float) -> str:
