@@ -408,6 +408,36 @@ def step_events(graph: Graph, result, *, swap_in_stream: str = "compute", swap_o
     return resident, events
 
 
+def replay_recorded(trace, *, expandable_segments: bool = False) -> dict:
+    """Replay an allocation trace recorded on a GPU through the model, beside what the GPU did.
+
+    `trace` is one device's entries of `torch.cuda.memory._snapshot()["device_traces"]` (recorded with
+    `torch.cuda.memory._record_memory_history()`): "alloc" is a malloc of `size` on `stream`, "free_completed"
+    the moment its block (matched by `addr`) is free for reuse; "segment_alloc"/"segment_map" and
+    "segment_free"/"segment_unmap" are what the GPU reserved and gave back. The model sees the same
+    requests in the same order, so its reserved peak and segment count are compared with the GPU's
+    own, free of any difference between a simulated and a real step. Memory reserved before the trace
+    started is not seen by either side."""
+    alloc = CachingAllocator(expandable_segments=expandable_segments)
+    live: dict[int, int] = {}
+    reserved = peak = segments = 0
+    for entry in trace:
+        action = entry["action"]
+        if action == "alloc":
+            live[entry["addr"]] = alloc.malloc(entry["size"], str(entry.get("stream", 0)))
+        elif action == "free_completed" and entry["addr"] in live:
+            alloc.free(live.pop(entry["addr"]))
+        elif action in ("segment_alloc", "segment_map"):
+            reserved += entry["size"]
+            segments += 1
+            peak = max(peak, reserved)
+        elif action in ("segment_free", "segment_unmap"):
+            reserved -= entry["size"]
+    return {"model": {"allocated": alloc.peak_allocated, "reserved": alloc.peak_reserved,
+                      "segments": alloc.segment_allocs},
+            "gpu": {"reserved": peak, "segments": segments}}
+
+
 def _optimizer_state(graph: Graph) -> list[int]:
     """The optimizer state as tensors: k per parameter when it is k times the parameters' bytes, else one."""
     state = graph.resident.get("optimizer_state", 0)

@@ -5,13 +5,15 @@ as a wheel) runs, within about ten minutes:
 1. the CUDA-marked tests (`pytest -m cuda`);
 2. for AlexNet at 4 GB and the GPT bench: costs measured on this GPU, a short search, `validate` (measured vs
    predicted peak and step time), and a memory run that compares the caching allocator model's allocated
-   and reserved peaks (and the optimizer step's) with `torch.cuda.memory_stats()`;
+   and reserved peaks (and the optimizer step's) with `torch.cuda.memory_stats()`, and replays the
+   allocation trace recorded on the GPU through the model (`allocator.replay_recorded`);
 3. the torch.compile head-to-head, if this gaswap has the `compare` verb;
 and writes one JSON report. Without CUDA it writes a report saying so and exits 0. Goals: peak within
 5 % of the prediction and never above the budget; step time within 10 %.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -143,6 +145,10 @@ def memory_run(policy_path: str | Path, steps: int = 3, device: str = "cuda") ->
     exp = config.load_experiment(policy.provenance["experiment_file"])
     dev = torch.device(device)
     cuda = dev.type == "cuda"
+    if cuda:  # record every allocation from a clean cache: the model replays the same requests (replay_recorded)
+        gc.collect()
+        torch.cuda.empty_cache()
+        _record_history(True)
     torch.manual_seed(exp.seed)
     model = workflow.build_model(exp, device=str(dev))
     spec_inputs, spec_target = workflow.make_inputs(exp, "meta")
@@ -177,14 +183,32 @@ def memory_run(policy_path: str | Path, steps: int = 3, device: str = "cuda") ->
         optimizer.zero_grad(set_to_none=True)
         figures = {"requested_bytes": memory.peak, "allocated_bytes": memory.allocated_peak,
                    "reserved_bytes": memory.reserved_peak, "optimizer_step_allocated_bytes": step_peak}
+    recorded = None
+    if cuda:
+        trace = torch.cuda.memory._snapshot()["device_traces"][dev.index or torch.cuda.current_device()]
+        _record_history(False)
+        recorded = allocator.replay_recorded(trace)
     predicted = allocator.replay(captured.graph, policy, optimizer=exp.optimizer)  # the program the runner ran
     pairs = (("requested", "requested_bytes", predicted.requested), ("allocated", "allocated_bytes", predicted.allocated),
              ("reserved", "reserved_bytes", predicted.reserved),
              ("optimizer_step", "optimizer_step_allocated_bytes", predicted.optimizer_step))
     ratios = {k: figures[m] / v for k, m, v in pairs if v}
-    return {"measured": figures, "predicted": predicted.as_dict(), "ratios": ratios,
+    return {"measured": figures, "predicted": predicted.as_dict(), "ratios": ratios, "recorded_replay": recorded,
             "note": "measured allocated/reserved also hold what the model leaves out (cuBLAS/cuDNN workspaces); "
                     "optimizer step: absolute allocated peak, predicted: the model's allocated peak then"}
+
+
+def _record_history(on: bool) -> None:
+    """Start (without stack traces, which are slow) or stop torch.cuda.memory's allocation history."""
+    import torch
+
+    if not on:
+        torch.cuda.memory._record_memory_history(None)
+        return
+    try:
+        torch.cuda.memory._record_memory_history("all", context=None, stacks="python", clear_history=True)
+    except TypeError:  # an older signature
+        torch.cuda.memory._record_memory_history(True)
 
 
 def compare(experiment: str, timeout: float = 120.0) -> dict:

@@ -2,7 +2,7 @@
 import pytest
 
 from gaswap.allocator import (CachingAllocator, OutOfMemory, ReservedSimulator, allocation_size, predict, replay,
-                              round_size)
+                              replay_recorded, round_size)
 from gaswap.costs import Costs
 from gaswap.encoding import Action, Encoding
 from gaswap.graph import chain
@@ -165,3 +165,20 @@ def test_reserved_simulator_reports_the_reserved_peak():
     c = encoding.uniform(Action.KEEP)
     order = encoding.decode(c.keys)
     assert ReservedSimulator(sim).run(order, c.actions).peak_bytes == predict(sim, order, c.actions, steps=1).reserved
+
+
+def test_a_recorded_trace_replays_to_the_gpus_own_segments():
+    # A trace as torch.cuda.memory._snapshot() records it (hand-made here): the GPU reserved 12 MiB, then a
+    # second segment of 14 MiB for a request its cached 12 MiB block could not serve; 3 small requests
+    # shared one 2 MiB segment.
+    trace = [{"action": "alloc", "addr": 0x1000, "size": 12 * MiB, "stream": 0},
+             {"action": "segment_alloc", "addr": 0x1000, "size": 12 * MiB, "stream": 0},
+             {"action": "free_requested", "addr": 0x1000, "size": 12 * MiB, "stream": 0},
+             {"action": "free_completed", "addr": 0x1000, "size": 12 * MiB, "stream": 0},
+             {"action": "segment_alloc", "addr": 0x9000, "size": 14 * MiB, "stream": 0},
+             {"action": "alloc", "addr": 0x9000, "size": 14 * MiB, "stream": 0}]
+    trace += [{"action": "alloc", "addr": 0x20000 + k, "size": 600 * KiB, "stream": 0} for k in range(3)]
+    trace.insert(6, {"action": "segment_alloc", "addr": 0x20000, "size": 2 * MiB, "stream": 0})
+    replayed = replay_recorded(trace)
+    assert replayed["gpu"] == {"reserved": 28 * MiB, "segments": 3}
+    assert replayed["model"] == {"allocated": 14 * MiB + 1800 * KiB, "reserved": 28 * MiB, "segments": 3}
