@@ -4,8 +4,8 @@ A post-pass on a chosen policy. The step's allocations (`allocator.step_events`,
 allocator model uses) each get an offset so that no two alive at the same time overlap; the arena's size is
 then all the process reserves: no rounding to segments, no blocks stranded in the wrong pool or stream.
 Placement is greedy: in a given order, each allocation goes into the tightest gap among the placed ones
-whose lifetimes overlap it, else on top (TFLite's "greedy by size" and OLLA's starting point); three orders
-are tried (size, size x lifetime, time) and the smallest arena kept. The lower
+whose lifetimes overlap it, else on top (TFLite's "greedy by size" and OLLA's starting point); four orders
+are tried (size with two tie-breaks, size x lifetime, time) and the smallest arena kept. The lower
 bound is the most bytes (aligned) alive at once: no placement does better.
 
 The torch side (`arena_buffer`, `carve`) gives one buffer and views of it at planned offsets; how a runtime
@@ -77,9 +77,11 @@ def plan(graph: Graph, result, *, alignment: int = ALIGNMENT) -> ArenaPlan:
     return ArenaPlan(_top(best), _most_alive(items), tuple(sorted(best, key=lambda p: (p.start, p.offset))))
 
 
-# Orders in which allocations are placed; the plan keeps the smallest arena. By size (largest first), by
-# size x lifetime, and by time (the order a runtime allocates in).
-ORDERS = (lambda i: (-i[0], i[1]), lambda i: (-i[0] * (i[2] - i[1]), i[1]), lambda i: (i[1], -i[0]))
+# Orders in which allocations are placed (items are (bytes, start, end, ...)); the plan keeps the smallest
+# arena. By size, ties by start or by end (largest, latest first), by size x lifetime, and by time (the
+# order a runtime allocates in).
+ORDERS = (lambda i: (-i[0], i[1]), lambda i: (-i[0], -i[2]), lambda i: (-i[0] * (i[2] - i[1]), i[1]),
+          lambda i: (i[1], -i[0]))
 
 
 def _place(items) -> list[Placement]:
