@@ -49,6 +49,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import flop_registry
 
 from . import graph
+from .dropout import eager_masks
 from .graph import Graph, Op, Tensor
 
 if not hasattr(fx_traceback, "annotate"):
@@ -237,6 +238,7 @@ def _trace(model, inputs, target, loss, autocast) -> tuple[fx.GraphModule, list[
             last = _output_like(model, inputs, autocast, mode) if loss == "external" else target
             data = [_fake(x, mode) for x in (*inputs, last)]
             gm = make_fx(traced, tracing_mode="fake")(*params.values(), *fixed.values(), *data)
+        gm = eager_masks(gm)  # dropout masks as eager draws them, whatever the layout
     except CaptureError:
         raise
     except Exception as e:  # noqa: BLE001 - any tracing failure becomes one clear CaptureError

@@ -9,6 +9,7 @@ from gaswap import policy as policies
 from gaswap import zoo
 from gaswap.capture import capture, make_inputs
 from gaswap.costs import estimate, load_profile
+from gaswap.dropout import BERNOULLI_STRIDED
 from gaswap.encoding import Action, Encoding
 from gaswap.memory import DeviceMemory
 from gaswap.runtime import ProgramError, StepRunner
@@ -115,6 +116,24 @@ def test_the_captured_step_matches_eager_pytorch():
     theirs = train(eager, model, inputs, target)
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_dropout_on_a_non_contiguous_tensor_draws_eagers_mask_under_every_policy():
+    """A pre-norm TransformerEncoderLayer's residual dropout reads attention's transposed (non-contiguous)
+    output: eager fills the mask in that layout. Loss and gradients under every policy equal eager's bit for bit."""
+    model, inputs, target, cap = setup("encoder")
+    assert any(n.target is BERNOULLI_STRIDED for n in cap.gm.graph.nodes)  # the draw that needs eager's layout
+    torch.manual_seed(5)
+    model.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(inputs[0]), target)
+    loss.backward()
+    eager = (loss, *[p.grad for p in model.parameters()])
+    costs = estimate(cap.graph, load_profile("v100-pcie-16gb"))
+    for name, (order, actions) in policies_for(cap.graph).items():
+        runner = StepRunner(cap, Simulator(cap.graph, costs).run(order, actions, trace=True).program)
+        torch.manual_seed(5)
+        got = runner(fresh_args(cap, model, inputs, target))
+        assert len(got) == len(eager) and all(torch.equal(a, b) for a, b in zip(eager, got)), name
 
 
 def test_a_policy_for_other_shapes_is_refused_saying_what_differs():
