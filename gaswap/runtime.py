@@ -496,7 +496,6 @@ class PolicyStep:
     def __init__(self, model, captured: Captured, program, autocast: str | None = None):
         self.model, self.captured = model, captured
         self.runners = _Runners(model, captured, program, autocast)
-        self.trainable = [p for p in model.parameters() if p.requires_grad]
 
     def __call__(self, *inputs_and_target):
         *inputs, target = inputs_and_target
@@ -505,7 +504,7 @@ class PolicyStep:
         del inputs, target, inputs_and_target  # a swapped-out input leaves only if the caller holds no reference
         with torch.autocast(device.type, enabled=False):
             loss, *grads = self.runners.on(device)(args)
-        for p, g in zip(self.trainable, grads):
+        for p, g in zip([p for p in self.model.parameters() if p.requires_grad], grads):
             p.grad = g if p.grad is None else p.grad + g
         return loss
 

@@ -193,6 +193,26 @@ def test_a_policy_whose_step_includes_the_loss_is_refused_naming_apply_step(tmp_
         gaswap.apply_step(model, save_policy(tmp_path, external, "external"), inputs, target)
 
 
+def test_a_module_wrapped_before_its_model_moves_runs_where_the_parameters_are(tmp_path):
+    """Wrapped while the model is on the meta device (as `apply` then `.cuda()` would be), the module runs on
+    the CPU once the model is there, bit for bit as one wrapped there; a batch on another device is refused."""
+    model, inputs, target, cap = setup("cnn")
+    path = save_policy(tmp_path, cap, "external")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    here = gaswap.apply(model, path, inputs)
+    reference = train(model, lambda: criterion(here(*inputs), target).backward())
+    with torch.device("meta"):
+        moved = MODELS["cnn"][0]()
+    module = gaswap.apply(moved, path, [x.to("meta") for x in inputs])
+    moved.to_empty(device="cpu")
+    moved.load_state_dict(state)
+    trained = train(moved, lambda: criterion(module(*inputs), target).backward())
+    assert all(torch.equal(a, b) for a, b in zip(reference, trained, strict=True))
+    with pytest.raises(PolicyError, match=r"input 0 is on meta, but the model's parameters are on cpu: move the "
+                                          r"batch to cpu"):
+        module(inputs[0].to("meta"))
+
+
 def test_other_shapes_are_refused_saying_which(tmp_path):
     model, inputs, _, cap = setup("cnn")
     path = save_policy(tmp_path, cap, "external")
