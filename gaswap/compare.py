@@ -35,12 +35,12 @@ from pathlib import Path
 import torch
 
 from gaswap import compiled, config, policy as policies, workflow
-from gaswap.baselines import simulate
 from gaswap.capture import _loss_fn, _output_tensor
 from gaswap.config import format_size
 from gaswap.encoding import Action, Chromosome, Encoding
 from gaswap.files import write_atomic
 from gaswap.measure import device_name, measure, resolve_device, use_cpu
+from gaswap.problem import Problem
 from gaswap.search import search
 
 TORCH_BUDGETS = (1.0, 0.5, 0.2)
@@ -83,12 +83,13 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), resul
     progress(f"{exp.name} on {device_name(device)}: capturing torch.compile's joint graph")
     graph = compiled.capture(model, *inputs, optimizer=exp.optimizer, counted=exp.counts)
     costs = measure(graph, device, cache_dir, threads=exp.costs.threads)
-    encoding = Encoding(graph, (Action.KEEP, Action.RECOMPUTE))
+    unbudgeted = Problem(graph, costs, None, actions=(Action.KEEP, Action.RECOMPUTE))
+    encoding = unbudgeted.encoding
     torch_points = {}
     for budget in TORCH_BUDGETS:
         _, actions = compiled.torch_partition(model, *inputs, budget=budget, optimizer=exp.optimizer, counted=exp.counts)
         chromosome = Chromosome(encoding.captured_keys(), _actions(encoding, actions))
-        torch_points[budget] = (chromosome, simulate(graph, costs, None, chromosome))
+        torch_points[budget] = (chromosome, unbudgeted.simulate(chromosome))
     ours = _search(exp, graph, costs, encoding, torch_points, below, progress)
     folder = Path(results_root) / exp.name
     resident = graph.resident_bytes()  # the meter measures above what is resident before a step
@@ -135,7 +136,7 @@ def _search(exp, graph, costs, encoding, torch_points, below, progress) -> list[
                                                       for f in below]
     out = []
     for label, budget in budgets:
-        result = search(graph, costs, space, exp.ga, budget, exp.seed, extra_seeds=seeds)
+        result = search(Problem(graph, costs, budget, space), exp.ga, exp.seed, seeds=seeds)
         progress(f"  gaswap search at {label}: " + ("nothing fits" if result.best is None else
                  f"{format_size(result.best.peak_bytes)}, {result.best.step_time * 1e3:.2f} ms predicted"))
         if result.best is not None:
