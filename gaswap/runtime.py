@@ -177,7 +177,7 @@ class _Codegen:
         self.taken = set(keyword.kwlist) | set(runner.nodes)  # node names are the locals of their values
         self.globals: dict[str, object] = {}
         self.global_of: dict[object, str] = {}  # value (or id of an unhashable one) -> its name in `globals`
-        self.swapped = {name for verb, name in runner.program if verb in (Verb.SWAP_OUT, Verb.SWAP_IN)}
+        self.sent = {name for verb, name in runner.program if verb == Verb.SWAP_OUT}  # copied to the host
         self.copies, self.args, self.state = self.fresh("copies"), self.fresh("args"), self.fresh("state")
         self.unused, self.started = self.fresh("unused"), self.fresh("started")
         self.constants = {name: self.constant(value, name) for name, value in runner.constants.items()}
@@ -313,15 +313,17 @@ class _Codegen:
         self.pending.add(name)
 
     def free(self, name: str) -> None:
-        """Drop `name` (the retired copy if there is one); compute first waits for copies that use it."""
+        """Drop `name` (the retired copy if there is one); compute first waits for the copies that use it."""
         if name in self.retired:
             local = self.retired.pop(name)
         else:
             local = self.present(name, "free")
             del self.live[name]
-        if name in self.swapped:
+            if name in self.pending:  # swapped in and never read: its copy must land before its memory goes
+                self.emit(f"{self.copies}.wait_for({name!r})")
+                self.pending.discard(name)
+        if name in self.sent:
             self.emit(f"{self.copies}.release({name!r})")
-            self.pending.discard(name)
         if name not in self.constants:
             self.emit(f"del {local}")
 
@@ -410,8 +412,8 @@ class _Copies:
     """One step's copies between the device and the runner's host buffers, ordered by the streams' events:
     a copy to the host waits for compute (the tensor has been made); a copy back is allocated on compute,
     then waits for compute (its memory may be some compute has just freed) and for the copy to the host;
-    compute waits for a copy back before reading it, and for every copy of a tensor before freeing it
-    (ordering the free, where `record_stream` would hold the memory until all queued copies are done)."""
+    compute waits for a copy back before reading or freeing it, and for a copy to the host before freeing
+    the tensor it reads."""
 
     def __init__(self, streams, host: dict[str, torch.Tensor]):
         self.streams, self.host = streams, host
@@ -443,10 +445,9 @@ class _Copies:
             self.streams.wait_event(self.streams.compute(), event)
 
     def release(self, name: str) -> None:
-        """Before the device copy of `name` is dropped: compute waits for the copies that read or write it."""
-        self.wait_for(name)
-        if name in self.saved:
-            self.streams.wait_event(self.streams.compute(), self.saved[name])
+        """Before a device copy of `name` is dropped: compute waits for its copy to the host (which reads it).
+        This orders the free, where `record_stream` would hold the memory until every copy queued is done."""
+        self.streams.wait_event(self.streams.compute(), self.saved[name])
 
     def finish(self) -> None:
         s = self.streams
