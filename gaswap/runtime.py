@@ -255,11 +255,15 @@ class _Codegen:
                 self.clock(self.r._times[k])
 
     def clock(self, times: list | None = None) -> None:
-        """Read the clock (with the device synchronized): start an instruction, or append its seconds to `times`."""
+        """Read the clock (the device synchronized): start an instruction, or append its seconds to `times`."""
         if self.r.device.type == "cuda":
-            self.emit(f"{self.constant(torch.cuda.synchronize, 'synchronize')}({self.constant(self.r.device, 'device')})")
+            sync, device = self.constant(torch.cuda.synchronize, "synchronize"), self.constant(self.r.device, "device")
+            self.emit(f"{sync}({device})")
         now = f"{self.constant(time.perf_counter, 'perf_counter')}()"
-        self.emit(f"{self.started} = {now}" if times is None else f"{self.constant(times, 'times')}.append({now} - {self.started})")
+        if times is None:
+            self.emit(f"{self.started} = {now}")
+        else:
+            self.emit(f"{self.constant(times, 'times')}.append({now} - {self.started})")
 
     def op(self, name: str) -> None:
         """Run (or re-run) an op: wait for inputs being copied in, rebuild the views it reads, call it, keep

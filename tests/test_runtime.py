@@ -140,7 +140,8 @@ def test_dropout_on_a_non_contiguous_tensor_draws_eagers_mask_under_every_policy
 def program_for(cap, name):
     """The program of one policy of `policies_for` (v100 estimates)."""
     order, actions = policies_for(cap.graph)[name]
-    return Simulator(cap.graph, estimate(cap.graph, load_profile("v100-pcie-16gb"))).run(order, actions, trace=True).program
+    costs = estimate(cap.graph, load_profile("v100-pcie-16gb"))
+    return Simulator(cap.graph, costs).run(order, actions, trace=True).program
 
 
 def plain_step(cap, model, inputs, target):
@@ -170,9 +171,13 @@ def _no_wait_on_h2d(monkeypatch):
                         lambda self, stream, event: None if stream is self.h2d else wait_event(self, stream, event))
 
 
+def _skip(method: str):
+    return lambda monkeypatch: monkeypatch.setattr(_Copies, method, lambda self, name: None)
+
+
 MISSING_WAITS = {  # a defect of the runtime's stream logic -> how to plant it, and the schedule that shows it
-    "free while the copy to the host may read": (lambda mp: mp.setattr(_Copies, "release", lambda self, name: None), ()),
-    "read before the copy to the device lands": (lambda mp: mp.setattr(_Copies, "wait_for", lambda self, name: None), ()),
+    "free while the copy to the host may read": (_skip("release"), ()),
+    "read before the copy to the device lands": (_skip("wait_for"), ()),
     "copy back before the host has the data": (_no_wait_on_h2d, ("h2d",)),
 }
 
