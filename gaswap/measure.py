@@ -142,13 +142,33 @@ def _by_signature(graph: Graph, op_time: dict[str, float]) -> dict[str, float]:
     return {signature: statistics.median(ts) for signature, ts in times.items()}
 
 
+class DeviceError(RuntimeError):
+    """The accelerator failed (e.g. a device-side assert): its context is unusable, so measuring stops."""
+
+
+def _is_device_error(e: Exception) -> bool:
+    """An error of the accelerator itself rather than of one op's arguments."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(e, accelerator_error):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and ("CUDA error" in text or "device-side assert" in text)
+
+
 def _measure_signature(signature: str, dev: torch.device, cache: CostCache, warmup: int, repeats: int) -> None:
     """Time one signature into the cache, or record why it cannot run standalone (out of memory is
-    not recorded: it may pass another time)."""
+    not recorded: it may pass another time). The device is synchronized inside the `try`, so an
+    asynchronous failure is charged to the op that caused it; an accelerator error is never cached and
+    stops the measurement (DeviceError): every later op would fail on the broken context."""
     try:
         cache.op_time[signature] = time_signature(signature, dev, warmup, repeats)
+        _sync(dev)
     except Exception as e:  # any failure of a standalone run: fall back to the roofline
         reason = f"{type(e).__name__}: {e}"[:500]
+        if _is_device_error(e):
+            cache.op_time.pop(signature, None)
+            raise DeviceError(f"the device failed while timing {signature[:200]} ({reason}); nothing was cached "
+                              f"for it, the figures measured before it were kept; run the measurement again") from e
         if not isinstance(e, torch.OutOfMemoryError):
             cache.failed[signature] = reason
         log.warning("cannot run %s standalone (%s); using a roofline estimate", signature[:200], reason)
@@ -292,11 +312,16 @@ def measure_link(device: str | torch.device = "auto", nbytes=LINK_BYTES, repeats
     return d2h, h2d
 
 
-def _copy_latency(dev: torch.device) -> float:
-    """Seconds one tiny host<->device copy takes: the fixed cost added to every copy."""
+def _copy_latency(dev: torch.device, warmup: int = 3, repeats: int = 21) -> float:
+    """Seconds one tiny host<->device copy takes, the fixed cost added to every copy: the median of copies
+    timed one at a time, each between two synchronizations (back-to-back copies would overlap their
+    latencies and measure throughput)."""
     host = torch.empty(1, pin_memory=dev.type == "cuda")
     on_device = torch.empty(1, device=dev)
-    return _median_time(lambda: host.copy_(on_device, non_blocking=True), dev, warmup=2, repeats=5)
+    copy = lambda: host.copy_(on_device, non_blocking=True)  # noqa: E731
+    for _ in range(warmup):
+        _timed(copy, 1, dev)
+    return statistics.median(_timed(copy, 1, dev) for _ in range(repeats))
 
 
 # --------------------------------------------------------------------------- timing ops in place
