@@ -55,7 +55,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from gaswap import graph as graphs
 from gaswap import policy as policies
-from gaswap.capture import OPTIMIZERS, _key, _make_op, _nbytes
+from gaswap.capture import _key, _make_op, _nbytes
+from gaswap.step import OPTIMIZER_STATE
 from gaswap.graph import Graph, Tensor
 from gaswap.policy import Policy, PolicyError
 
@@ -234,7 +235,7 @@ def _joint(gm: fx.GraphModule, num_fwd_outputs: int, static_indices, optimizer: 
                 tensors[name] = Tensor(name, tensors[name].size, "grad", tensors[name].producer)
     param_bytes = sum(t.size for t in tensors.values() if t.kind == "param")
     ops.sort(key=lambda op: op.phase != "fwd")
-    g = Graph(tuple(ops), tensors, resident={"optimizer_state": OPTIMIZERS[optimizer] * param_bytes},
+    g = Graph(tuple(ops), tensors, resident={"optimizer_state": OPTIMIZER_STATE[optimizer] * param_bytes},
               counted=frozenset(counted), loss=storage_of[fwd_outputs[0].name])
     return Joint(g, storage_of)
 
