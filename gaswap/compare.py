@@ -36,12 +36,12 @@ from pathlib import Path
 import torch
 
 from gaswap import compiled, config, policy as policies, workflow
-from gaswap.baselines import simulate
 from gaswap.capture import _loss_fn, _output_tensor
 from gaswap.config import format_size
 from gaswap.encoding import Action, Chromosome, Encoding
 from gaswap.files import write_atomic
 from gaswap.measure import device_name, measure, resolve_device, use_cpu
+from gaswap.problem import Problem
 from gaswap.search import search
 
 TORCH_BUDGETS = (1.0, 0.5, 0.2)
@@ -84,13 +84,15 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), resul
     progress(f"{exp.name} on {device_name(device)}: capturing torch.compile's joint graph")
     graph = compiled.capture(model, *inputs, optimizer=exp.optimizer, counted=exp.counts)
     costs = measure(graph, device, cache_dir, threads=exp.costs.threads)
-    encoding = Encoding(graph, (Action.KEEP, Action.RECOMPUTE))
+    space = config.load_search_space(compiled.SPACE)
+    unbounded = Problem(graph, costs, None, space)
+    encoding = unbounded.encoding
     torch_points = {}
     for budget in TORCH_BUDGETS:
         _, actions = compiled.torch_partition(model, *inputs, budget=budget, optimizer=exp.optimizer, counted=exp.counts)
         chromosome = Chromosome(encoding.captured_keys(), _actions(encoding, actions))
-        torch_points[budget] = (chromosome, simulate(graph, costs, None, chromosome))
-    ours = _search(exp, graph, costs, encoding, torch_points, below, progress)
+        torch_points[budget] = (chromosome, unbounded.simulate(chromosome))
+    ours = _search(exp, graph, costs, space, torch_points, below, progress)
     folder = Path(results_root) / exp.name
     resident = graph.resident_bytes()  # the meter measures above what is resident before a step
     eager, opt = _fresh(model, exp)
@@ -126,17 +128,16 @@ def _actions(encoding: Encoding, actions: dict[str, str]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _search(exp, graph, costs, encoding, torch_points, below, progress) -> list[tuple[str, object]]:
+def _search(exp, graph, costs, space, torch_points, below, progress) -> list[tuple[str, object]]:
     """gaswap's fastest policy at each distinct simulated peak of torch's partitions, and at `below` times
     the lowest of them: (label, Evaluated) pairs, skipping budgets where nothing fits."""
-    space = config.load_search_space(compiled.SPACE)
     seeds = {f"torch_{b:g}": c for b, (c, _) in torch_points.items()}
     peaks = sorted({r.peak_bytes for _, r in torch_points.values()}, reverse=True)
     budgets = [(format_size(p), p) for p in peaks] + [(f"{f:g}x {format_size(peaks[-1])}", int(f * peaks[-1]))
                                                       for f in below]
     out = []
     for label, budget in budgets:
-        result = search(graph, costs, space, exp.ga, budget, exp.seed, extra_seeds=seeds)
+        result = search(Problem(graph, costs, budget, space), exp.ga, exp.seed, seeds=seeds)
         progress(f"  gaswap search at {label}: " + ("nothing fits" if result.best is None else
                  f"{format_size(result.best.peak_bytes)}, {result.best.step_time * 1e3:.2f} ms predicted"))
         if result.best is not None:
