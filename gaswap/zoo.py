@@ -1,6 +1,6 @@
 """A small built-in model zoo (torch.nn only) and `resolve` for "module:callable" model paths.
 
-CNNs (alexnet, vgg16, resnet18/50, tiny_cnn, unet), an mlp and transformers (gpt, bert). Factories from
+CNNs (alexnet, vgg16, resnet18/50, tiny_cnn, unet), an mlp, an unrolled gru and transformers (gpt, bert). Factories from
 installed packages are named by path, e.g. "torchvision.models:resnet50"; `huggingface` builds a
 transformers model from its class name and config.
 """
@@ -157,6 +157,25 @@ def mlp(sizes: tuple[int, ...] = (32, 64, 64, 10), dropout: float = 0.0) -> nn.M
             if dropout:
                 layers.append(nn.Dropout(dropout))
     return nn.Sequential(*layers)
+
+
+class _UnrolledGRU(nn.Module):
+    def __init__(self, features: int, hidden: int, steps: int, num_classes: int):
+        super().__init__()
+        self.steps = steps
+        self.cell = nn.GRUCell(features, hidden)
+        self.head = nn.Linear(hidden, num_classes)
+
+    def forward(self, x):  # x: [batch, steps, features]
+        h = x.new_zeros(x.shape[0], self.cell.hidden_size)
+        for t in range(self.steps):
+            h = self.cell(x[:, t], h)
+        return self.head(h)
+
+
+def gru(features: int = 16, hidden: int = 32, steps: int = 24, num_classes: int = 10) -> nn.Module:
+    """A GRU cell unrolled over `steps` time steps (a graph of many small ops), then a linear head."""
+    return _UnrolledGRU(features, hidden, steps, num_classes)
 
 
 class _TinyCNN(nn.Module):
