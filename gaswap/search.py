@@ -1,6 +1,6 @@
 """NSGA-II over (step time, peak memory) with the memory budget as a constraint. No torch here.
 
-    population <- seeds (keep-all, recompute-all, swap-all, ...) + random chromosomes; evaluate
+    population <- seeds (the baselines: keep-all, Chen, DTR, knapsack...) + random chromosomes; evaluate
     repeat for each generation:
         parents   <- binary tournaments on (front rank, crowding distance)
         offspring <- crossover (cx_prob) then mutation (mut_prob) of parent pairs; evaluate the new ones
@@ -31,7 +31,8 @@ from dataclasses import asdict
 from deap import base, creator, tools
 
 from gaswap import checkpoint as checkpoints
-from gaswap.encoding import Action, Chromosome, Encoding, crossover, mutate
+from gaswap.baselines import BASELINES
+from gaswap.encoding import Chromosome, Encoding, crossover, mutate
 from gaswap.parallel import ProcessMap, serial_map
 from gaswap.problem import Evaluated, Generation, Problem, SearchResult
 
@@ -57,13 +58,12 @@ def objectives(e: Evaluated, budget: int) -> tuple[float, float]:
     return e.step_time, float(e.peak_bytes)
 
 
-def seed_policies(encoding: Encoding) -> dict[str, Chromosome]:
-    """The simple policies every search starts from (actions the search space forbids fall back to keep)."""
-    return {
-        "keep_all": encoding.uniform(Action.KEEP),
-        "recompute_all": encoding.uniform(Action.RECOMPUTE),
-        "swap_all": encoding.uniform(Action.SWAP),
-    }
+def seed_policies(problem: Problem) -> dict[str, Chromosome]:
+    """The policies every search starts from: the baselines of `gaswap.baselines` (keep-all, recompute-all,
+    swap-all, Chen's sqrt(n) and greedy checkpointing, DTR, torch's knapsack), computed for the problem's
+    budget; actions the search space forbids fall back to keep."""
+    graph, costs, budget = problem.graph, problem.costs, problem.budget
+    return {name: problem.restrict(baseline(graph, costs, budget)) for name, baseline in BASELINES.items()}
 
 
 class Search:
@@ -79,7 +79,7 @@ class Search:
         self.space, self.budget = problem.space, problem.budget
         self.rng = random.Random(seed)
         self.mu = max(4, -(-ga.population // 4) * 4)  # tournament pairs need a multiple of 4
-        self.seed_chromosomes = seed_policies(problem.encoding) | dict(seeds or {})
+        self.seed_chromosomes = seed_policies(problem) | dict(seeds or {})
         self.population: list = []  # DEAP individuals in selection order, crowding distances set
         self.archive: dict[Chromosome, Evaluated] = {}  # the feasible non-dominated points
         self.seeds: dict[str, Evaluated] = {}
