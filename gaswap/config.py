@@ -99,8 +99,8 @@ class GASettings:
     workers: int = 1  # processes evaluating individuals
     cx_prob: float = 0.9  # probability that a pair of parents is crossed over
     mut_prob: float = 0.5  # probability that a child is mutated
-    patience: int | None = None  # converged: stop when for this many generations neither the best feasible
-    #                              time nor the front's hypervolume improved by more than `tolerance`
+    patience: int | None = None  # converged: stop when a policy fits and for this many generations neither
+    #                              the best feasible time nor the hypervolume improved by more than `tolerance`
     tolerance: float = 0.0  # relative improvement that counts for `patience` (0.001 = 0.1 %)
     max_evaluations: int | None = None  # stop once this many policies were evaluated
     max_seconds: float | None = None  # stop once the search ran this long (resumed runs included)

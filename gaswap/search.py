@@ -109,8 +109,9 @@ class Search:
 
     def stopped_by(self) -> str | None:
         """What ends the search now, or None: "generations" (ga.generations done), "evaluations"
-        (ga.max_evaluations reached), "seconds" (ga.max_seconds spent) or "converged" (for ga.patience
-        generations neither the best feasible time nor the hypervolume improved by more than ga.tolerance)."""
+        (ga.max_evaluations reached), "seconds" (ga.max_seconds spent) or "converged" (a policy fits, and for
+        ga.patience generations neither the best feasible time nor the hypervolume improved by more than
+        ga.tolerance)."""
         ga = self.ga
         if self.generation >= ga.generations:
             return "generations"
@@ -118,7 +119,7 @@ class Search:
             return "evaluations"
         if ga.max_seconds is not None and self.seconds() >= ga.max_seconds:
             return "seconds"
-        if ga.patience and len(self.history) > ga.patience:
+        if ga.patience and len(self.history) > ga.patience and self.history[-1].best_time_s < math.inf:
             now, then = self.history[-1], self.history[-1 - ga.patience]
             faster = now.best_time_s < then.best_time_s * (1 - ga.tolerance)
             wider = now.hypervolume > then.hypervolume * (1 + ga.tolerance)
