@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from gaswap import config, milp
+from gaswap import config, milp, results
 from gaswap.baselines import BASELINES
 from gaswap.config import format_size
 from gaswap.encoding import Action
@@ -49,8 +49,10 @@ def run(experiment_path, budgets, *, results_root="results", cache_dir=None, tim
             if progress:
                 progress(row)
     folder = Path(results_root) / experiment.name
-    write_atomic(folder / "bench.csv", to_csv(rows))
-    write_atomic(folder / "bench.md", to_markdown(rows, experiment.name))
+    with results.locked(folder):  # not while a search replaces the folder
+        results.recover(folder)
+        write_atomic(folder / "bench.csv", to_csv(rows))
+        write_atomic(folder / "bench.md", to_markdown(rows, experiment.name))
     return rows
 
 

@@ -350,7 +350,7 @@ def test_cli_refusals_exit_4_before_capturing_anything(tmp_path, capsys):
     assert "'alexnet_4gb' (experiments/alexnet_4gb.yaml)" in err and f"not of 'exp' ({path})" in err
     assert "--force" in err
     path.write_text(EXPERIMENT.replace("seed: 3", "name: ..\nseed: 3"))
-    assert main(args) == 2 and "cannot name a results folder" in capsys.readouterr().err
+    assert main(args) == 2 and "not starting with '.'" in capsys.readouterr().err
 
 
 # --- a real process, a real Ctrl-C ---------------------------------------------------------------------------
