@@ -25,6 +25,7 @@ from gaswap.step import AUTOCAST, DEFAULT_LOSS, DEFAULT_OPTIMIZER, LOSSES, NO_TA
 DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "bool")
 INT_DTYPES = ("int64", "int32")  # dtypes whose random values need an exclusive upper bound `high`
 COST_SOURCES = ("estimate", "measure")
+EXECUTORS = ("processes", "dask")  # where a search's evaluations run (gaswap.parallel.executor)
 DEVICES = ("auto", "cpu", "cuda")
 ACTIONS = ("keep", "swap", "recompute")
 CROSSOVERS = ("uniform", "two_point")
@@ -346,6 +347,10 @@ class GASettings:
     max_evaluations: int | None = key(_optional(_POSITIVE), "stop once this many policies were evaluated", None)
     max_seconds: float | None = key(_optional(_number(0, math.inf, "a non-negative number of seconds")),
                                     "stop once the search ran this long (resumed runs included)", None)
+    executor: str = key(_choice(EXECUTORS), "where evaluations run: `processes` (`workers` on this machine) or "
+                        "`dask` (a Dask distributed cluster; needs `pip install 'dask[distributed]'`)", "processes")
+    address: str | None = key(_optional(_string), "with `executor: dask`, the scheduler's address "
+                              "(tcp://host:8786); none: a local cluster of `workers` processes", None)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from deap import base, creator, tools
 from gaswap import checkpoint as checkpoints
 from gaswap.baselines import BASELINES
 from gaswap.encoding import Chromosome, Encoding, crossover, mutate
-from gaswap.parallel import ProcessMap, serial_map
+from gaswap.parallel import executor, serial_map
 from gaswap.problem import Evaluated, Generation, Problem, SearchResult
 
 INFEASIBLE = 1e9  # objective offset of policies that break the budget
@@ -226,7 +226,7 @@ class Search:
 def search(problem: Problem, ga, seed: int, *, seeds: dict[str, Chromosome] | None = None, on_generation=None,
            checkpoint=None, resume: bool = False, stop=None, about: dict | None = None,
            checkpoint_seconds: float = CHECKPOINT_SECONDS) -> SearchResult:
-    """Run a `Search` on `problem` to its end; `ga.workers` processes evaluate.
+    """Run a `Search` on `problem` to its end, evaluating with the map `ga` asks for (`parallel.executor`).
 
     `on_generation(record)` is called after each generation with its `Generation`.
     `checkpoint` (a path): the state is written there after the initial population, then after a generation
@@ -237,7 +237,7 @@ def search(problem: Problem, ga, seed: int, *, seeds: dict[str, Chromosome] | No
     search ends. `stop()` is asked before each generation: True ends the search there, with `complete`
     False. `about` (plain data) is stored in the checkpoint to say what it belongs to.
     """
-    with (ProcessMap(ga.workers) if ga.workers > 1 else _Serial()) as pmap:
+    with executor(ga) as pmap:
         s = Search(problem, ga, seed, seeds=seeds, map=pmap)
         key = None
         if checkpoint is not None:
@@ -274,19 +274,6 @@ def search(problem: Problem, ga, seed: int, *, seeds: dict[str, Chromosome] | No
         if unsaved:
             save()
         return s.result()
-
-
-class _Serial:
-    """`serial_map` as a context manager, like ProcessMap."""
-
-    def __call__(self, func, items) -> list:
-        return serial_map(func, items)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
 
 
 def _plain(e: Evaluated) -> list:
