@@ -1,6 +1,6 @@
 """How the search scales with the graph: GPT stacks of growing depth, searched to convergence on one core.
 
-    PYTHONPATH=. python scripts/scaling.py [--layers 6,12,24] [--seeds 1]
+    PYTHONPATH=. python scripts/scaling.py [--layers 12,24] [--seeds 1]
 
 For each depth: a GPT decoder (width 768, 12 heads, seq 1024, batch 8, Adam, A100 roofline costs) under
 0.4x its keep-all peak, searched in the hybrid space (population 64) until it converges (no 0.1 %
@@ -38,7 +38,7 @@ def gpt_stack(layers: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", default="6,12,24", help="comma-separated depths")
+    parser.add_argument("--layers", default="12,24", help="comma-separated depths")
     parser.add_argument("--seeds", type=int, default=1, help="searches per depth (seeds 0..n-1)")
     args = parser.parse_args()
     ga = GASettings(population=64, generations=300, patience=20, tolerance=0.001)
