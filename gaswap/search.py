@@ -1,6 +1,6 @@
 """NSGA-II over (step time, peak memory) with the memory budget as a constraint. No torch here.
 
-    population <- seeds (the baselines: keep-all, Chen, DTR, knapsack...) + random chromosomes; evaluate
+    population <- seeds (keep-all, recompute-all, swap-all, baselines that fit) + random chromosomes; evaluate
     repeat for each generation:
         parents   <- binary tournaments on (front rank, crowding distance)
         offspring <- crossover (cx_prob) then mutation (mut_prob) of parent pairs; evaluate the new ones
@@ -37,6 +37,7 @@ from gaswap.parallel import executor, serial_map
 from gaswap.problem import Evaluated, Generation, Problem, SearchResult
 
 INFEASIBLE = 1e9  # objective offset of policies that break the budget
+SIMPLE_SEEDS = ("keep_all", "recompute_all", "swap_all")  # always in the initial population
 CHECKPOINT_SECONDS = 30.0  # at most one checkpoint per this many seconds while a search runs
 
 
@@ -59,11 +60,18 @@ def objectives(e: Evaluated, budget: int) -> tuple[float, float]:
 
 
 def seed_policies(problem: Problem) -> dict[str, Chromosome]:
-    """The policies every search starts from: the baselines of `gaswap.baselines` (keep-all, recompute-all,
-    swap-all, Chen's sqrt(n) and greedy checkpointing, DTR, torch's knapsack), computed for the problem's
-    budget; actions the search space forbids fall back to keep."""
+    """The policies every search starts from: keep-all, recompute-all and swap-all, and those other baselines
+    of `gaswap.baselines` (Chen's sqrt(n) and greedy checkpointing, DTR, torch's knapsack) that fit the
+    problem's budget; actions the search space forbids fall back to keep. Baselines over the budget are left
+    out: they crowd the population (on a 12-layer GPT at 0.4x, where none fits, seeding all of them gave
+    +29.4 % instead of +20.9 % after 100 generations)."""
     graph, costs, budget = problem.graph, problem.costs, problem.budget
-    return {name: problem.restrict(baseline(graph, costs, budget)) for name, baseline in BASELINES.items()}
+    seeds = {}
+    for name, baseline in BASELINES.items():
+        c = problem.restrict(baseline(graph, costs, budget))
+        if name in SIMPLE_SEEDS or problem.evaluate(c).feasible(budget):
+            seeds[name] = c
+    return seeds
 
 
 class Search:
@@ -79,7 +87,9 @@ class Search:
         self.space, self.budget = problem.space, problem.budget
         self.rng = random.Random(seed)
         self.mu = max(4, -(-ga.population // 4) * 4)  # tournament pairs need a multiple of 4
-        self.seed_chromosomes = seed_policies(problem) | dict(seeds or {})
+        chosen = seed_policies(problem) | dict(seeds or {})  # baselines first, in BASELINES' order
+        rank = {name: k for k, name in enumerate(BASELINES)}
+        self.seed_chromosomes = dict(sorted(chosen.items(), key=lambda item: rank.get(item[0], len(rank))))
         self.population: list = []  # DEAP individuals in selection order, crowding distances set
         self.archive: dict[Chromosome, Evaluated] = {}  # the feasible non-dominated points
         self.seeds: dict[str, Evaluated] = {}
