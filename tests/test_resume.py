@@ -355,6 +355,7 @@ def test_cli_refusals_exit_4_before_capturing_anything(tmp_path, capsys):
 
 # --- a real process, a real Ctrl-C ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_ctrl_c_on_a_real_search_then_resume(tmp_path):
     """SIGINT to the process group of `python -m gaswap search` with two workers, as a terminal's Ctrl-C."""
     path = tmp_path / "mlp.yaml"

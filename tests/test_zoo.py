@@ -20,6 +20,8 @@ from gaswap.encoding import Action, Encoding
 from gaswap.simulator import Simulator, lower_bound
 from helpers import unit_costs
 
+pytestmark = pytest.mark.slow  # real models captured end to end: `pytest -m "not slow"` skips them
+
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ["vgg16_12gb", "resnet50_8gb", "gpt2_small_0.4x", "bert_base_12gb", "unet_10gb", "gpt_tiny_cpu",
            "unet_tiny_cpu"]
