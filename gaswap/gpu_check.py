@@ -105,7 +105,7 @@ def check_experiment(path: str | Path, work: Path, steps: int, device: str = "cu
     started = time.monotonic()
     prepared = workflow.prepare(exp, cache_dir=work / "cache")
     measured_s = time.monotonic() - started
-    result, summary = workflow.run_search(prepared, work / "results" / exp.name, force=True)
+    result, _ = workflow.run_search(prepared, work / "results" / exp.name, force=True)
     policy = work / "results" / exp.name / "policy.yaml"
     validation = validate.validate(policy, steps=steps, device=device)
     memory = memory_run(policy, steps=3, device=device)
@@ -165,7 +165,8 @@ def memory_run(policy_path: str | Path, steps: int = 3, device: str = "cuda") ->
             target = workflow.output_gradient(captured, dev, exp.seed)
         args = captured.arguments(model, inputs, target)
         del inputs, target
-        held = [a for (_, kind, _), a in zip(captured.placeholders, args) if kind != "param" or "parameters" in exp.counts]
+        held = [a for (_, kind, _), a in zip(captured.placeholders, args)
+                if kind != "param" or "parameters" in exp.counts]
         if "optimizer_state" in exp.counts:
             held += [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         with DeviceMemory(dev) as memory:
@@ -189,8 +190,8 @@ def memory_run(policy_path: str | Path, steps: int = 3, device: str = "cuda") ->
         _record_history(False)
         recorded = allocator.replay_recorded(trace)
     predicted = allocator.replay(captured.graph, policy, optimizer=exp.optimizer)  # the program the runner ran
-    pairs = (("requested", "requested_bytes", predicted.requested), ("allocated", "allocated_bytes", predicted.allocated),
-             ("reserved", "reserved_bytes", predicted.reserved),
+    pairs = (("requested", "requested_bytes", predicted.requested),
+             ("allocated", "allocated_bytes", predicted.allocated), ("reserved", "reserved_bytes", predicted.reserved),
              ("optimizer_step", "optimizer_step_allocated_bytes", predicted.optimizer_step))
     ratios = {k: figures[m] / v for k, m, v in pairs if v}
     return {"measured": figures, "predicted": predicted.as_dict(), "ratios": ratios, "recorded_replay": recorded,
