@@ -50,13 +50,11 @@ from torch.utils.flop_counter import flop_registry
 
 from . import graph
 from .graph import Graph, Op, Tensor
+from .step import AUTOCAST, LOSSES, OPTIMIZER_STATE  # noqa: F401  (LOSSES: the losses `capture` takes)
 
 if not hasattr(fx_traceback, "annotate"):
     raise ImportError(f"gaswap.capture needs torch >= 2.10 (torch.fx.traceback.annotate); found {torch.__version__}")
 
-LOSSES = ("cross_entropy", "mse", "sum", "external")
-AUTOCAST = ("bfloat16", "float16")  # mixed-precision dtypes of `capture(autocast=...)`
-OPTIMIZERS = {"sgd": 0, "sgd_momentum": 1, "adam": 2}  # optimizer state, in multiples of parameter bytes
 
 
 class CaptureError(Exception):
@@ -199,8 +197,8 @@ def capture(
     """
     if loss not in LOSSES:
         raise ValueError(f"unknown loss {loss!r}: expected one of {LOSSES}")
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {optimizer!r}: expected one of {sorted(OPTIMIZERS)}")
+    if optimizer not in OPTIMIZER_STATE:
+        raise ValueError(f"unknown optimizer {optimizer!r}: expected one of {sorted(OPTIMIZER_STATE)}")
     if autocast not in (None, *AUTOCAST):
         raise ValueError(f"unknown autocast dtype {autocast!r}: expected one of {AUTOCAST} or None")
     start = time.perf_counter()
@@ -533,7 +531,7 @@ def _build_graph(gm: fx.GraphModule, placeholders, optimizer: str, counted) -> G
     return Graph(
         tuple(ops),
         tensors,
-        resident={"optimizer_state": OPTIMIZERS[optimizer] * param_bytes},
+        resident={"optimizer_state": OPTIMIZER_STATE[optimizer] * param_bytes},
         counted=frozenset(counted),
         loss=storage[_key(loss_node.meta["val"])],
     )

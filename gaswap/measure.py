@@ -113,6 +113,7 @@ def measure(graph: Graph, device: str = "auto", cache_dir=None, *, progress=None
     name = device_name(dev)
     cache = CostCache(name, torch.__version__, cache_dir, timing="in place" if in_place else "standalone")
     todo = sorted({op.signature for op in graph.ops} - cache.op_time.keys() - cache.failed.keys())
+    warm = not todo and cache.link is not None  # nothing to measure: a read-only cache is fine
     report = _reporter(progress, len(todo))
     try:
         if in_place and todo:
@@ -127,7 +128,8 @@ def measure(graph: Graph, device: str = "auto", cache_dir=None, *, progress=None
             d2h, h2d = measure_link(dev)
             cache.link = {"d2h": d2h, "h2d": h2d, "latency": _copy_latency(dev)}
     finally:
-        cache.save()
+        if not warm:
+            cache.save()
     return _costs(graph, cache, name, _fallback_profile(name), measured=len(todo), copies_overlap=dev.type != "cpu")
 
 

@@ -19,9 +19,11 @@ from matplotlib.figure import Figure
 
 from gaswap import policy as policies
 from gaswap.config import format_size
-from gaswap.encoding import Action, Encoding
+from gaswap.encoding import Action
 from gaswap.graph import Graph
-from gaswap.simulator import CATEGORIES, SimResult, Simulator
+from gaswap.program import Verb
+from gaswap.problem import Problem
+from gaswap.simulator import CATEGORIES, SimResult
 
 MIB, GIB = 2**20, 2**30
 _DEEP = sns.color_palette("deep")
@@ -248,12 +250,10 @@ def replay(folder: str | Path, policy: str = "policy.yaml", *, cache_dir=None) -
     prepared = workflow.prepare(config.load_experiment(_experiment_file(result)), cache_dir=cache_dir)
     graph = prepared.graph
     chosen = policies.load(result.folder / policy, graph)
-    encoding = Encoding(graph)
-    keep = encoding.uniform(Action.KEEP)
-    sim = Simulator(graph, prepared.costs, result.budget_bytes)
-    return Replay(result, graph, chosen, Path(policy).name,
-                  sim.run(chosen.order_indices(graph), chosen.action_codes(encoding.candidates), trace=True),
-                  sim.run(encoding.decode(keep.keys), keep.actions, trace=True))
+    problem = Problem(graph, prepared.costs, result.budget_bytes)
+    order, actions = chosen.order_indices(graph), chosen.action_codes(problem.encoding.candidates)
+    return Replay(result, graph, chosen, Path(policy).name, problem.simulator.run(order, actions, trace=True),
+                  problem.simulate(problem.encoding.uniform(Action.KEEP), trace=True))
 
 
 def _experiment_file(result: Result) -> Path:
@@ -310,7 +310,7 @@ def _levels(run: SimResult) -> pd.DataFrame:
 def _backward_start(run: SimResult, graph: Graph) -> float:
     """When the first backward op starts (ms)."""
     backward = {op.name for op in graph.ops if op.phase == "bwd"}
-    return min(e.start for e in run.timeline if e.kind == "op" and e.name in backward) * 1e3
+    return min(e.start for e in run.timeline if e.kind == Verb.RUN and e.name in backward) * 1e3
 
 
 def _streams(ax, run: SimResult) -> None:

@@ -23,6 +23,7 @@ from gaswap.capture import Captured, capture, tensor_outputs
 from gaswap.graph import COUNTABLE
 from gaswap.memory import host_memory
 from gaswap.policy import Policy, PolicyError
+from gaswap.step import DEFAULT_LOSS, DEFAULT_OPTIMIZER
 
 
 class ProgramError(RuntimeError):
@@ -337,8 +338,10 @@ def apply(model, policy_path, example_inputs, *, device=None) -> PolicyModule:
     """`model` as a module whose training steps run under the policy file at `policy_path`, which must have
     been searched with `loss: external`: use it in place of the model (`criterion(module(x), y).backward()`).
 
-    `example_inputs` (a tensor or a tuple) fix the shapes and dtypes: they must be those the policy was
-    searched for, else the policy is refused with a message saying what differs.
+    `example_inputs` is one batch of the model's forward inputs: a tensor, or a tuple of tensors for a forward
+    taking several positional inputs (e.g. `(ids, attention_mask)`), as the experiment's `inputs` describe them
+    at its `batch_size`. Only their shapes and dtypes are used (to capture the step; values do not matter): they
+    must be those the policy was searched for, else the policy is refused with a message saying what differs.
     """
     policy, captured = _load(model, policy_path, example_inputs, None, external=True)
     return PolicyModule(model, captured, policy.program, device or next(model.parameters()).device,
@@ -362,7 +365,7 @@ def _load(model, policy_path, example_inputs, example_target, *, external: bool)
     if not policy.program:
         raise PolicyError(f"{policy_path}: the policy has no program; re-run the search that made it")
     prov = policy.provenance
-    loss = prov.get("loss", "cross_entropy")
+    loss = prov.get("loss", DEFAULT_LOSS)  # a policy without provenance: the experiment file's defaults
     if external and loss != "external":
         raise PolicyError(f"{policy_path}: the policy's step includes the loss ({loss}), so it cannot run as a "
                           f"module; use gaswap.apply_step(model, policy, inputs, target), or search a policy "
@@ -371,7 +374,7 @@ def _load(model, policy_path, example_inputs, example_target, *, external: bool)
         raise PolicyError(f"{policy_path}: the policy was searched with `loss: external` (the loss is computed "
                           f"outside its step); use gaswap.apply(model, policy, inputs), which returns a module")
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
-    captured = capture(model, inputs, example_target, loss, optimizer=prov.get("optimizer", "sgd_momentum"),
+    captured = capture(model, inputs, example_target, loss, optimizer=prov.get("optimizer", DEFAULT_OPTIMIZER),
                        counted=prov.get("counts", COUNTABLE), autocast=prov.get("autocast"))
-    policies.check_matches(policy, captured.graph, policy_path)
+    policies.check_matches(policy, captured.graph, policy_path, torch_version=torch.__version__)
     return policy, captured

@@ -7,7 +7,9 @@ transformers model from its class name and config.
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -362,15 +364,34 @@ def huggingface(architecture: str, **config) -> nn.Module:
     "GPT2LMHeadModel", "BertForMaskedLM"), the other arguments its config (e.g. n_layer=2; add
     attn_implementation="eager" for attention written out rather than fused). Needs `transformers`;
     the model returns a ModelOutput, whose logits `capture` reads."""
-    model_class = getattr(importlib.import_module("transformers"), architecture)
+    model_class = getattr(importlib.import_module("transformers"), str(architecture), None)
+    if not (inspect.isclass(model_class) and issubclass(model_class, nn.Module) and hasattr(model_class, "config_class")):
+        raise ValueError(f"huggingface: {architecture!r} is not a transformers model class")
     return model_class(model_class.config_class(**config))
 
 
+# Packages whose functions load or run things (pickles, hub code, shell commands) rather than build a model:
+# a factory may not be one of them, whatever it is called. Python's standard library is refused as a whole.
+NOT_FACTORIES = ("torch", "numpy", "yaml", "pickle", "dill", "cloudpickle", "joblib", "pandas", "scipy")
+# The zoo's factories: the only functions of gaswap a factory may name, and the only factories a policy file
+# may have validate and plot build without the user naming the experiment (see `shipped`).
+MODELS = ("alexnet", "vgg16", "resnet18", "resnet50", "mlp", "tiny_cnn", "gpt", "bert", "unet", "huggingface")
+
+
 def resolve(path: str):
-    """Import "package.module:callable" (e.g. "gaswap.zoo:alexnet") and return the callable."""
+    """Import "package.module:callable" (e.g. "gaswap.zoo:alexnet") and return the model factory it names.
+
+    A factory is a class deriving from `torch.nn.Module`, or a Python function (it must return a Module;
+    `check_model` checks what it returned). Python's standard library and builtins are refused before anything
+    is imported, and so are functions living in NOT_FACTORIES (torch's Module classes are fine): neither
+    `os:system`, `subprocess:run`, `builtins:exec` nor `torch:load` ever runs. Any other function is code the
+    experiment file's author chose: an experiment file is trusted as a script is (see the README's trust model).
+    """
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"model path {path!r} must look like 'package.module:callable'")
+    if _standard(module_name):
+        raise ValueError(f"model path {path!r}: {module_name!r} is Python's standard library, not a model factory")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -380,6 +401,33 @@ def resolve(path: str):
         if not hasattr(obj, part):
             raise ValueError(f"model path {path!r}: module {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"model path {path!r}: {attr!r} is not callable")
+    if inspect.isclass(obj):
+        if not issubclass(obj, nn.Module):
+            raise ValueError(f"model path {path!r}: class {obj.__qualname__} is not a torch.nn.Module")
+        return obj
+    home = getattr(obj, "__module__", None) or ""
+    ours = home.split(".")[0] == "gaswap"
+    if (not inspect.isfunction(obj) or _standard(home) or home.split(".")[0] in NOT_FACTORIES
+            or (ours and (home, obj.__name__) not in [(__name__, m) for m in MODELS])):
+        what = f"a function of {home!r}" if inspect.isfunction(obj) else f"a {type(obj).__name__}"
+        raise ValueError(f"model path {path!r}: {attr!r} is {what}, not a model factory (a class deriving from "
+                         f"torch.nn.Module, or a function of your own returning one)")
     return obj
+
+
+def shipped(path: str) -> bool:
+    """Whether `path` names one of the zoo's own factories ("gaswap.zoo:gpt"): code that ships with gaswap."""
+    return path in {f"{__name__}:{m}" for m in MODELS}
+
+
+def check_model(path: str, model) -> nn.Module:
+    """`model` if the factory at `path` returned a torch.nn.Module, else ValueError saying what it returned."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model path {path!r} returned a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def _standard(module_name: str) -> bool:
+    """Whether `module_name` belongs to Python's standard library (builtins included)."""
+    top = module_name.split(".")[0]
+    return top in sys.stdlib_module_names or top in sys.builtin_module_names
