@@ -33,6 +33,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from gaswap.graph import Graph
+from gaswap.problem import Evaluated, Problem
 from gaswap.program import Verb
 
 MIN_BLOCK = 512  # kMinBlockSize: every request is rounded to a multiple of this
@@ -477,21 +478,25 @@ def predict(simulator, order, actions, **options) -> AllocatorPeaks:
     return replay(simulator.graph, result, **options)
 
 
-class ReservedSimulator:
-    """A drop-in for `Simulator` whose `run` reports the allocator model's reserved peak as `peak_bytes`,
-    so that a search (or a Problem's evaluation) targets what the process reserves. Each evaluation is a
-    traced simulation plus a replay: several times slower than `Simulator.run`."""
+class ReservedProblem(Problem):
+    """A `Problem` whose peak objective, and so its budget constraint, is the allocator model's reserved peak:
+    `search(ReservedProblem(graph, costs, budget, space), ...)` targets what the process may reserve.
+    `options` go to `replay` (default one step). Each evaluation is a traced simulation plus a replay:
+    several times slower than `Problem.evaluate`."""
 
-    def __init__(self, simulator, **options):
-        self.simulator = simulator
-        self.graph = simulator.graph
+    def __init__(self, graph: Graph, costs, budget: int | None = None, space=None, *, actions=None, **options):
+        super().__init__(graph, costs, budget, space, actions=actions)
         self.options = {"steps": 1} | options
 
-    def run(self, order, actions, *, trace: bool = False):
-        from dataclasses import replace
+    def __getstate__(self) -> dict:
+        return super().__getstate__() | {"options": self.options}
 
-        result = self.simulator.run(order, actions, trace=True)
-        if not result.valid:
-            return result
-        peaks = replay(self.graph, result, **self.options)
-        return replace(result, peak_bytes=peaks.reserved)
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["graph"], state["costs"], state["budget"], state["space"], actions=state["actions"],
+                      **state["options"])
+
+    def evaluate(self, c) -> Evaluated:
+        r = self.simulate(c, trace=True)
+        if not r.valid:
+            return Evaluated(c, r.step_time, r.peak_bytes, False)
+        return Evaluated(c, r.step_time, replay(self.graph, r, **self.options).reserved, True)
