@@ -381,6 +381,8 @@ def step_events(graph: Graph, result, *, swap_in_stream: str = "compute", swap_o
     retired: dict[str, int] = {}  # swapped-out device copies waiting for their copy to the host
     early: set[str] = set()  # retired copies already freed (record_stream): skip their `free`
     d2h_queued = 0.0  # when the d2h work issued so far ends
+    timed = bool(getattr(result, "timeline", ()))
+    landed = {} if timed else _landing_positions(result.program)
     for at, ((verb, name), (start, end)) in enumerate(zip(result.program, _instruction_times(result))):
         if verb in (Verb.RUN, Verb.RECOMPUTE):
             for t in outputs[name]:
@@ -395,7 +397,7 @@ def step_events(graph: Graph, result, *, swap_in_stream: str = "compute", swap_o
             d2h_queued = max(d2h_queued, end)
         elif verb == Verb.RETIRE:  # the device copy waits for its copy to the host; a swap-in may come first
             if swap_out_free == "record_stream":
-                free(live.pop(name), d2h_queued)
+                free(live.pop(name), d2h_queued if timed else landed[at])
                 early.add(name)
             else:
                 retired[name] = live.pop(name)
@@ -454,9 +456,9 @@ def _optimizer_state(graph: Graph) -> list[int]:
 def _instruction_times(result) -> list[tuple[float, float]]:
     """(start, end) of each instruction of a traced SimResult: run/recompute/swap_out/swap_in take their
     timeline event's (both are appended together, in the same order); free/retire the time reached so far.
-    A program without a timeline (a policy file's) gets time 0 throughout: frees then wait for nothing."""
+    A program without a timeline (a policy file's) gets its positions as times (see `_landing_positions`)."""
     if not getattr(result, "timeline", ()):
-        return [(0.0, 0.0)] * len(result.program)
+        return [(float(k), float(k)) for k in range(len(result.program))]
     events = iter([e for e in result.timeline if e.kind != "wait"])
     now, out = 0.0, []
     for verb, _ in result.program:
@@ -468,6 +470,18 @@ def _instruction_times(result) -> list[tuple[float, float]]:
         else:
             out.append((now, now))
     return out
+
+
+def _landing_positions(program) -> dict[int, float]:
+    """For a program without a timeline: the position of each `retire`'s matching `free` (the simulator issues
+    it once the copy to the host has landed), used as the time a record_stream-freed block becomes reusable."""
+    out, waiting = {}, {}
+    for k, (verb, name) in enumerate(program):
+        if verb == Verb.RETIRE:
+            waiting[name] = k
+        elif verb == Verb.FREE and name in waiting:
+            out[waiting.pop(name)] = float(k)
+    return out | {k: float(len(program)) for k in waiting.values()}
 
 
 def predict(simulator, order, actions, **options) -> AllocatorPeaks:

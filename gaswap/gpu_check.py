@@ -194,7 +194,12 @@ def memory_run(policy_path: str | Path, steps: int = 3, device: str = "cuda") ->
              ("allocated", "allocated_bytes", predicted.allocated), ("reserved", "reserved_bytes", predicted.reserved),
              ("optimizer_step", "optimizer_step_allocated_bytes", predicted.optimizer_step))
     ratios = {k: figures[m] / v for k, m, v in pairs if v}
+    # the same program with swap-ins allocated on the h2d stream and frees by record_stream (the runtime before
+    # issue 16's fixes): which of the two the GPU matches says which runtime ran
+    older = allocator.replay(captured.graph, policy, optimizer=exp.optimizer, swap_in_stream="h2d",
+                             swap_out_free="record_stream")
     return {"measured": figures, "predicted": predicted.as_dict(), "ratios": ratios, "recorded_replay": recorded,
+            "predicted_h2d_record_stream": older.as_dict(),
             "note": "measured allocated/reserved also hold what the model leaves out (cuBLAS/cuDNN workspaces); "
                     "optimizer step: absolute allocated peak, predicted: the model's allocated peak then"}
 

@@ -194,3 +194,18 @@ def test_a_recorded_trace_replays_to_the_gpus_own_segments():
     replayed = replay_recorded(trace)
     assert replayed["gpu"] == {"reserved": 28 * MiB, "segments": 3}
     assert replayed["model"] == {"allocated": 14 * MiB + 1800 * KiB, "reserved": 28 * MiB, "segments": 3}
+
+
+def test_a_policy_files_program_replays_without_a_timeline():
+    from types import SimpleNamespace
+
+    graph, sim, encoding = _setup(size=12 * MiB)
+    c = encoding.uniform(Action.SWAP)
+    result = sim.run(encoding.decode(c.keys), c.actions, trace=True)
+    bare = SimpleNamespace(program=tuple((str(v), n) for v, n in result.program), predicted={"peak_bytes": 1})
+    for options in ({}, {"swap_in_stream": "h2d"}):  # frees at `free`: time plays no part, same peaks
+        timed, untimed = replay(graph, result, **options), replay(graph, bare, **options)
+        assert (untimed.requested, untimed.reserved) == (timed.requested, timed.reserved) and untimed.simulated == 1
+    # record_stream: a retired block comes back at its `free` (untimed) or when the d2h queue drains (timed)
+    untimed = replay(graph, bare, swap_out_free="record_stream")
+    assert untimed.reserved >= replay(graph, bare).reserved
