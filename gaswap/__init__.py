@@ -5,9 +5,11 @@ One flat package in three layers; a module imports only from its own layer or th
 
 - the floor: `program` (Action, Verb, Instruction: the vocabulary every module speaks) and `files`;
 - the torch-free planning core: `graph`, `costs`, `encoding`, `simulator`, `problem` (Problem, Evaluated,
-  SearchResult), `parallel`, `checkpoint`, `search`, `baselines`, `milp`, `policy`;
-- the torch side: `capture`, `measure`, `memory`, `runtime`, `zoo` (and any module not named here);
-- the application: `config`, `results`, `workflow`, `validate`, `report`, `bench`, `speed`, `cli`.
+  SearchResult), `parallel`, `checkpoint`, `search`, `baselines`, `milp`, `policy`, `allocator` (the CUDA
+  caching allocator's model);
+- the torch side: `capture`, `measure`, `memory`, `runtime`, `zoo`, `arena` (and any module not named here);
+- the application: `config`, `results`, `workflow`, `validate`, `report`, `bench`, `speed`, `cli`,
+  `gpu_memory`, `gpu_check`.
 
 A flat package rather than sub-packages: every import path users and notebooks know (`gaswap.search`,
 `gaswap.policy`, ...) stays, and the layers are enforced by a test instead of by folders.

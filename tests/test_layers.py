@@ -8,8 +8,9 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "gaswap"
 FLOOR = {"program", "files"}
 CORE = {"graph", "costs", "encoding", "simulator", "problem", "parallel", "checkpoint", "search", "baselines",
-        "milp", "policy"}
-APPLICATION = {"config", "results", "workflow", "validate", "report", "bench", "speed", "cli", "__main__"}
+        "milp", "policy", "allocator"}
+APPLICATION = {"config", "results", "workflow", "validate", "report", "bench", "speed", "cli", "__main__",
+               "gpu_memory", "gpu_check"}
 
 
 def layer(module: str) -> int:
