@@ -11,8 +11,9 @@ constants from `c10/core/CachingDeviceAllocator.h`):
   small request, kLargeBuffer = 20 MiB for a request under kMinLargeAlloc = 10 MiB, else the request
   rounded up to kRoundLarge = 2 MiB;
 - a cached block is chosen best-fit: the smallest free block of the same pool *and stream* that is large
-  enough (ties: the lower address); `max_split_size` (default unlimited) keeps blocks at or above it
-  whole, and such a block serves only requests within `max_non_split_rounding` (default 20 MiB) of it;
+  enough (ties: the older segment, then the lower offset; the source compares addresses); `max_split_size`
+  (default unlimited) keeps blocks at or above it whole, and such a block serves only requests within
+  `max_non_split_rounding` (default 20 MiB) of it;
 - the chosen block is split when the rest is at least 512 B (small pool, or expandable segments) or more
   than 1 MiB (large pool, `should_split`); a freed block merges with free neighbours of its segment;
 - a block freed while another stream still uses it (`record_stream`) goes back to the pool only once that
@@ -21,7 +22,8 @@ constants from `c10/core/CachingDeviceAllocator.h`):
   pending events) and the request retried, else OutOfMemory;
 - `expandable_segments`: one segment per pool and stream that grows by mapping pages at its end
   (2 MiB pages for the small pool, 20 MiB for the large); free space at the end of the segment is reused
-  before mapping more. Simplified: pages are unmapped only from the end of a segment, on reaching capacity.
+  before mapping more. Simplified: pages are unmapped only from the end of a segment, on reaching capacity,
+  and best fit does not count the unmapped room after a block (the source's "expandable size").
 
 `allocated` counts block sizes (rounded, like `max_memory_allocated`), `requested` the bytes asked for,
 `reserved` segment bytes (`max_memory_reserved`).
