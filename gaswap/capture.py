@@ -49,6 +49,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import flop_registry
 
 from . import graph
+from .dropout import eager_masks
 from .graph import Graph, Op, Tensor
 from .step import AUTOCAST, LOSSES, OPTIMIZER_STATE  # noqa: F401  (LOSSES: the losses `capture` takes)
 
@@ -306,6 +307,7 @@ def _trace(model, inputs, target, loss, autocast):
             last = _output_like(model, inputs, autocast, mode) if loss == "external" else target
             data = [_fake(x, mode) for x in (*inputs, last)]
             gm = make_fx(traced, tracing_mode="fake")(*params.values(), *fixed.values(), *data)
+        gm = eager_masks(gm)  # dropout masks as eager draws them, whatever the layout
     except CaptureError:
         raise
     except Exception as e:  # noqa: BLE001 - any tracing failure becomes one clear CaptureError

@@ -7,7 +7,7 @@ as a wheel) runs, within about ten minutes:
    predicted peak and step time), and a memory run that compares the caching allocator model's allocated
    and reserved peaks (and the optimizer step's) with `torch.cuda.memory_stats()`, and replays the
    allocation trace recorded on the GPU through the model (`allocator.replay_recorded`);
-3. the torch.compile head-to-head, if this gaswap has the `compare` verb;
+3. the torch.compile head-to-head (`gaswap compare` on its CNN experiment, two short rounds), if present;
 and writes one JSON report. Without CUDA it writes a report saying so and exits 0. Goals: peak within
 5 % of the prediction and never above the budget; step time within 10 %.
 """
@@ -23,6 +23,7 @@ from pathlib import Path
 
 EXPERIMENTS = ("experiments/alexnet_4gb.yaml", "experiments/gpt_bench.yaml")
 SHORT_GA = {"population": 32, "generations": 15, "workers": 1}  # a search that fits the check's time
+COMPARE = "experiments/compare_cnn_cpu.yaml"  # the head-to-head's smallest experiment (it runs on CUDA when present)
 PEAK_TOLERANCE, TIME_TOLERANCE = 0.05, 0.10
 
 
@@ -48,7 +49,7 @@ def run(out: str | Path = "gpu_check.json", *, experiments=EXPERIMENTS, steps: i
             report["errors"].append(f"{name}: skipped, less than a minute left")
             continue
         report["experiments"][name] = _stage(report, name, lambda: check_experiment(path, work, steps))
-    report["compare"] = _stage(report, "compare", lambda: compare(experiments[0], timeout=max(10.0, left())))
+    report["compare"] = _stage(report, "compare", lambda: compare(COMPARE, work, timeout=max(10.0, left())))
     return _write(out, report, started)
 
 
@@ -217,13 +218,14 @@ def _record_history(on: bool) -> None:
         torch.cuda.memory._record_memory_history(True)
 
 
-def compare(experiment: str, timeout: float = 120.0) -> dict:
-    """Run the torch.compile head-to-head (`python -m gaswap compare EXPERIMENT`) when this gaswap has it."""
+def compare(experiment: str, work: Path, timeout: float = 120.0) -> dict:
+    """Run the torch.compile head-to-head (`python -m gaswap compare EXPERIMENT`, on the GPU: it picks CUDA
+    when present; two short rounds, results under `work`) when this gaswap has it."""
     if not has_compare():
         return {"skipped": "this gaswap has no `compare` verb"}
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "gaswap", "compare", experiment], capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run([sys.executable, "-m", "gaswap", "compare", experiment, "--rounds", "2", "--steps", "2",
+                           "--results", str(Path(work) / "results")], capture_output=True, text=True, timeout=timeout)
     return {"rc": proc.returncode, "output": proc.stdout[-4000:], "stderr": proc.stderr[-1000:],
             "seconds": round(time.monotonic() - started, 1)}
 

@@ -32,6 +32,7 @@ import torch
 from .costs import CostCache, Costs, HardwareProfile, load_profile, roofline
 from .encoding import Action, Encoding
 from .graph import Graph
+from .program import Verb
 from .runtime import StepRunner
 from .simulator import Simulator
 
@@ -341,8 +342,10 @@ def profile_step(captured, make_args, device: str | torch.device = "cpu", warmup
     latency plus bytes over a bandwidth per direction); `make_args()` gives the arguments of one run.
 
     In place, an op finds its inputs where the op before left them (caches, allocator) and pays the
-    runtime's own overhead (arguments, views rebuilt, bookkeeping of copies), as it will in training: on a
-    CPU, an op timed alone on the same inputs over and over looks a third faster than in a real step.
+    runtime's own overhead (the views it reads rebuilt and dropped, waits for copies), as it will in
+    training: the clock is read around each instruction of the runner's generated code, so what the step
+    costs beyond its instructions is only the call itself. On a CPU, an op timed alone on the same inputs
+    over and over looks a third faster than in a real step.
     """
     graph = captured.graph
     encoding = Encoding(graph)
@@ -351,17 +354,32 @@ def profile_step(captured, make_args, device: str | torch.device = "cpu", warmup
     simulator = Simulator(graph, Costs(dict.fromkeys((op.name for op in graph.ops), 1.0), 1.0, 1.0, "any", "any"))
     dev = resolve_device(device)
 
-    def timed(actions) -> dict[tuple[str, str], list[float]]:
+    def timed(actions) -> _TimedRunner:
         runner = _TimedRunner(captured, simulator.run(order, actions, trace=True).program, dev)
         for run in range(warmup + repeats):
-            runner.times = {} if run == warmup else runner.times
+            if run == warmup:
+                runner.reset()
             runner(make_args())
-        return runner.times
+        return runner
 
-    ops = timed(keep.actions)
-    op_time = {op.name: statistics.median(ops[("run", op.name)]) for op in graph.ops}
-    link = _fit_link(graph, timed(swap.actions), dev) if int(Action.SWAP) in swap.actions else None
+    op_time = _op_times(timed(keep.actions))
+    link = _fit_link(graph, timed(swap.actions).times, dev) if int(Action.SWAP) in swap.actions else None
     return StepProfile(op_time, link)
+
+
+def _op_times(runner: "_TimedRunner") -> dict[str, float]:
+    """Median seconds of each op over the timed steps, the op charged with the frees that follow it: dropping
+    tensors takes time on the compute thread, and the simulator's frees take none."""
+    per_step: dict[str, list[float]] = {}
+    charged = None
+    for (verb, name), seconds in zip(runner.program, runner._times):
+        if verb == Verb.RUN:
+            charged = per_step[name] = list(seconds)
+        elif verb == Verb.FREE and charged is not None:
+            charged[:] = [a + b for a, b in zip(charged, seconds)]
+        else:
+            charged = None
+    return {name: statistics.median(seconds) for name, seconds in per_step.items()}
 
 
 def _fit_link(graph: Graph, times: dict[tuple[str, str], list[float]], dev: torch.device) -> dict[str, float]:
@@ -378,17 +396,19 @@ def _fit_link(graph: Graph, times: dict[tuple[str, str], list[float]], dev: torc
 
 
 class _TimedRunner(StepRunner):
-    """A StepRunner that records the seconds of each instruction by (verb, name), synchronizing the device
-    around each (so copies are timed whole, not overlapped)."""
+    """A StepRunner whose generated code reads a clock around each instruction (synchronizing the device
+    around each, so copies are timed whole, not overlapped): `times` are the seconds of each instruction
+    by (verb, name), over the steps run since it was made or `reset`."""
 
-    def __init__(self, captured, program, device):
-        super().__init__(captured, program, device)
-        self.times: dict[tuple[str, str], list[float]] = {}
+    timed = True
 
-    def _execute(self, program, state) -> None:
-        for instruction in program:
-            _sync(self.device)
-            start = time.perf_counter()
-            super()._execute([instruction], state)
-            _sync(self.device)
-            self.times.setdefault(tuple(instruction), []).append(time.perf_counter() - start)
+    @property
+    def times(self) -> dict[tuple[str, str], list[float]]:
+        times: dict[tuple[str, str], list[float]] = {}
+        for (verb, name), seconds in zip(self.program, self._times):
+            times.setdefault((verb.value, name), []).extend(seconds)
+        return times
+
+    def reset(self) -> None:
+        for seconds in self._times:
+            seconds.clear()
