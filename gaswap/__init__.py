@@ -6,10 +6,11 @@ One flat package in three layers; a module imports only from its own layer or th
 - the floor: `program` (Action, Verb, Instruction: the vocabulary every module speaks), `step` (losses,
   optimizers, autocast dtypes and their defaults) and `files` (bounded reading, atomic writing);
 - the torch-free planning core: `graph`, `costs`, `encoding`, `simulator`, `problem` (Problem, Evaluated,
-  SearchResult), `parallel`, `checkpoint`, `search`, `baselines`, `milp`, `policy`;
-- the torch side: `capture`, `measure`, `memory`, `runtime`, `zoo` (and any module not named here);
+  SearchResult), `parallel`, `checkpoint`, `search`, `baselines`, `milp`, `policy`, `allocator` (the CUDA
+  caching allocator's model);
+- the torch side: `capture`, `measure`, `memory`, `runtime`, `zoo`, `arena` (and any module not named here);
 - the application: `config`, `experiment` (an experiment's model and inputs), `results`, `signals`, `workflow`,
-  `validate`, `report`, `bench`, `speed`, `cli`.
+  `validate`, `report`, `bench`, `speed`, `gpu_memory`, `gpu_check`, `cli`.
 
 A flat package rather than sub-packages: every import path users and notebooks know (`gaswap.search`,
 `gaswap.policy`, ...) stays, and the layers are enforced by a test instead of by folders.

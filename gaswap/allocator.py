@@ -11,8 +11,9 @@ constants from `c10/core/CachingDeviceAllocator.h`):
   small request, kLargeBuffer = 20 MiB for a request under kMinLargeAlloc = 10 MiB, else the request
   rounded up to kRoundLarge = 2 MiB;
 - a cached block is chosen best-fit: the smallest free block of the same pool *and stream* that is large
-  enough (ties: the lower address); `max_split_size` (default unlimited) keeps blocks at or above it
-  whole, and such a block serves only requests within `max_non_split_rounding` (default 20 MiB) of it;
+  enough (ties: the older segment, then the lower offset; the source compares addresses); `max_split_size`
+  (default unlimited) keeps blocks at or above it whole, and such a block serves only requests within
+  `max_non_split_rounding` (default 20 MiB) of it;
 - the chosen block is split when the rest is at least 512 B (small pool, or expandable segments) or more
   than 1 MiB (large pool, `should_split`); a freed block merges with free neighbours of its segment;
 - a block freed while another stream still uses it (`record_stream`) goes back to the pool only once that
@@ -21,7 +22,8 @@ constants from `c10/core/CachingDeviceAllocator.h`):
   pending events) and the request retried, else OutOfMemory;
 - `expandable_segments`: one segment per pool and stream that grows by mapping pages at its end
   (2 MiB pages for the small pool, 20 MiB for the large); free space at the end of the segment is reused
-  before mapping more. Simplified: pages are unmapped only from the end of a segment, on reaching capacity.
+  before mapping more. Simplified: pages are unmapped only from the end of a segment, on reaching capacity,
+  and best fit does not count the unmapped room after a block (the source's "expandable size").
 
 `allocated` counts block sizes (rounded, like `max_memory_allocated`), `requested` the bytes asked for,
 `reserved` segment bytes (`max_memory_reserved`).
@@ -33,6 +35,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from gaswap.graph import Graph
+from gaswap.problem import Evaluated, Problem
 from gaswap.program import Verb
 
 MIN_BLOCK = 512  # kMinBlockSize: every request is rounded to a multiple of this
@@ -380,6 +383,8 @@ def step_events(graph: Graph, result, *, swap_in_stream: str = "compute", swap_o
     retired: dict[str, int] = {}  # swapped-out device copies waiting for their copy to the host
     early: set[str] = set()  # retired copies already freed (record_stream): skip their `free`
     d2h_queued = 0.0  # when the d2h work issued so far ends
+    timed = bool(getattr(result, "timeline", ()))
+    landed = {} if timed else _landing_positions(result.program)
     for at, ((verb, name), (start, end)) in enumerate(zip(result.program, _instruction_times(result))):
         if verb in (Verb.RUN, Verb.RECOMPUTE):
             for t in outputs[name]:
@@ -394,7 +399,7 @@ def step_events(graph: Graph, result, *, swap_in_stream: str = "compute", swap_o
             d2h_queued = max(d2h_queued, end)
         elif verb == Verb.RETIRE:  # the device copy waits for its copy to the host; a swap-in may come first
             if swap_out_free == "record_stream":
-                free(live.pop(name), d2h_queued)
+                free(live.pop(name), d2h_queued if timed else landed[at])
                 early.add(name)
             else:
                 retired[name] = live.pop(name)
@@ -453,9 +458,9 @@ def _optimizer_state(graph: Graph) -> list[int]:
 def _instruction_times(result) -> list[tuple[float, float]]:
     """(start, end) of each instruction of a traced SimResult: run/recompute/swap_out/swap_in take their
     timeline event's (both are appended together, in the same order); free/retire the time reached so far.
-    A program without a timeline (a policy file's) gets time 0 throughout: frees then wait for nothing."""
+    A program without a timeline (a policy file's) gets its positions as times (see `_landing_positions`)."""
     if not getattr(result, "timeline", ()):
-        return [(0.0, 0.0)] * len(result.program)
+        return [(float(k), float(k)) for k in range(len(result.program))]
     events = iter([e for e in result.timeline if e.kind != "wait"])
     now, out = 0.0, []
     for verb, _ in result.program:
@@ -469,6 +474,18 @@ def _instruction_times(result) -> list[tuple[float, float]]:
     return out
 
 
+def _landing_positions(program) -> dict[int, float]:
+    """For a program without a timeline: the position of each `retire`'s matching `free` (the simulator issues
+    it once the copy to the host has landed), used as the time a record_stream-freed block becomes reusable."""
+    out, waiting = {}, {}
+    for k, (verb, name) in enumerate(program):
+        if verb == Verb.RETIRE:
+            waiting[name] = k
+        elif verb == Verb.FREE and name in waiting:
+            out[waiting.pop(name)] = float(k)
+    return out | {k: float(len(program)) for k in waiting.values()}
+
+
 def predict(simulator, order, actions, **options) -> AllocatorPeaks:
     """The allocator-model peaks of one policy (a traced simulation, then `replay`)."""
     result = simulator.run(order, actions, trace=True)
@@ -477,21 +494,25 @@ def predict(simulator, order, actions, **options) -> AllocatorPeaks:
     return replay(simulator.graph, result, **options)
 
 
-class ReservedSimulator:
-    """A drop-in for `Simulator` whose `run` reports the allocator model's reserved peak as `peak_bytes`,
-    so that a search (or a Problem's evaluation) targets what the process reserves. Each evaluation is a
-    traced simulation plus a replay: several times slower than `Simulator.run`."""
+class ReservedProblem(Problem):
+    """A `Problem` whose peak objective, and so its budget constraint, is the allocator model's reserved peak:
+    `search(ReservedProblem(graph, costs, budget, space), ...)` targets what the process may reserve.
+    `options` go to `replay` (default one step). Each evaluation is a traced simulation plus a replay:
+    several times slower than `Problem.evaluate`."""
 
-    def __init__(self, simulator, **options):
-        self.simulator = simulator
-        self.graph = simulator.graph
+    def __init__(self, graph: Graph, costs, budget: int | None = None, space=None, *, actions=None, **options):
+        super().__init__(graph, costs, budget, space, actions=actions)
         self.options = {"steps": 1} | options
 
-    def run(self, order, actions, *, trace: bool = False):
-        from dataclasses import replace
+    def __getstate__(self) -> dict:
+        return super().__getstate__() | {"options": self.options}
 
-        result = self.simulator.run(order, actions, trace=True)
-        if not result.valid:
-            return result
-        peaks = replay(self.graph, result, **self.options)
-        return replace(result, peak_bytes=peaks.reserved)
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["graph"], state["costs"], state["budget"], state["space"], actions=state["actions"],
+                      **state["options"])
+
+    def evaluate(self, c) -> Evaluated:
+        r = self.simulate(c, trace=True)
+        if not r.valid:
+            return Evaluated(c, r.step_time, r.peak_bytes, False)
+        return Evaluated(c, r.step_time, replay(self.graph, r, **self.options).reserved, True)

@@ -67,15 +67,16 @@ class Captured:
     """A captured training step.
 
     `gm` is the traced step, callable with real tensors: `gm(*args) -> (loss, *grads)`, where `args`
-    follow `placeholders` (parameters, then buffers, then inputs, then the target) and `grads` follow
-    the "param" placeholders. With loss "external", `gm(*args) -> (output, *grads)` and the last argument
-    is the gradient of the output. `placeholders` lists (fx name, kind, source) with kind "param"
-    (trainable parameter), "buffer" (buffer or frozen parameter), "input", "grad_output" or "constant" (a
-    tensor made in forward, e.g. `torch.tensor([...])`: traced as a constant, lifted to a placeholder after
-    the others; its value is in `constants` and `arguments` passes it on the model's device), and source the
-    parameter or buffer path, "inputs.<i>", "target", "grad_output" or the constant's name. Calling `gm` updates the buffers
-    it is given in place (BatchNorm running statistics), as a training step does. `arguments` builds
-    `args` from a model; `gm` was traced with the CPU's dispatch, so use `gm_on(device)` to run it elsewhere.
+    follow `placeholders` (parameters, then buffers, then inputs, then the target, then constants) and
+    `grads` follow the "param" placeholders. With loss "external", `gm(*args) -> (output, *grads)` and the
+    gradient of the output takes the target's place. `placeholders` lists (fx name, kind, source) with kind
+    "param" (trainable parameter), "buffer" (buffer or frozen parameter), "input", "grad_output" or
+    "constant" (a tensor made in forward, e.g. `torch.tensor([...])`, traced as a constant and lifted to a
+    placeholder; its value is in `constants`, and `arguments` passes it on the model's device), and source
+    the parameter or buffer path, "inputs.<i>", "target", "grad_output" or the constant's name. Calling `gm`
+    updates the buffers it is given in place (BatchNorm running statistics), as a training step does.
+    `arguments` builds `args` from a model; `gm` was traced with the CPU's dispatch, so use `gm_on(device)`
+    to run it elsewhere.
     """
 
     graph: Graph

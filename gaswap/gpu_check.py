@@ -7,7 +7,7 @@ as a wheel) runs, within about ten minutes:
    predicted peak and step time), and a memory run that compares the caching allocator model's allocated
    and reserved peaks (and the optimizer step's) with `torch.cuda.memory_stats()`, and replays the
    allocation trace recorded on the GPU through the model (`allocator.replay_recorded`);
-3. the torch.compile head-to-head, if this gaswap has the `compare` verb;
+3. the torch.compile head-to-head (`gaswap compare` on its CNN experiment, two short rounds), if present;
 and writes one JSON report. Without CUDA it writes a report saying so and exits 0. Goals: peak within
 5 % of the prediction and never above the budget; step time within 10 %.
 """
@@ -23,6 +23,7 @@ from pathlib import Path
 
 EXPERIMENTS = ("experiments/alexnet_4gb.yaml", "experiments/gpt_bench.yaml")
 SHORT_GA = {"population": 32, "generations": 15, "workers": 1}  # a search that fits the check's time
+COMPARE = "experiments/compare_cnn_cpu.yaml"  # the head-to-head's smallest experiment (it runs on CUDA when present)
 PEAK_TOLERANCE, TIME_TOLERANCE = 0.05, 0.10
 
 
@@ -48,7 +49,7 @@ def run(out: str | Path = "gpu_check.json", *, experiments=EXPERIMENTS, steps: i
             report["errors"].append(f"{name}: skipped, less than a minute left")
             continue
         report["experiments"][name] = _stage(report, name, lambda: check_experiment(path, work, steps))
-    report["compare"] = _stage(report, "compare", lambda: compare(experiments[0], timeout=max(10.0, left())))
+    report["compare"] = _stage(report, "compare", lambda: compare(COMPARE, work, timeout=max(10.0, left())))
     return _write(out, report, started)
 
 
@@ -105,7 +106,7 @@ def check_experiment(path: str | Path, work: Path, steps: int, device: str = "cu
     started = time.monotonic()
     prepared = workflow.prepare(exp, cache_dir=work / "cache")
     measured_s = time.monotonic() - started
-    result, summary = workflow.run_search(prepared, work / "results" / exp.name, force=True)
+    result, _ = workflow.run_search(prepared, work / "results" / exp.name, force=True)
     policy = work / "results" / exp.name / "policy.yaml"
     validation = validate.validate(policy, steps=steps, device=device)
     memory = memory_run(policy, steps=3, device=device)
@@ -165,7 +166,8 @@ def memory_run(policy_path: str | Path, steps: int = 3, device: str = "cuda") ->
             target = experiment.output_gradient(captured, dev, exp.seed)
         args = captured.arguments(model, inputs, target)
         del inputs, target
-        held = [a for (_, kind, _), a in zip(captured.placeholders, args) if kind != "param" or "parameters" in exp.counts]
+        held = [a for (_, kind, _), a in zip(captured.placeholders, args)
+                if kind != "param" or "parameters" in exp.counts]
         if "optimizer_state" in exp.counts:
             held += [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         with DeviceMemory(dev) as memory:
@@ -189,11 +191,16 @@ def memory_run(policy_path: str | Path, steps: int = 3, device: str = "cuda") ->
         _record_history(False)
         recorded = allocator.replay_recorded(trace)
     predicted = allocator.replay(captured.graph, policy, optimizer=exp.optimizer)  # the program the runner ran
-    pairs = (("requested", "requested_bytes", predicted.requested), ("allocated", "allocated_bytes", predicted.allocated),
-             ("reserved", "reserved_bytes", predicted.reserved),
+    pairs = (("requested", "requested_bytes", predicted.requested),
+             ("allocated", "allocated_bytes", predicted.allocated), ("reserved", "reserved_bytes", predicted.reserved),
              ("optimizer_step", "optimizer_step_allocated_bytes", predicted.optimizer_step))
     ratios = {k: figures[m] / v for k, m, v in pairs if v}
+    # the same program with swap-ins allocated on the h2d stream and frees by record_stream (the runtime before
+    # issue 16's fixes): which of the two the GPU matches says which runtime ran
+    older = allocator.replay(captured.graph, policy, optimizer=exp.optimizer, swap_in_stream="h2d",
+                             swap_out_free="record_stream")
     return {"measured": figures, "predicted": predicted.as_dict(), "ratios": ratios, "recorded_replay": recorded,
+            "predicted_h2d_record_stream": older.as_dict(),
             "note": "measured allocated/reserved also hold what the model leaves out (cuBLAS/cuDNN workspaces); "
                     "optimizer step: absolute allocated peak, predicted: the model's allocated peak then"}
 
@@ -211,13 +218,14 @@ def _record_history(on: bool) -> None:
         torch.cuda.memory._record_memory_history(True)
 
 
-def compare(experiment: str, timeout: float = 120.0) -> dict:
-    """Run the torch.compile head-to-head (`python -m gaswap compare EXPERIMENT`) when this gaswap has it."""
+def compare(experiment: str, work: Path, timeout: float = 120.0) -> dict:
+    """Run the torch.compile head-to-head (`python -m gaswap compare EXPERIMENT`, on the GPU: it picks CUDA
+    when present; two short rounds, results under `work`) when this gaswap has it."""
     if not has_compare():
         return {"skipped": "this gaswap has no `compare` verb"}
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "gaswap", "compare", experiment], capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run([sys.executable, "-m", "gaswap", "compare", experiment, "--rounds", "2", "--steps", "2",
+                           "--results", str(Path(work) / "results")], capture_output=True, text=True, timeout=timeout)
     return {"rc": proc.returncode, "output": proc.stdout[-4000:], "stderr": proc.stderr[-1000:],
             "seconds": round(time.monotonic() - started, 1)}
 

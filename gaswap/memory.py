@@ -54,7 +54,8 @@ class DeviceMemory:
         if self.cuda:
             self._api.synchronize(self.device)
             stats = self._api.memory_stats(self.device)
-            self.peak = max(self.peak, self.held + stats.get("requested_bytes.all.peak", 0) - self._baseline["requested"])
+            step_peak = stats.get("requested_bytes.all.peak", 0) - self._baseline["requested"]
+            self.peak = max(self.peak, self.held + step_peak)
             self.allocated_peak = self.held + stats.get("allocated_bytes.all.peak", 0) - self._baseline["allocated"]
             self.reserved_peak = stats.get("reserved_bytes.all.peak", 0)
         else:

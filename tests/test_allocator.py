@@ -1,7 +1,7 @@
 """The caching-allocator model on hand-worked sequences, and the replay of simulated steps through it."""
 import pytest
 
-from gaswap.allocator import (CachingAllocator, OutOfMemory, ReservedSimulator, allocation_size, predict, replay,
+from gaswap.allocator import (CachingAllocator, OutOfMemory, ReservedProblem, allocation_size, predict, replay,
                               replay_recorded, round_size)
 from gaswap.costs import Costs
 from gaswap.encoding import Action, Encoding
@@ -160,11 +160,23 @@ def test_adam_temporaries_are_modelled_after_the_step():
     assert replay(graph, result, optimizer="sgd", steps=1).optimizer_step == 18 * MiB
 
 
-def test_reserved_simulator_reports_the_reserved_peak():
+def test_a_search_can_target_reserved_memory():
+    import pickle
+
+    from gaswap.config import GASettings, load_search_space
+    from gaswap.search import search
+
     graph, sim, encoding = _setup()
-    c = encoding.uniform(Action.KEEP)
-    order = encoding.decode(c.keys)
-    assert ReservedSimulator(sim).run(order, c.actions).peak_bytes == predict(sim, order, c.actions, steps=1).reserved
+    keep = encoding.uniform(Action.KEEP)
+    reserved_keep = predict(sim, encoding.decode(keep.keys), keep.actions, steps=1).reserved
+    problem = ReservedProblem(graph, sim.costs, reserved_keep - 1, load_search_space("hybrid"))  # keep-all: over
+    assert problem.evaluate(keep).peak_bytes == reserved_keep
+    assert pickle.loads(pickle.dumps(problem)).options == problem.options  # what worker processes get
+    result = search(problem, GASettings(population=8, generations=3), seed=0)
+    assert result.best is not None
+    for e in result.front:  # every policy on the front fits the budget in reserved bytes
+        order = problem.order(e.chromosome)
+        assert e.peak_bytes == predict(sim, order, e.chromosome.actions, steps=1).reserved < reserved_keep
 
 
 def test_a_recorded_trace_replays_to_the_gpus_own_segments():
@@ -182,3 +194,18 @@ def test_a_recorded_trace_replays_to_the_gpus_own_segments():
     replayed = replay_recorded(trace)
     assert replayed["gpu"] == {"reserved": 28 * MiB, "segments": 3}
     assert replayed["model"] == {"allocated": 14 * MiB + 1800 * KiB, "reserved": 28 * MiB, "segments": 3}
+
+
+def test_a_policy_files_program_replays_without_a_timeline():
+    from types import SimpleNamespace
+
+    graph, sim, encoding = _setup(size=12 * MiB)
+    c = encoding.uniform(Action.SWAP)
+    result = sim.run(encoding.decode(c.keys), c.actions, trace=True)
+    bare = SimpleNamespace(program=tuple((str(v), n) for v, n in result.program), predicted={"peak_bytes": 1})
+    for options in ({}, {"swap_in_stream": "h2d"}):  # frees at `free`: time plays no part, same peaks
+        timed, untimed = replay(graph, result, **options), replay(graph, bare, **options)
+        assert (untimed.requested, untimed.reserved) == (timed.requested, timed.reserved) and untimed.simulated == 1
+    # record_stream: a retired block comes back at its `free` (untimed) or when the d2h queue drains (timed)
+    untimed = replay(graph, bare, swap_out_free="record_stream")
+    assert untimed.reserved >= replay(graph, bare).reserved

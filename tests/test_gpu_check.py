@@ -42,7 +42,7 @@ def test_report_assembly_goes_on_after_a_failed_stage(tmp_path, monkeypatch):
         return {"goals": {"peak_within_5pct": True}}
 
     monkeypatch.setattr(gpu_check, "check_experiment", check)
-    monkeypatch.setattr(gpu_check, "compare", lambda experiment, timeout: {"skipped": "no compare verb"})
+    monkeypatch.setattr(gpu_check, "compare", lambda experiment, work, timeout: {"skipped": "no compare verb"})
     report = gpu_check.run(tmp_path / "r.json")
     written = json.loads((tmp_path / "r.json").read_text())
     assert written["device"] == "Stand-in GPU" and written["tests"]["rc"] == 0
@@ -61,3 +61,19 @@ def test_one_experiment_runs_end_to_end_on_the_cpu(tmp_path):
     assert memory["predicted"]["requested"] == memory["predicted"]["simulated"]  # the replay of the policy's program
     assert set(out["goals"]) == {"peak_within_5pct", "peak_under_budget", "reserved_under_budget",
                                  "step_time_within_10pct"}
+
+
+def test_the_head_to_head_is_found_when_the_cli_has_it():
+    assert gpu_check.has_compare() == _cli_lists("compare")
+
+
+def _cli_lists(verb: str) -> bool:
+    import contextlib
+    import io
+
+    from gaswap import cli
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        cli.main(["--help"])
+    return verb in out.getvalue()
