@@ -655,5 +655,6 @@ def _load(model, policy_path, example_inputs, example_target, *, external: bool)
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     captured = capture(model, inputs, example_target, loss, optimizer=prov.get("optimizer", DEFAULT_OPTIMIZER),
                        counted=prov.get("counts", COUNTABLE), autocast=prov.get("autocast"))
-    policies.check_matches(policy, captured.graph, policy_path, torch_version=torch.__version__)
+    here = {"input_shapes": [(list(x.shape), str(x.dtype).removeprefix("torch.")) for x in inputs]}
+    policies.check_matches(policy, captured.graph, policy_path, provenance=here, torch_version=torch.__version__)
     return policy, captured
