@@ -159,25 +159,6 @@ def mlp(sizes: tuple[int, ...] = (32, 64, 64, 10), dropout: float = 0.0) -> nn.M
     return nn.Sequential(*layers)
 
 
-class _UnrolledGRU(nn.Module):
-    def __init__(self, features: int, hidden: int, steps: int, num_classes: int):
-        super().__init__()
-        self.steps = steps
-        self.cell = nn.GRUCell(features, hidden)
-        self.head = nn.Linear(hidden, num_classes)
-
-    def forward(self, x):  # x: [batch, steps, features]
-        h = x.new_zeros(x.shape[0], self.cell.hidden_size)
-        for t in range(self.steps):
-            h = self.cell(x[:, t], h)
-        return self.head(h)
-
-
-def gru(features: int = 16, hidden: int = 32, steps: int = 24, num_classes: int = 10) -> nn.Module:
-    """A GRU cell unrolled over `steps` time steps (a graph of many small ops), then a linear head."""
-    return _UnrolledGRU(features, hidden, steps, num_classes)
-
-
 class _TinyCNN(nn.Module):
     def __init__(self, num_classes: int, width: int):
         super().__init__()

@@ -1,7 +1,8 @@
 """What the runtime itself costs: a keep-all policy replayed by gaswap's runtime vs the captured graph run
-plainly (and eager PyTorch, for reference), on an unrolled GRU cell of many small ops, CPU, one thread.
+plainly (and eager PyTorch, for reference), on a GRU language model whose cell is unrolled over 24 steps
+(`gaswap.zoo:gru`, small widths: many small ops), CPU, one thread.
 
-    PYTHONPATH=. python scripts/runtime_overhead.py [--steps 28] [--rounds 15] [--block 20]
+    PYTHONPATH=. python scripts/runtime_overhead.py [--steps 24] [--width 32] [--rounds 15] [--block 20]
 
 Each round runs `--block` training steps of each method back to back, the order rotated from round to
 round, and takes the process CPU time of each block. Printed: CPU ms per step (median and range over the
@@ -29,15 +30,16 @@ from gaswap.simulator import Simulator
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=28, help="time steps the GRU cell is unrolled over")
+    parser.add_argument("--steps", type=int, default=24, help="time steps the GRU cell is unrolled over")
+    parser.add_argument("--width", type=int, default=32, help="hidden width and vocabulary size")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--block", type=int, default=20, help="training steps per method per round")
     a = parser.parse_args()
     use_cpu(threads=1)
     torch.manual_seed(0)
-    model = zoo.gru(features=16, hidden=32, steps=a.steps, num_classes=10)
-    x, y = torch.randn(a.batch, a.steps, 16), torch.randint(0, 10, (a.batch,))
+    model = zoo.gru(vocab=a.width, width=a.width, steps=a.steps)
+    x, y = (torch.randint(0, a.width, (a.batch, a.steps)) for _ in range(2))
     cap = capture(model, (x,), y, "cross_entropy")
     enc = Encoding(cap.graph)
     keep = enc.uniform(Action.KEEP)
@@ -55,10 +57,10 @@ def main() -> None:
 
     def eager():
         model.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
+        F.cross_entropy(model(x).reshape(-1, a.width), y.reshape(-1)).backward()
 
     methods = {"plain graph": plain, "keep-all policy": policy, "eager PyTorch": eager}
-    print(f"unrolled GRU cell, {a.steps} steps, batch {a.batch}: {len(cap.graph.ops)} ops in the graph, "
+    print(f"GRU cell unrolled over {a.steps} steps, width {a.width}, batch {a.batch}: {len(cap.graph.ops)} ops, "
           f"{sum(1 for n in cap.gm.graph.nodes if n.op == 'call_function')} calls with views; "
           f"1 thread; {a.rounds} rounds x {a.block} steps per method, order rotated")
     for fn in methods.values():  # warm up
