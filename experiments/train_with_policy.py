@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 import gaswap
 from gaswap import config, policy as policies, workflow
+from gaswap.config import format_size  # decimal units (MB); GASWAP_UNITS=binary for MiB
+from gaswap.locate import experiment_file
 from gaswap.measure import resolve_device
 from gaswap.memory import DeviceMemory
 from gaswap.validate import OPTIMIZERS
@@ -90,7 +92,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=25, help="print the losses every this many steps")
     args = parser.parse_args()
     policy = policies.load(args.policy)
-    exp = config.load_experiment(policy.provenance["experiment_file"])
+    exp = config.load_experiment(experiment_file(policy.provenance, args.policy, f"{args.policy}: experiment_file"))
     device = resolve_device("auto")
     data = batches(exp, device, 4)
     plain, plain_peak = train(exp, device, data, args.steps, eager(exp))
@@ -101,8 +103,8 @@ def main() -> None:
         print(f"{k:>6}  {plain[k]:>11.5f}  {ours[k]:>11.5f}")
     print(f"{args.steps - 1:>6}  {plain[-1]:>11.5f}  {ours[-1]:>11.5f}")
     budget = policy.provenance.get("budget_bytes")
-    print(f"peak memory: eager {plain_peak / 2**20:.2f} MiB, with the policy {our_peak / 2**20:.2f} MiB "
-          f"(predicted {policy.predicted['peak_bytes'] / 2**20:.2f} MiB, budget {budget / 2**20:.2f} MiB)")
+    print(f"peak memory: eager {format_size(plain_peak)}, with the policy {format_size(our_peak)} "
+          f"(predicted {format_size(policy.predicted['peak_bytes'])}, budget {format_size(budget)})")
     swapped = [t for t, a in policy.actions.items() if a == "swap" and t.startswith("input")]
     if swapped:
         print(f"note: the policy swaps {', '.join(swapped)} out, but this loop still holds the batch while the step "

@@ -16,6 +16,7 @@ from typing import Any, Callable, NoReturn
 
 import yaml
 
+from gaswap import units
 from gaswap.graph import COUNTABLE
 
 LOSSES = ("cross_entropy", "mse", "sum", "external")  # external: computed outside the step
@@ -162,11 +163,8 @@ def parse_size(text: str | int) -> Budget:
 
 
 def format_size(size: int) -> str:
-    """A byte count in decimal units: "4.00 GB", "512.00 MB", "12 B"."""
-    for unit in ("TB", "GB", "MB", "KB"):
-        if size >= _UNITS[unit]:
-            return f"{size / _UNITS[unit]:.2f} {unit}"
-    return f"{size} B"
+    """A byte count in the display convention of `gaswap.units`: "4.00 GB" (decimal, default) or "3.73 GiB"."""
+    return units.format_size(size)
 
 
 def load_search_space(name_or_path: str | Path, *, root: str | Path | None = None) -> SearchSpace:

@@ -31,13 +31,14 @@ def point(e: Evaluated, keep_all: Evaluated) -> dict:
     return {"peak_bytes": e.peak_bytes, "step_time_s": e.step_time, "overhead": overhead(e, keep_all)} | e.counts()
 
 
-def write(folder: str | Path, result: SearchResult, make_policy, summary: dict, *, carry=()) -> Path:
+def write(folder: str | Path, result: SearchResult, make_policy, summary: dict, *, carry=(), extra=None) -> Path:
     """Write the results of `result` into `folder`, replacing what was there.
 
     `make_policy(evaluated)` turns a front point into a `Policy`; `summary` holds the experiment's
     description (experiment, device, cost source, budget, keep-all...), to which this adds the best policy,
     the seeds, the evaluations, the search time and whether the search ran to its end (`complete`,
-    `generations_done`). Files named in `carry` (bench tables, a checkpoint) are copied from the old folder into the new.
+    `generations_done`). Files named in `carry` (bench tables, a checkpoint) are copied from the old folder into the new;
+    `extra` maps more file names to their text (costs.json).
     """
     folder = Path(folder)
     keep_all = result.seeds["keep_all"]
@@ -63,6 +64,8 @@ def write(folder: str | Path, result: SearchResult, make_policy, summary: dict, 
             "generations_done": result.generations_done,
         }
         (tmp / "summary.json").write_text(json.dumps(body, indent=2, default=_plain) + "\n")
+        for name, text in (extra or {}).items():
+            (tmp / name).write_text(text)
         for name in carry:
             if (folder / name).is_file():
                 shutil.copy2(folder / name, tmp / name)

@@ -18,6 +18,7 @@ import torch
 from gaswap import config, policy as policies, workflow
 from gaswap.capture import capture
 from gaswap.files import write_atomic
+from gaswap.locate import experiment_file
 from gaswap.measure import device_name, resolve_device, use_cpu
 from gaswap.memory import DeviceMemory
 from gaswap.runtime import StepRunner
@@ -29,12 +30,12 @@ OPTIMIZERS = {
 }
 
 
-def validate(policy_path: str | Path, steps: int = 5, device: str = "auto") -> dict:
+def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", progress=None) -> dict:
     """Train `steps` steps under the policy; return (and write beside it) predicted vs measured figures.
 
     The first step warms up and creates the optimizer state. Step time is the median of the later steps;
     the peak is the allocator's (CUDA, every later step) or the storage tracker's (CPU, the last step,
-    which is left out of the timing because tracking slows it).
+    which is left out of the timing because tracking slows it). `progress(done, steps)` after each step.
     """
     if steps < 3:
         raise ValueError("validate needs at least 3 steps: one warms up and creates the optimizer state, "
@@ -43,7 +44,8 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto") -> d
     policy = policies.load(policy_path)
     if not policy.program:
         raise policies.PolicyError(f"{policy_path}: the policy has no program; re-run the search that made it")
-    exp = config.load_experiment(policy.provenance["experiment_file"])
+    exp = config.load_experiment(experiment_file(policy.provenance, policy_path,
+                                                 f"{policy_path}: provenance.experiment_file"))
     dev = resolve_device(device)
     if dev.type == "cpu":
         use_cpu(exp.costs.threads)  # as when the costs were measured
@@ -84,6 +86,8 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto") -> d
         del grads
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if progress:
+            progress(step + 1, steps)
     report = {
         "experiment": exp.name,
         "policy": str(policy_path),

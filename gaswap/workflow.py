@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from gaswap import checkpoint as checkpoints
-from gaswap import config, results
+from gaswap import config, costfile, results
 from gaswap.capture import CaptureError  # noqa: F401  (re-exported for the CLI)
 from gaswap.checkpoint import CheckpointError  # noqa: F401  (re-exported for the CLI)
 from gaswap import policy as policies
@@ -60,7 +60,7 @@ def build_model(experiment: config.Experiment, device: str = "meta"):
     from gaswap.zoo import resolve
 
     try:
-        factory = resolve(experiment.model.factory)
+        factory = resolve(experiment.model.factory, base=Path(experiment.path).parent)
     except ValueError as err:
         raise config.ConfigError(f"{experiment.path}: model.factory: {err}") from None
     try:
@@ -83,18 +83,23 @@ def prepare(experiment: config.Experiment, *, cache_dir=None, progress=None) -> 
     """Capture the experiment's training step (on the meta device) and get its costs."""
     import torch
 
-    from gaswap.capture import capture
-
     started = time.perf_counter()
-    model = build_model(experiment)
-    inputs, target = make_inputs(experiment)
-    captured = capture(model, inputs, target, experiment.loss, optimizer=experiment.optimizer,
-                       counted=experiment.counts, autocast=experiment.autocast)
+    captured = capture_step(experiment)
     capture_seconds = time.perf_counter() - started
     started = time.perf_counter()
     costs = costs_for(experiment, captured.graph, cache_dir=cache_dir, progress=progress, captured=captured)
     return Prepared(experiment, captured.graph, costs, capture_seconds, time.perf_counter() - started,
                     torch.__version__)
+
+
+def capture_step(experiment: config.Experiment):
+    """The experiment's training step captured on the meta device (a `Captured`; `.graph` is its Graph)."""
+    from gaswap.capture import capture
+
+    model = build_model(experiment)
+    inputs, target = make_inputs(experiment)
+    return capture(model, inputs, target, experiment.loss, optimizer=experiment.optimizer,
+                   counted=experiment.counts, autocast=experiment.autocast)
 
 
 def costs_for(experiment: config.Experiment, graph: Graph, *, cache_dir=None, progress=None, captured=None) -> Costs:
@@ -218,7 +223,9 @@ def run_search(prepared: Prepared, out: str | Path, *, on_generation=None, resum
             f"Raise the budget, or search longer (ga.generations) or a wider search space."
         )
     encoding = Encoding(graph)
-    provenance = describe(prepared) | {"budget_bytes": budget}
+    # the experiment file also relative to the results folder, for commands run from another folder
+    beside = {"experiment_file_from_results": os.path.relpath(Path(exp.path).resolve(), out.resolve())}
+    provenance = describe(prepared) | {"budget_bytes": budget} | beside
 
     simulator = Simulator(graph, costs, budget)
 
@@ -228,7 +235,7 @@ def run_search(prepared: Prepared, out: str | Path, *, on_generation=None, resum
         return policies.from_result(graph, encoding.candidates, order, e.chromosome.actions,
                                     results.point(e, reference), provenance, program)
 
-    summary = describe(prepared) | {
+    summary = describe(prepared) | beside | {
         "budget_bytes": budget,
         "budget": str(exp.budget),
         "keep_all": {"peak_bytes": reference.peak_bytes, "step_time_s": reference.step_time},
@@ -237,7 +244,8 @@ def run_search(prepared: Prepared, out: str | Path, *, on_generation=None, resum
     # bench tables compare methods on this experiment, whatever this search found: they stay
     carry = ("bench.csv", "bench.md") if out.is_dir() and _same_experiment(_owner(out) or ("", None), exp) else ()
     carry += () if result.complete else (checkpoints.NAME,)
-    results.write(out, result, make_policy, summary, carry=carry)
+    results.write(out, result, make_policy, summary, carry=carry,
+                  extra={costfile.NAME: costfile.dumps(costs, graph.fingerprint())})  # what `plot` re-simulates with
     return result, summary
 
 

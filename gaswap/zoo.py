@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gaswap.locate import import_module
+
 
 def alexnet(num_classes: int = 1000) -> nn.Module:
     """AlexNet with torchvision's layout (features / avgpool / classifier)."""
@@ -366,13 +368,14 @@ def huggingface(architecture: str, **config) -> nn.Module:
     return model_class(model_class.config_class(**config))
 
 
-def resolve(path: str):
-    """Import "package.module:callable" (e.g. "gaswap.zoo:alexnet") and return the callable."""
+def resolve(path: str, base=None):
+    """Import "package.module:callable" (e.g. "gaswap.zoo:alexnet") and return the callable; a module not on
+    the Python path is also looked for in the folder `base` (the experiment file's)."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"model path {path!r} must look like 'package.module:callable'")
     try:
-        module = importlib.import_module(module_name)
+        module = import_module(module_name, base)
     except ImportError as e:
         raise ValueError(f"model path {path!r}: cannot import module {module_name!r} ({e})") from e
     obj = module

@@ -1,0 +1,56 @@
+"""Finding what an experiment names from wherever a command runs: its model factory's module (also relative
+to the experiment file's folder) and, from a policy or results folder, the experiment file itself. No torch.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+from gaswap.config import ConfigError
+
+FIX = ("make it importable: run from the folder that holds it, add that folder to PYTHONPATH, or install "
+       "it (pip install -e)")
+
+
+def import_module(name: str, base: str | Path | None = None):
+    """Import module `name`; if it is not found on the Python path, look for it in the folder `base` too (the
+    experiment file's folder, then left at the end of the path so its siblings import as well). Raises
+    ImportError saying where it looked and how to make it importable."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        if base is None or not _names_module(name, err):  # a module it imports is missing: not ours to find
+            raise
+        first = err
+    base = str(Path(base).resolve())
+    if base not in sys.path:
+        sys.path.append(base)
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        if not _names_module(name, err):
+            raise
+        raise ImportError(f"{first}: not on the Python path nor in the experiment's folder {base}; {FIX}") from None
+
+
+def _names_module(name: str, err: ModuleNotFoundError) -> bool:
+    """Whether the module not found is `name` or a package above it."""
+    return err.name is not None and (name == err.name or name.startswith(err.name + "."))
+
+
+def experiment_file(recorded: dict, near: str | Path, source: str) -> Path:
+    """The experiment file of a search, from what its policy or summary `recorded`: "experiment_file" (as
+    given to the search) from the current folder or a folder above `near` (the policy or results folder),
+    else "experiment_file_from_results" (relative to the results folder) from a folder above `near`.
+    `source` says where the names were read, for the error (a ConfigError)."""
+    given = str(recorded.get("experiment_file"))
+    tries = [Path(given)]
+    for folder in Path(near).resolve().parents:
+        tries += [folder / name for name in (given, recorded.get("experiment_file_from_results")) if name]
+    for path in tries:
+        if path.is_file():
+            return path
+    raise ConfigError(f"{source}: names the experiment file {given!r} (as given to the search), which is "
+                      f"neither in {Path.cwd()} nor beside or above {near}; run from the folder the search ran "
+                      f"in, or put the experiment file back")
