@@ -183,7 +183,7 @@ def next_steps(out: Path, exp, *, plotted: bool = False) -> str:
 
 def resume_command(args) -> str:
     """The command line that resumes this search."""
-    words = ["python", "-m", "gaswap", "search", args.experiment, "--resume"]
+    words = [*_prog().split(), "search", args.experiment, "--resume"]
     if args.results != "results":
         words += ["--results", args.results]
     if args.cache is not None:

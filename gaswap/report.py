@@ -264,7 +264,7 @@ def _draw_pareto(ax, results: list[Result], div: int) -> tuple[pd.DataFrame, str
         points.append(pd.DataFrame({"x": x, "y": y}))
         if shown < n:
             peak, time = r.resolution()
-            merged = f"front: policies within {peak:.1%} in peak and {time:.0%} in time drawn once"
+            merged = f"front: policies within {100 * peak:g} % in peak and {100 * time:g} % in time drawn once"
     title, baseline_xs = _baselines(first, ax)
     if merged:
         title += "\n" + merged
@@ -518,7 +518,7 @@ def action_map(folder: str | Path, policy: str = "policy.yaml", ax=None, *, cach
     ax.invert_yaxis()
     ax.grid(False, axis="y")
     ax.set(xlim=(0, 1.05 * left.max()), xlabel=f"saved tensors' size ({unit})", ylabel="layer (module path)",
-           title=f"{rp.result.name}: {rp.policy_name} per layer, budget {format_size(rp.result.budget_bytes)}")
+           title=f"{rp.result.name}: {rp.policy_name} per layer, {_budget_label(rp.result)}")
     ax.legend(**LEGEND_OUTSIDE)
     return fig
 
