@@ -283,10 +283,20 @@ def _plot_folder(folder: Path, cache) -> list[Path]:
 
     from gaswap.report import plot_results
 
-    with tqdm(desc="plot: capture, costs", unit="op", leave=False) as bar, \
-            warnings.catch_warnings(record=True) as caught:
+    bars = []
+
+    def measuring(done, total):  # a bar only when costs are measured again (no costs.json)
+        if not bars:
+            bars.append(tqdm(desc="plot: measuring costs again", unit="op", leave=False))
+        _progress(bars[0])(done, total)
+
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        paths = plot_results(folder, cache_dir=cache, progress=_progress(bar))
+        try:
+            paths = plot_results(folder, cache_dir=cache, progress=measuring)
+        finally:
+            for bar in bars:
+                bar.close()
     for warning in caught:
         print(f"WARNING: {warning.message}", file=sys.stderr)
     for path in paths:

@@ -85,6 +85,15 @@ def test_validate_works_from_another_folder_and_warns_of_another_device(project,
     assert "measured" in captured.out and "(planned for another device)" in captured.out
     assert "warning: the policy was planned for v100-pcie-16gb" in captured.err
     assert "validate: 100%" in captured.err  # the progress bar went through every step
+    # the same warning where users train: gaswap.apply_step in their own loop
+    import gaswap
+    from gaswap import workflow
+
+    exp = load_experiment(project / "experiments/my_mlp.yaml")
+    model = workflow.build_model(exp, device="cpu")
+    inputs, target = workflow.make_inputs(exp, "cpu")
+    with pytest.warns(UserWarning, match="planned for v100-pcie-16gb"):
+        gaswap.apply_step(model, project / "results/my_mlp/policy.yaml", inputs, target)
     shutil.move(project / "experiments/my_mlp.yaml", project / "gone.yaml")
     assert main(["validate", str(project / "results/my_mlp/policy.yaml"), "--steps", "3"]) == 2
     assert "policy.yaml: provenance.experiment_file: names the experiment file" in capsys.readouterr().err
