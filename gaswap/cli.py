@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     _units_option(parser, None)
     common = argparse.ArgumentParser(add_help=False)
     _units_option(common, argparse.SUPPRESS)  # also after the verb, without overriding one given before it
-    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{search,plot,validate,bench,speed}")
+    verbs = parser.add_subparsers(dest="verb", required=True)
     add_parser = functools.partial(verbs.add_parser, parents=[common])
     p = add_parser("search", help="search keep/swap/recompute policies for an experiment")
     p.add_argument("experiment", help="experiment YAML file, e.g. experiments/alexnet_4gb.yaml")
@@ -309,15 +309,17 @@ def bench(args) -> int:
     from gaswap import bench as benchmark
     from gaswap.baselines import BASELINES
 
-    budgets = [b for b in args.budgets.split(",") if b.strip()]
-    rows_per_budget = len(BASELINES) + 1 + len(benchmark.SPACES)  # baselines, the MILP, the GA per space
+    budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
+    methods = [*BASELINES, "milp", *(f"ga:{space}" for space in benchmark.SPACES)]  # the rows of a budget, in order
     with tqdm(desc="capture + cost measurement", unit="op", leave=False) as measuring, \
-            tqdm(total=len(budgets) * rows_per_budget, desc="bench", unit="row") as bar:
+            tqdm(total=len(budgets) * len(methods), desc="bench", unit="row") as bar:
 
         def show(row):
-            bar.set_postfix_str(f"{row['budget']} {row['method']}: {_ms(row['step_time_s'] or float('inf'))}"
-                                f"{'' if row['feasible'] else ' (over budget)'}")
             bar.update()
+            if bar.n < bar.total:  # what runs now, and what the last row found
+                found = _ms(row["step_time_s"] or float("inf")) + ("" if row["feasible"] else " (over budget)")
+                bar.set_postfix_str(f"now {budgets[bar.n // len(methods)]} {methods[bar.n % len(methods)]}; "
+                                    f"{row['method']}: {found}")
 
         rows = benchmark.run(args.experiment, budgets, results_root=args.results, cache_dir=args.cache,
                              time_limit=args.time_limit, progress=show, measure_progress=_progress(measuring))

@@ -378,3 +378,21 @@ def test_notebook_prose_holds_no_figures_and_describe_says_the_results(folder, s
     best = summary["best"]
     assert format_size(best["peak_bytes"]) in text and f"{100 * best['overhead']:+.1f} %" in text
     assert f"The GA front holds {summary['front_size']} polic" in text
+
+
+def test_bench_shows_progress_and_the_pareto_draws_only_its_rows_at_the_experiments_budget(searched, summary,
+                                                                                           tmp_path, capsys):
+    folder, cache = searched
+    root = tmp_path / "results"
+    shutil.copytree(folder, root / folder.name)
+    assert main(["bench", str(ROOT / "experiments/tiny_cnn_cpu.yaml"), "--budgets", "0.9,0.7", "--results",
+                 str(root), "--cache", str(cache), "--time-limit", "10"]) == 0
+    captured = capsys.readouterr()
+    assert "bench: 100%" in captured.err and "24/24" in captured.err  # 12 rows per budget
+    assert f"wrote {root / folder.name}/ (bench.csv, bench.md)" in captured.out
+    bench = pd.read_csv(root / folder.name / "bench.csv")
+    assert set(bench["budget"].astype(str)) == {"0.9", "0.7"}
+    artists = labelled(report.pareto(root / folder.name, close_up=False).axes[0])
+    at_budget = bench[(bench["budget_bytes"] == summary["budget_bytes"]) & (bench["method"] == "swap_all")]
+    assert len(at_budget) == 1  # 0.7x is the search's budget
+    assert list(artists["swap-all"].get_offsets()[:, 0]) == pytest.approx(list(at_budget["peak_bytes"] / MB))
