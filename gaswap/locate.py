@@ -40,17 +40,14 @@ def _names_module(name: str, err: ModuleNotFoundError) -> bool:
 
 
 def experiment_file(recorded: dict, near: str | Path, source: str) -> Path:
-    """The experiment file of a search, from what its policy or summary `recorded`: "experiment_file" (as
-    given to the search) from the current folder or a folder above `near` (the policy or results folder),
-    else "experiment_file_from_results" (relative to the results folder) from a folder above `near`.
-    `source` says where the names were read, for the error (a ConfigError)."""
-    given = str(recorded.get("experiment_file"))
-    tries = [Path(given)]
-    for folder in Path(near).resolve().parents:
-        tries += [folder / name for name in (given, recorded.get("experiment_file_from_results")) if name]
-    for path in tries:
+    """The experiment file a policy or summary `recorded` ("experiment_file", as given to the search): from the
+    current folder if it is there, else from a folder above `near` (the policy or results folder: the folder
+    the search ran in holds `results/<experiment>/`). `source` says where the name was read, for the error
+    (a ConfigError)."""
+    given = Path(str(recorded.get("experiment_file")))
+    for path in (given, *(folder / given for folder in Path(near).resolve().parents)):
         if path.is_file():
             return path
-    raise ConfigError(f"{source}: names the experiment file {given!r} (as given to the search), which is "
-                      f"neither in {Path.cwd()} nor beside or above {near}; run from the folder the search ran "
+    raise ConfigError(f"{source}: names the experiment file {str(given)!r} (as given to the search), which is "
+                      f"neither in {Path.cwd()} nor in a folder above {near}; run from the folder the search ran "
                       f"in, or put the experiment file back")

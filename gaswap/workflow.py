@@ -223,9 +223,7 @@ def run_search(prepared: Prepared, out: str | Path, *, on_generation=None, resum
             f"Raise the budget, or search longer (ga.generations) or a wider search space."
         )
     encoding = Encoding(graph)
-    # the experiment file also relative to the results folder, for commands run from another folder
-    beside = {"experiment_file_from_results": os.path.relpath(Path(exp.path).resolve(), out.resolve())}
-    provenance = describe(prepared) | {"budget_bytes": budget} | beside
+    provenance = describe(prepared) | {"budget_bytes": budget}
 
     simulator = Simulator(graph, costs, budget)
 
@@ -235,7 +233,7 @@ def run_search(prepared: Prepared, out: str | Path, *, on_generation=None, resum
         return policies.from_result(graph, encoding.candidates, order, e.chromosome.actions,
                                     results.point(e, reference), provenance, program)
 
-    summary = describe(prepared) | beside | {
+    summary = describe(prepared) | {
         "budget_bytes": budget,
         "budget": str(exp.budget),
         "keep_all": {"peak_bytes": reference.peak_bytes, "step_time_s": reference.step_time},
