@@ -503,9 +503,10 @@ def _streams(ax, run: SimResult) -> None:
 def action_map(folder: str | Path, policy: str = "policy.yaml", ax=None, *, cache_dir=None,
                replayed: Replay | None = None) -> Figure:
     """Per layer (module path, in captured order; inputs first), the bytes `policy` keeps, swaps and
-    recomputes, as stacked horizontal bars."""
+    recomputes, as stacked horizontal bars; layers holding no bytes (views) are left out."""
     rp = replayed or replay(folder, policy, cache_dir=cache_dir)
     table = _bytes_by_layer(rp.graph, rp.policy)
+    table = table[table.sum(axis=1) > 0]  # layers whose saved tensors are views of others' hold no bytes
     div, unit = units.scale(table.sum(axis=1).max())
     fig, ax = _axes(ax, (9, 1.8 + 0.3 * len(table)))
     left = 0
@@ -513,7 +514,7 @@ def action_map(folder: str | Path, policy: str = "policy.yaml", ax=None, *, cach
     for action, color in ACTION_COLORS.items():
         width = table[action] / div
         ax.barh(table.index, width, left=left, color=color,
-                label=f"{action}: {counts[action]} tensors, {width.sum():.2f} {unit}")
+                label=f"{action}: {counts[action]} tensors, {format_size(table[action].sum())}")
         left = left + width
     ax.invert_yaxis()
     ax.grid(False, axis="y")
