@@ -12,8 +12,8 @@ import math
 from gaswap.costs import Costs
 from gaswap.encoding import Action, Chromosome, Encoding
 from gaswap.graph import Graph
-from gaswap.milp import last_uses
-from gaswap.simulator import SimResult, Simulator
+from gaswap.problem import Problem
+from gaswap.simulator import SimResult, Simulator, liveness
 
 
 def keep_all(graph: Graph, costs: Costs, budget: int) -> Chromosome:
@@ -58,7 +58,8 @@ def chen_greedy(graph: Graph, costs: Costs, budget: int) -> Chromosome:
     groups = _groups(encoding)
     sizes = [sum(graph.tensors[encoding.candidates[k]].size for k in group) for group in groups]
     policies = [_policy(encoding, _segment(encoding, groups, sizes, b)) for b in sorted({0, *itertools.accumulate(sizes)})]
-    return min(policies, key=lambda c: _rank(simulate(graph, costs, budget, c), budget))
+    problem = Problem(graph, costs, budget)
+    return min(policies, key=lambda c: _rank(problem.simulate(c), budget))
 
 
 def dtr(graph: Graph, costs: Costs, budget: int) -> Chromosome:
@@ -76,7 +77,7 @@ def dtr(graph: Graph, costs: Costs, budget: int) -> Chromosome:
     evictable = {index[t]: k for k, (t, allowed) in enumerate(zip(encoding.candidates, encoding.allowed))
                  if Action.RECOMPUTE in allowed}
     order = encoding.decode(encoding.captured_keys())
-    last_use, last_fwd = last_uses(sim, order)
+    last_use, last_fwd, _ = liveness(sim, order)
     resident, last_access, evicted = set(), {}, set()
     clock, mem = 0.0, sim.base_bytes
     for p, i in enumerate(order):
@@ -115,7 +116,7 @@ def knapsack(graph: Graph, costs: Costs, budget: int) -> Chromosome:
     encoding = Encoding(graph)
     sizes = [graph.tensors[t].size for t in encoding.candidates]
     movable = [k for k, allowed in enumerate(encoding.allowed) if Action.RECOMPUTE in allowed]
-    room = budget - simulate(graph, costs, None, encoding.uniform(Action.KEEP)).peak_bytes
+    room = budget - Problem(graph, costs).keep_all().peak_bytes
     room += sum(sizes[k] for k in movable)
 
     def ratio(k: int) -> float:
@@ -140,12 +141,6 @@ BASELINES = {
     "dtr": dtr,
     "knapsack": knapsack,
 }
-
-
-def simulate(graph: Graph, costs: Costs, budget: int | None, chromosome: Chromosome) -> SimResult:
-    """The simulator's verdict on a chromosome."""
-    encoding = Encoding(graph)
-    return Simulator(graph, costs, budget).run(encoding.decode(chromosome.keys), chromosome.actions)
 
 
 # --- helpers ---

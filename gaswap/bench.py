@@ -15,11 +15,12 @@ import sys
 import time
 from pathlib import Path
 
-from gaswap import config, milp
-from gaswap.baselines import BASELINES, simulate
+from gaswap import config, milp, results
+from gaswap.baselines import BASELINES
 from gaswap.config import format_size
 from gaswap.encoding import Action, Chromosome, Encoding
 from gaswap.files import write_atomic
+from gaswap.problem import Problem
 from gaswap.search import search
 
 SPACES = ("swap_only", "recompute_only", "order_only", "hybrid")
@@ -48,8 +49,10 @@ def run(experiment_path, budgets, *, results_root="results", cache_dir=None, tim
             if progress:
                 progress(row)
     folder = Path(results_root) / experiment.name
-    write_atomic(folder / "bench.csv", to_csv(rows))
-    write_atomic(folder / "bench.md", to_markdown(rows, experiment.name))
+    with results.locked(folder):  # not while a search replaces the folder
+        results.recover(folder)
+        write_atomic(folder / "bench.csv", to_csv(rows))
+        write_atomic(folder / "bench.md", to_markdown(rows, experiment.name))
     return rows
 
 
@@ -67,18 +70,20 @@ def parse_budget(text) -> config.Budget:
 def _bench(prepared, budget: int, keep_time: float, time_limit: float):
     """The rows of one budget: baselines, MILP, then the GA in each search space."""
     graph, costs = prepared.graph, prepared.costs
+    problem = Problem(graph, costs, budget)
     seeds = {}
     for name, baseline in BASELINES.items():
         started = time.perf_counter()
         seeds[name] = chromosome = baseline(graph, costs, budget)
-        r = simulate(graph, costs, budget, chromosome)
+        r = problem.simulate(chromosome)
         yield _simulated_row(name, r, budget, keep_time, time.perf_counter() - started, _counts(chromosome.actions))
     m = milp.solve(graph, costs, budget, time_limit=time_limit)
     note = f"{m.status}; {m.binaries} binaries, {m.variables} variables, {m.constraints} constraints"
     if m.chromosome is None:
         yield _row("milp", False, None, None, keep_time, m.seconds, note)
     else:
-        note += f"; {_counts(m.chromosome.actions)}" + ("" if m.verified else "; the simulator disagrees")
+        note += f"; MIP gap {m.gap:.3%}; {_counts(m.chromosome.actions)}"
+        note += "" if m.verified else "; the simulator disagrees"
         yield _simulated_row("milp", m.simulated, budget, keep_time, m.seconds, note)
     yield from _ga_rows(prepared, budget, keep_time, seeds)
 
@@ -89,10 +94,9 @@ def _ga_rows(prepared, budget: int, keep_time: float, seeds: dict):
     graph, costs, experiment = prepared.graph, prepared.costs, prepared.experiment
     found, spent = {}, 0.0
     for name in SPACES:
-        space = config.load_search_space(name)
-        encoding = Encoding(graph, tuple(Action.parse(a) for a in space.actions))
-        extra = {k: _restrict(c, encoding) for k, c in (seeds | found if name == "hybrid" else seeds).items()}
-        result = search(graph, costs, space, experiment.ga, budget, experiment.seed, extra_seeds=extra)
+        problem = Problem(graph, costs, budget, config.load_search_space(name))
+        extra = {k: _restrict(c, problem.encoding) for k, c in (seeds | found if name == "hybrid" else seeds).items()}
+        result = search(problem, experiment.ga, experiment.seed, seeds=extra)
         spent += result.seconds
         seconds = spent if name == "hybrid" else result.seconds
         note = f"{result.evaluations} evaluations"

@@ -1,7 +1,7 @@
 """Search checkpoints: the state of an NSGA-II search between two generations, as JSON. No torch here.
 
-A search writes `results/<experiment>/.checkpoint.json` after its initial population and after every
-generation, atomically (temporary file, fsync, os.replace): a reader finds the previous checkpoint or the new
+A search writes `results/<experiment>/.checkpoint.json` after its initial population, then at most every
+`search.CHECKPOINT_SECONDS` and when it leaves between two generations (see `gaswap.search.search`), atomically (temporary file, fsync, os.replace): a reader finds the previous checkpoint or the new
 one, never half of one. The file is one JSON object and carries no code (no pickle):
 
     {"format": "gaswap-checkpoint", "version": 1, "sha256": <digest of "state">,
@@ -10,11 +10,12 @@ one, never half of one. The file is one JSON object and carries no code (no pick
 - `about`: what the checkpoint belongs to (experiment name and file), for messages and folder ownership;
 - `fingerprint`: one short hash per part of the configuration that shapes the search's trajectory (graph,
   costs, search space, GA settings, budget, seed, seed policies; see `fingerprint`). Resuming under another
-  configuration is refused, naming the parts that differ. `ga.generations` and `ga.workers` are left out: a
+  configuration is refused, naming the parts that differ. The limits (`ga.generations`, `ga.max_evaluations`,
+  `ga.max_seconds`) and `ga.workers` are left out: a
   search may be resumed with more generations or another number of workers and still reach what an
   uninterrupted run with those settings reaches;
 - `state`: what the search loop carries from one generation to the next (written and read by
-  `gaswap.search`): generation, evaluations, seconds, smallest_peak, best_time_s, stale, rng
+  `gaswap.search`): generation, evaluations, seconds, smallest_peak, rng
   (`random.Random.getstate()`), population (keys, actions, step time, peak, valid, crowding distance, in
   selection order), archive (keys, actions, step time, peak, valid, in insertion order), seeds and history.
   Keys are base64 strings of little-endian float64s, actions strings of digits (0 keep, 1 swap, 2 recompute).
@@ -39,12 +40,12 @@ PARTS = {
     "graph": "the captured graph (model, inputs, batch size, loss, optimizer or counted memory changed?)",
     "costs": "the op and copy costs (costs re-measured, or another cost source or profile?)",
     "search_space": "the search space",
-    "ga": "the GA settings (population, cx_prob, mut_prob or patience)",
+    "ga": "the GA settings (population, cx_prob, mut_prob, patience or tolerance)",
     "budget": "the budget",
     "seed": "the seed",
     "seed_policies": "the seed policies",
 }
-STATE_KEYS = ("generation", "evaluations", "seconds", "smallest_peak", "best_time_s", "stale", "rng",
+STATE_KEYS = ("generation", "evaluations", "seconds", "smallest_peak", "rng",
               "population", "archive", "seeds", "history")
 
 
@@ -73,7 +74,7 @@ def fingerprint(graph, costs, space, ga, budget: int, seed: int, seeds: dict) ->
         "costs": _digest({"op_time": costs.op_time, "d2h": costs.d2h_bandwidth, "h2d": costs.h2d_bandwidth,
                           "latency": costs.copy_latency, "copies_overlap": costs.copies_overlap}),
         "search_space": _digest({k: v for k, v in space_fields.items() if k not in ("name", "description")}),
-        "ga": _digest({k: settings[k] for k in ("population", "cx_prob", "mut_prob", "patience")}),
+        "ga": _digest({k: settings[k] for k in ("population", "cx_prob", "mut_prob", "patience", "tolerance")}),
         "budget": int(budget),
         "seed": int(seed),
         "seed_policies": _digest({name: [list(c.keys), list(c.actions)] for name, c in seeds.items()}),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import shlex
 import signal
 import sys
@@ -26,9 +27,26 @@ from tqdm import tqdm
 from gaswap import config, units
 from gaswap.config import format_size
 
-# Exit codes: 2 a bad experiment file, 3 no policy fits the budget, 4 refused (another experiment's results
-# folder, no or an unusable checkpoint); stopped by a signal: 128 + its number (130 Ctrl-C, 143 SIGTERM).
-EXIT_CONFIG, EXIT_INFEASIBLE, EXIT_REFUSED = 2, 3, 4
+# Exit codes (README, "Exit codes"): 0 done; 1 an internal error (a bug: one line, GASWAP_DEBUG=1 shows the
+# traceback); 2 a bad experiment file, command-line value or model, or a folder that holds no results;
+# 3 no policy fits the budget; 4 refused: another experiment's or another running search's results folder, no or
+# an unusable checkpoint, a policy file that is unreadable, edited or made for another model, or a factory named
+# only by a file; 5 a file or folder that cannot be read or written (read-only, full disk, a file in the way);
+# stopped by a signal: 128 + its number (130 Ctrl-C, 143 SIGTERM).
+EXIT_INTERNAL, EXIT_CONFIG, EXIT_INFEASIBLE, EXIT_REFUSED, EXIT_IO = 1, 2, 3, 4, 5
+
+
+def _at_least(minimum: float, kind=int):
+    """An argparse type: a number of `kind` that is at least `minimum`."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
+        if not (value >= minimum and value < float("inf")):
+            raise argparse.ArgumentTypeError(f"must be at least {minimum} (and finite), got {text}")
+        return value
+    return parse
 
 
 def main(argv=None) -> int:
@@ -49,17 +67,24 @@ def main(argv=None) -> int:
     p.set_defaults(run=search)
     p = add_parser("speed", help="benchmark the simulator: evaluations per second")
     p.add_argument("experiments", nargs="*", help="experiment files whose graphs to time (default: alexnet_4gb)")
-    p.add_argument("--synthetic-ops", type=int, default=2000, help="size of the synthetic graph also timed")
-    p.add_argument("--seconds", type=float, default=3.0, help="time spent per graph")
+    p.add_argument("--synthetic-ops", type=_at_least(2), default=2000, help="size of the synthetic graph also timed")
+    p.add_argument("--seconds", type=_at_least(0.01, float), default=3.0, help="time spent per graph")
     p.set_defaults(run=speed)
     p = add_parser("validate", help="run real training steps under a policy: measured vs predicted")
     p.add_argument("policy", help="policy file, e.g. results/tiny_cnn_cpu/policy.yaml")
-    p.add_argument("--steps", type=int, default=5, help="training steps (at least 3; default 5)")
-    p.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda")
+    p.add_argument("--steps", type=_at_least(3), default=5, help="training steps (at least 3; default 5)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto (cuda if present), cpu or cuda")
+    p.add_argument("--experiment", default=None,
+                   help="the experiment file to build the model from (default: the one the policy names; its "
+                        "factory must then be one of gaswap's own models unless --trust-factory)")
+    p.add_argument("--trust-factory", action="store_true",
+                   help="build the model from the factory the policy's experiment names, even outside gaswap.zoo")
     p.set_defaults(run=validate)
     p = add_parser("plot", help="write the Pareto, convergence, memory-timeline and action-map PNGs")
     p.add_argument("results", help="a results folder, e.g. results/alexnet_4gb")
     p.add_argument("--cache", default=None, help="cost cache folder of the search (measured costs)")
+    p.add_argument("--trust-factory", action="store_true",
+                   help="build the model from the factory the results name, even outside gaswap.zoo")
     p.set_defaults(run=plot)
     p = add_parser("bench", help="baselines, GA per search space and MILP at several budgets")
     p.add_argument("experiment", help="experiment YAML file")
@@ -67,9 +92,40 @@ def main(argv=None) -> int:
                    help="comma-separated fractions of keep-all peak or sizes (default 0.9,0.75,0.5,0.33,0.25)")
     p.add_argument("--results", default="results", help="folder of result folders (default: results)")
     p.add_argument("--cache", default=None, help="cost cache folder")
-    p.add_argument("--time-limit", type=float, default=60.0, help="MILP time limit per budget, seconds")
+    p.add_argument("--time-limit", type=_at_least(0.1, float), default=60.0, help="MILP time limit per budget, seconds")
     p.set_defaults(run=bench)
-    args = parser.parse_args(argv)
+    p = verbs.add_parser("compare", help="eager, torch.compile memory budgets and gaswap compiled policies, head to head")
+    p.add_argument("experiment", help="experiment YAML file, e.g. experiments/compare_densenet_cpu.yaml")
+    p.add_argument("--rounds", type=_at_least(1, int), default=5, help="rounds of all methods in rotated order (default 5)")
+    p.add_argument("--steps", type=_at_least(1, int), default=3, help="timed steps per method and round (default 3)")
+    p.add_argument("--below", default="0.8", help="also search gaswap policies at these fractions of the lowest "
+                                                  "simulated peak of torch's partitions (default 0.8)")
+    p.add_argument("--results", default="results", help="folder of result folders (default: results)")
+    p.add_argument("--cache", default=None, help="cost cache folder (default: $GASWAP_CACHE or ~/.cache/gaswap)")
+    p.set_defaults(run=compare)
+    p = verbs.add_parser("memory", help="GPU memory of policies: live, allocator allocated/reserved, arena plan")
+    p.add_argument("experiments", nargs="+", help="experiment files, e.g. experiments/alexnet_4gb.yaml")
+    p.add_argument("--results", default="results", help="folder of result folders with shipped policies")
+    p.set_defaults(run=memory)
+    p = verbs.add_parser("check-gpu", help="on a CUDA machine: CUDA tests, search + validate two experiments, "
+                                           "allocator model vs measured memory, one JSON report")
+    p.add_argument("--out", default="gpu_check.json", help="the JSON report (default: gpu_check.json)")
+    p.add_argument("--steps", type=_at_least(3, int), default=5, help="validation steps per experiment (default 5)")
+    p.set_defaults(run=check_gpu)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as stop:  # argparse printed the usage and one error line (or the help)
+        return stop.code if isinstance(stop.code, int) else EXIT_CONFIG
+    return run(args)
+
+
+def run(args) -> int:
+    """Run a verb; every failure a user can meet is one `error:` line and its exit code, never a traceback."""
+    from gaswap.capture import CaptureError
+    from gaswap.checkpoint import CheckpointError
+    from gaswap.policy import PolicyError
+    from gaswap.results import Refused, ResultsError
+
     try:
         units.use(args.units)
         units.convention()  # a bad $GASWAP_UNITS is refused before any work
@@ -78,13 +134,30 @@ def main(argv=None) -> int:
         return EXIT_CONFIG
     try:
         return args.run(args)
-    except config.ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_CONFIG
+    except (config.ConfigError, CaptureError, ResultsError) as err:
+        return _error(err, EXIT_CONFIG)
+    except (PolicyError, Refused, CheckpointError) as err:
+        return _error(err, EXIT_REFUSED)
+    except OSError as err:
+        where = f"{err.filename}: " if err.filename else ""
+        return _error(f"{where}cannot read or write ({err.strerror or err})", EXIT_IO)
+    except MemoryError:
+        return _error("out of host memory", EXIT_IO)
     except KeyboardInterrupt as err:  # Ctrl-C outside a search, or a second signal during one
         signum = getattr(err, "signum", signal.SIGINT)
         print(f"\ninterrupted ({signal.Signals(signum).name})", file=sys.stderr)
         return 128 + signum
+    except Exception as err:  # a bug: say so in one line
+        if os.environ.get("GASWAP_DEBUG"):
+            raise
+        return _error(f"internal error, please report it: {type(err).__name__}: {err} "
+                      f"(GASWAP_DEBUG=1 shows the traceback)", EXIT_INTERNAL)
+
+
+def _error(err, code: int) -> int:
+    text = " ".join(str(err).split("\n"))
+    print(f"error: {text}", file=sys.stderr)
+    return code
 
 
 def _units_option(parser, default) -> None:
@@ -100,28 +173,30 @@ def _prog() -> str:
 
 def search(args) -> int:
     """Capture, cost, search and write `results/<experiment>/`; print a short table."""
-    from gaswap import workflow
-    from gaswap.checkpoint import NAME as CHECKPOINT
+    from gaswap import results, workflow
 
     exp = config.load_experiment(args.experiment)
     out = workflow.results_folder(args.results, exp)
-    try:
+    with results.locked(out):  # one search per results folder, from the first check to the last file
+        note = results.recover(out)
+        if note:
+            print(f"note: {note}")
         workflow.check_results_folder(exp, out, resume=args.resume, force=args.force)
-    except workflow.Refused as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_REFUSED
+        return _search(args, exp, out)
+
+
+def _search(args, exp, out) -> int:
+    from gaswap import workflow
+    from gaswap.checkpoint import NAME as CHECKPOINT
+
     if not args.resume and (out / CHECKPOINT).is_file():
         print(f"note: {out / CHECKPOINT} holds an interrupted search; this new search replaces it "
               f"(--resume would continue it)")
     figures = sorted(p.name for p in out.glob("*.png")) if out.is_dir() else []  # a new search outdates them
     print(f"gaswap search {exp.name}: {exp.model.factory}, batch {exp.batch_size}, budget {exp.budget}, "
           f"search space {exp.search_space.name}")
-    try:
-        with tqdm(desc="capture + cost measurement", unit="op", leave=False) as bar:
-            prepared = workflow.prepare(exp, cache_dir=args.cache, progress=_progress(bar))
-    except workflow.CaptureError as err:
-        print(f"error: {exp.path}: {err}", file=sys.stderr)
-        return EXIT_CONFIG
+    with tqdm(desc="capture + cost measurement", unit="op", leave=False) as bar:
+        prepared = workflow.prepare(exp, cache_dir=args.cache, progress=_progress(bar))
     g = prepared.graph
     print(f"graph: {len(g.ops)} ops, {len(g.tensors)} tensors, {len(g.candidates())} candidate activations "
           f"(captured in {prepared.capture_seconds:.1f} s); costs {prepared.costs.source} on {prepared.costs.device} "
@@ -131,17 +206,13 @@ def search(args) -> int:
                 workflow.stop_on_signals(lambda message: gens.write(message, file=sys.stderr)) as stop:
 
             def on_generation(record):
-                gens.n = record["generation"]
-                gens.set_postfix(best=_ms(record["best_time_s"]), front=record["front_size"])
+                gens.n = record.generation
+                gens.set_postfix(best=_ms(record.best_time_s), front=record.front_size)
 
             result, summary = workflow.run_search(prepared, out, on_generation=on_generation, resume=args.resume,
                                                   force=args.force, stop=stop)
     except workflow.Infeasible as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_INFEASIBLE
-    except (workflow.Refused, workflow.CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_REFUSED
+        return _error(err, EXIT_INFEASIBLE)
     except KeyboardInterrupt as err:
         if (out / CHECKPOINT).is_file():
             print(f"\nstopped at once; {out / CHECKPOINT} holds the last finished generation\n"
@@ -156,7 +227,7 @@ def search(args) -> int:
     print(f"wrote {out}/ (policy.yaml, front.csv, history.csv, summary.json, costs.json, policies/)")
     if figures:
         print(f"{out}/ held figures of the search it replaces ({', '.join(figures)}); drawing them again:")
-        _plot_folder(out, args.cache)
+        _plot_folder(out, args.cache, trust_factory=True)  # the experiment this command was given
     print(next_steps(out, exp, plotted=bool(figures)))
     return 0
 
@@ -225,12 +296,41 @@ def table(result, summary) -> str:
 
 def speed(args) -> int:
     """Print simulator evaluations per second on experiment graphs and a synthetic graph."""
-    from gaswap import benchmark
+    from gaswap.speed import simulator_speed
 
-    for line in benchmark.simulator_speed(args.experiments or ["experiments/alexnet_4gb.yaml"],
-                                          args.synthetic_ops, args.seconds):
+    for line in simulator_speed(args.experiments or ["experiments/alexnet_4gb.yaml"], args.synthetic_ops,
+                                args.seconds):
         print(line)
     return 0
+
+
+def memory(args) -> int:
+    """Print the GPU-memory table of `gaswap.gpu_memory` for the experiments (estimated costs only)."""
+    from gaswap import gpu_memory, workflow
+
+    table = []
+    for path in args.experiments:
+        exp = config.load_experiment(path)
+        if exp.costs.source != "estimate":
+            print(f"error: {path}: costs.source must be 'estimate' here (no device is used)", file=sys.stderr)
+            return EXIT_CONFIG
+        table += gpu_memory.rows(workflow.prepare(exp), args.results)
+    print(gpu_memory.markdown(table))
+    return 0
+
+
+def check_gpu(args) -> int:
+    """Run the GPU check (gaswap.gpu_check) and write its report; 0 also when there is no GPU (it says so)."""
+    from gaswap import gpu_check
+
+    report = gpu_check.run(args.out, steps=args.steps)
+    if report.get("skipped"):
+        print(f"skipped: {report['skipped']}; wrote {args.out}")
+        return 0
+    for name, figures in report.get("experiments", {}).items():
+        print(f"{name}: {figures.get('goals', figures.get('error'))}")
+    print(f"{len(report['errors'])} error(s); wrote {args.out} in {report['seconds']} s")
+    return 0 if not report["errors"] else 1
 
 
 def _ms(seconds: float) -> str:
@@ -252,12 +352,9 @@ def validate(args) -> int:
     from gaswap import policy as policies
     from gaswap.validate import validate as run_validation
 
-    try:
-        with tqdm(total=args.steps, desc="validate", unit="step", leave=False) as bar:
-            r = run_validation(args.policy, args.steps, args.device, progress=_progress(bar))
-    except policies.PolicyError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_REFUSED
+    with tqdm(total=args.steps, desc="validate", unit="step", leave=False) as bar:
+        r = run_validation(args.policy, args.steps, args.device, experiment=args.experiment,
+                           trust_factory=args.trust_factory, progress=_progress(bar))
     p, m = r["predicted"], r["measured"]
     print(f"{r['experiment']} on {r['device']} ({r['steps']} steps; costs {r['cost_source']})")
     elsewhere = planned.mismatch(policies.load(args.policy).provenance, r["device"])
@@ -273,16 +370,18 @@ def validate(args) -> int:
 
 def plot(args) -> int:
     """Write the figures of a results folder beside it."""
-    _plot_folder(Path(args.results), args.cache)
+    _plot_folder(Path(args.results), args.cache, args.trust_factory)
     return 0
 
 
-def _plot_folder(folder: Path, cache) -> list[Path]:
+def _plot_folder(folder: Path, cache, trust_factory: bool = False) -> list[Path]:
     """Draw a results folder's four figures, printing their paths, and loudly when costs had to be got again."""
     import warnings
 
     from gaswap.report import plot_results
+    from gaswap.results import check_plottable
 
+    check_plottable(folder, trust_factory=trust_factory)
     bars = []
 
     def measuring(done, total):  # a bar only when costs are measured again (no costs.json)
@@ -327,3 +426,10 @@ def bench(args) -> int:
     print(benchmark.to_markdown(rows, name))
     print(f"wrote {Path(args.results) / name}/ (bench.csv, bench.md)")
     return 0
+
+
+def compare(args) -> int:
+    """Eager, torch.compile at activation memory budgets and gaswap compiled policies, measured in one process."""
+    from gaswap import compare as head_to_head
+
+    return head_to_head.command(args)

@@ -1,5 +1,9 @@
 """Experiment and search-space files: a frozen dataclass schema, strict loading and memory-size units.
 
+Each key of a file is declared once, as a dataclass field whose metadata holds its check and its one-line
+description (`key`); the loader reads keys, checks and required keys from the fields, and
+`reference()` writes the table of every key (docs/experiment_keys.md) from them.
+
 Every loader error is a `ConfigError` whose message is one line naming the file and the key path, e.g.
 "experiments/x.yaml: ga.population: must be a positive integer, got 0". No torch here, and the model
 factory is only checked for its "module:callable" form, never imported.
@@ -9,30 +13,30 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
-import yaml
-
 from gaswap import units
+from gaswap.files import UnreadableFile, load_yaml
 from gaswap.graph import COUNTABLE
+from gaswap.step import AUTOCAST, DEFAULT_LOSS, DEFAULT_OPTIMIZER, LOSSES, NO_TARGET, OPTIMIZERS
 
-LOSSES = ("cross_entropy", "mse", "sum", "external")  # external: computed outside the step
-NO_TARGET = ("sum", "external")  # losses that take no target
-OPTIMIZERS = ("sgd", "sgd_momentum", "adam")
 DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "bool")
 INT_DTYPES = ("int64", "int32")  # dtypes whose random values need an exclusive upper bound `high`
 COST_SOURCES = ("estimate", "measure")
 DEVICES = ("auto", "cpu", "cuda")
 ACTIONS = ("keep", "swap", "recompute")
-AUTOCAST = ("bfloat16", "float16")
 CROSSOVERS = ("uniform", "two_point")
 BATCH = "batch"  # the shape entry replaced by the batch size
 MAX_FRACTION = 10  # the largest budget accepted as a fraction of the keep-all peak ("10x")
 SEARCH_SPACES_DIR = Path(__file__).resolve().parents[1] / "search_spaces"
 DEFAULT_SEARCH_SPACE = "hybrid"
+MAX_FILE_BYTES = 2**20  # an experiment or search-space file is a few hundred bytes; larger ones are refused unread
+MAX_WORKERS = 256  # ga.workers and costs.threads: more is a typo, not a machine
+MAX_ELEMENTS = 2**48  # elements of one input tensor, batch included
+MAX_INT32, MAX_SEED = 2**31 - 1, 2**32 - 1
 _UNITS = {"B": 1, "KB": 10**3, "KiB": 2**10, "MB": 10**6, "MiB": 2**20,
           "GB": 10**9, "GiB": 2**30, "TB": 10**12, "TiB": 2**40}
 _SIZE = re.compile(rf"(-?\d+(?:\.\d+)?)\s*({'|'.join(_UNITS)}|x)?")
@@ -40,152 +44,6 @@ _SIZE = re.compile(rf"(-?\d+(?:\.\d+)?)\s*({'|'.join(_UNITS)}|x)?")
 
 class ConfigError(ValueError):
     """An invalid configuration; str() is one line naming the file and the key."""
-
-
-# ------------------------------------------------------------------------------------------ schema
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The model to train, built by another module as `factory(**kwargs)`."""
-
-    factory: str  # "module:callable", e.g. "gaswap.zoo:alexnet"
-    kwargs: dict = field(default_factory=dict)  # keyword arguments of the factory
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """A random tensor fed to the model or the loss."""
-
-    shape: tuple  # positive ints and "batch" (replaced by the batch size)
-    dtype: str = "float32"  # one of DTYPES
-    high: int | None = None  # exclusive upper bound of the values; integer dtypes only (and required there)
-
-
-@dataclass(frozen=True)
-class Budget:
-    """A memory budget: an absolute size in bytes or a fraction of the keep-all peak (exactly one set)."""
-
-    bytes: int | None = None  # absolute budget in bytes
-    fraction: float | None = None  # budget as a multiple of the keep-all peak, in (0, MAX_FRACTION]
-
-    def __post_init__(self):
-        if (self.bytes is None) == (self.fraction is None):
-            raise ValueError("a Budget needs exactly one of bytes and fraction")
-
-    def resolve(self, keep_all_peak: int) -> int:
-        """The budget in bytes, given the peak memory of keeping every activation."""
-        return self.bytes if self.bytes is not None else int(self.fraction * keep_all_peak)
-
-    def __str__(self) -> str:
-        return format_size(self.bytes) if self.bytes is not None else f"{self.fraction:g}x"
-
-
-@dataclass(frozen=True)
-class CostSpec:
-    """Where operator and transfer costs come from."""
-
-    source: str = "measure"  # "measure" on a device or "estimate" from a hardware profile
-    profile: str | None = None  # hardware profile name; required for (and only for) source "estimate"
-    device: str = "auto"  # where to measure: auto | cpu | cuda
-    threads: int | None = None  # CPU intra-op threads (torch.set_num_threads) to measure and validate with
-
-
-@dataclass(frozen=True)
-class GASettings:
-    """Genetic-algorithm settings."""
-
-    population: int = 64  # individuals per generation
-    generations: int = 60  # maximum number of generations
-    workers: int = 1  # processes evaluating individuals
-    cx_prob: float = 0.9  # probability that a pair of parents is crossed over
-    mut_prob: float = 0.5  # probability that a child is mutated
-    patience: int | None = None  # stop when the best feasible time hasn't improved for this many generations
-
-
-@dataclass(frozen=True)
-class SearchSpace:
-    """What the GA may change, and how its genes mutate and cross over."""
-
-    name: str  # the file stem
-    description: str = ""  # one line for humans
-    order: bool = True  # evolve the operator order
-    actions: tuple[str, ...] = ACTIONS  # actions genes may take; always includes "keep"
-    key_sigma: float = 0.1  # std of the gaussian mutation of order keys
-    key_indpb: float = 0.05  # per-key mutation probability
-    action_indpb: float = 0.05  # per-gene action mutation probability
-    crossover: str = "uniform"  # uniform | two_point (applied to both key and action genes)
-    cx_indpb: float = 0.5  # per-gene swap probability for uniform crossover
-
-
-@dataclass(frozen=True, kw_only=True)
-class Experiment:
-    """One experiment file, validated."""
-
-    name: str  # names the results (default: the file stem)
-    path: str  # the file it was loaded from
-    model: ModelSpec  # the model to train
-    inputs: tuple[TensorSpec, ...]  # positional inputs of model.forward
-    target: TensorSpec | None = None  # the loss target; required unless loss is "sum" or "external"
-    loss: str = "sum"  # one of LOSSES; "external": the step ends at the model's output (gaswap.apply's module form)
-    batch_size: int  # replaces "batch" in shapes
-    optimizer: str = "sgd"  # one of OPTIMIZERS
-    budget: Budget  # the memory budget
-    counts: tuple[str, ...] = COUNTABLE  # persistent memory counted toward the budget
-    costs: CostSpec = CostSpec()  # where costs come from
-    search_space: SearchSpace  # loaded from the file's `search_space` name or path (default: hybrid)
-    ga: GASettings = GASettings()  # genetic-algorithm settings
-    seed: int = 0  # seeds the GA and the random inputs
-    autocast: str | None = None  # run forward and loss under autocast: "bfloat16" | "float16" (None: off)
-
-
-# ------------------------------------------------------------------------------------------ public API
-
-
-def parse_size(text: str | int) -> Budget:
-    """Parse "4GB", "3.5GiB", "4096MiB", 123456 (bytes) or "0.5x" (of the keep-all peak); units are case-sensitive."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        text = str(text)
-    match = _SIZE.fullmatch(text) if isinstance(text, str) else None
-    if match is None:
-        raise ConfigError(f"invalid size {text!r}: expected e.g. 4GB, 3.5GiB, 4096MiB, 123456 (bytes) or 0.5x")
-    number, unit = Decimal(match[1]), match[2] or "B"
-    if number <= 0:
-        raise ConfigError(f"invalid size {text!r}: must be positive")
-    if unit == "x":
-        if number > MAX_FRACTION:
-            raise ConfigError(f"invalid size {text!r}: a fraction of the keep-all peak must be at most {MAX_FRACTION}x")
-        return Budget(fraction=float(number))
-    size = number * _UNITS[unit]
-    if size != size.to_integral_value():
-        raise ConfigError(f"invalid size {text!r}: not a whole number of bytes")
-    return Budget(bytes=int(size))
-
-
-def format_size(size: int) -> str:
-    """A byte count in the display convention of `gaswap.units`: "4.00 GB" (decimal, default) or "3.73 GiB"."""
-    return units.format_size(size)
-
-
-def load_search_space(name_or_path: str | Path, *, root: str | Path | None = None) -> SearchSpace:
-    """Load a search space by name (a file in `root`, default SEARCH_SPACES_DIR) or by path to a yaml."""
-    return _load_space_file(_find_space(str(name_or_path), Path(root or SEARCH_SPACES_DIR), base=None))
-
-
-def load_experiment(path: str | Path) -> Experiment:
-    """Load and validate an experiment file; a relative search-space path is relative to this file."""
-    path = Path(path)
-    where = _Where(str(path))
-    raw = _read_yaml(path)
-    raw.setdefault("name", path.stem)
-    raw.setdefault("search_space", DEFAULT_SEARCH_SPACE)
-    checks = _EXPERIMENT_CHECKS | {"search_space": _space_check(path.parent)}
-    experiment = _build(where, raw, Experiment, checks, ("model", "inputs", "batch_size", "budget"), path=str(path))
-    if experiment.loss in NO_TARGET and experiment.target is not None:
-        where["target"].fail(f"not used by loss {experiment.loss!r}; remove it or choose another loss")
-    if experiment.loss not in NO_TARGET and experiment.target is None:
-        where["target"].fail(f"required for loss {experiment.loss!r}")
-    return experiment
 
 
 # ------------------------------------------------------------------------------------------ strict loading
@@ -222,64 +80,59 @@ def _suggest(word: Any, options) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """yaml's SafeLoader, refusing a key given twice in one mapping (safe_load keeps the last silently)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep)
-
-
 def _read_yaml(path: Path) -> dict:
-    """The top-level mapping of a YAML file (safe types only; a key given twice is an error)."""
+    """The top-level mapping of a YAML file (bounded size, safe types only, no aliases, no key given twice)."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file") from None
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"{path}: not a UTF-8 text file (byte {err.start}: {err.reason})") from None
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read ({err.strerror or err})") from None
-    try:
-        raw = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        line = f"line {mark.line + 1}: " if mark else ""
-        problem = getattr(err, "problem", None) or str(err).replace("\n", " ")
-        raise ConfigError(f"{path}: {line}invalid YAML: {problem}") from err
+        raw = load_yaml(path, MAX_FILE_BYTES)
+    except UnreadableFile as err:
+        raise ConfigError(str(err)) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {_show(raw)}")
     return raw
 
 
-def _build(where: _Where, raw: Any, cls: type, checks: dict[str, Check], required=(), **extra):
-    """Strictly read mapping `raw` into dataclass `cls`: keys only from `checks` (each checked), all `required`
-    keys present; omitted keys keep the dataclass defaults; `extra` fields are passed through."""
+def key(check: Check, doc: str, default: Any = MISSING, *, factory: Any = MISSING, record: type | None = None,
+        shown: str | None = None):
+    """A dataclass field read from a file: `check` validates and converts its value, `doc` says what it is (one
+    line, for the key reference), `default` or `factory` give its default (`shown`: the default the loader fills
+    in, for a key without one here); `record` is the dataclass of a nested mapping (or of a list's items)."""
+    return field(default=default, default_factory=factory,
+                 metadata={"check": check, "doc": doc, "record": record, "shown": shown})
+
+
+def _keys(cls: type) -> dict[str, Any]:
+    """The fields of `cls` read from a file (those declared with `key`), by name."""
+    return {f.name: f for f in fields(cls) if f.metadata.get("check") is not None}
+
+
+def _build(where: _Where, raw: Any, cls: type, overrides: dict[str, Check] | None = None, **extra):
+    """Strictly read mapping `raw` into dataclass `cls`: only its keys (unknown ones are refused before any value is
+    checked), each checked by its field's check (or `overrides`), every key without a default present; omitted
+    keys keep the dataclass defaults; `extra` fields are passed through."""
     if not isinstance(raw, dict):
         where.fail(f"must be a mapping, got {_show(raw)}")
-    for key in raw:
-        if key not in checks:
-            where.fail(f"unknown key {str(key)!r}{_suggest(key, checks)}")
-    for key in required:
-        if key not in raw:
-            where.fail(f"missing required key {key!r}")
-    return cls(**extra, **{key: checks[key](where[key], value) for key, value in raw.items()})
+    keys = _keys(cls)
+    for name in raw:
+        if name not in keys:
+            where.fail(f"unknown key {str(name)!r}{_suggest(name, keys)}")
+    for name, f in keys.items():
+        if f.default is MISSING and f.default_factory is MISSING and name not in raw:
+            where.fail(f"missing required key {name!r}")
+    checks = {name: f.metadata["check"] for name, f in keys.items()} | (overrides or {})
+    return cls(**extra, **{name: checks[name](where[name], value) for name, value in raw.items()})
 
 
-def _record(cls: type, checks: dict[str, Check], required=()) -> Check:
+def _record(cls: type) -> Check:
     """Check a nested mapping read into dataclass `cls`."""
-    return lambda where, raw: _build(where, raw, cls, checks, required)
+    return lambda where, raw: _build(where, raw, cls)
 
 
-def _integer(minimum: int, what: str) -> Check:
+def _integer(minimum: int, what: str, maximum: int = MAX_INT32) -> Check:
     def check(where, value):
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             where.fail(f"must be {what}, got {_show(value)}")
+        if value > maximum:
+            where.fail(f"must be at most {maximum}, got {_show(value)}")
         return value
     return check
 
@@ -347,6 +200,8 @@ def _kwargs(where, value):
 def _dim(where, value):
     if value != BATCH and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         where.fail(f"must be a positive integer or {BATCH!r}, got {_show(value)}")
+    if value != BATCH and value > MAX_INT32:
+        where.fail(f"must be at most {MAX_INT32}, got {_show(value)}")
     return value
 
 
@@ -358,7 +213,7 @@ def _size(where, value):
 
 
 def _tensor(where, raw):
-    spec = _build(where, raw, TensorSpec, _TENSOR_CHECKS, ("shape",))
+    spec = _build(where, raw, TensorSpec)
     if spec.dtype in INT_DTYPES and spec.high is None:
         where["high"].fail(f"required for integer dtype {spec.dtype} (the exclusive upper bound of the values)")
     if spec.dtype not in INT_DTYPES and spec.high is not None:
@@ -367,7 +222,7 @@ def _tensor(where, raw):
 
 
 def _costs(where, raw):
-    costs = _build(where, raw, CostSpec, _COST_CHECKS)
+    costs = _build(where, raw, CostSpec)
     if costs.source == "estimate" and costs.profile is None:
         where["profile"].fail("required when source is 'estimate'")
     if costs.source != "estimate" and costs.profile is not None:
@@ -393,7 +248,7 @@ def _find_space(text: str, root: Path, base: Path | None) -> Path:
 
 def _load_space_file(path: Path) -> SearchSpace:
     where = _Where(str(path))
-    space = _build(where, _read_yaml(path), SearchSpace, _SPACE_CHECKS, name=path.stem)
+    space = _build(where, _read_yaml(path), SearchSpace, name=path.stem)
     if "keep" not in space.actions:
         where["actions"].fail(f"must include 'keep', got {_show(list(space.actions))}")
     if not space.order and space.actions == ("keep",):
@@ -413,52 +268,232 @@ def _space_check(base: Path) -> Check:
     return check
 
 
+# ------------------------------------------------------------------------------------------ schema
+
 _POSITIVE = _integer(1, "a positive integer")
+_WORKERS = _integer(1, "a positive integer", MAX_WORKERS)
 _PROBABILITY = _number(0, 1, "a probability in [0, 1]")
-_TENSOR_CHECKS = {
-    "shape": _list(_dim),
-    "dtype": _choice(DTYPES),
-    "high": _optional(_POSITIVE),
-}
-_COST_CHECKS = {
-    "source": _choice(COST_SOURCES),
-    "profile": _optional(_string),
-    "device": _choice(DEVICES),
-    "threads": _optional(_POSITIVE),
-}
-_GA_CHECKS = {
-    "population": _POSITIVE,
-    "generations": _POSITIVE,
-    "workers": _POSITIVE,
-    "cx_prob": _PROBABILITY,
-    "mut_prob": _PROBABILITY,
-    "patience": _optional(_POSITIVE),
-}
-_SPACE_CHECKS = {
-    "description": _string,
-    "order": _boolean,
-    "actions": _list(_choice(ACTIONS), nonempty=True, unique=True),
-    "key_sigma": _number(0, math.inf, "a non-negative number"),
-    "key_indpb": _PROBABILITY,
-    "action_indpb": _PROBABILITY,
-    "crossover": _choice(CROSSOVERS),
-    "cx_indpb": _PROBABILITY,
-}
-_EXPERIMENT_CHECKS = {
-    "name": _pattern(r"[\w.-]+", "a name of letters, digits, '_', '.' and '-'"),
-    "model": _record(ModelSpec, {
-        "factory": _pattern(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", "'module:callable', e.g. 'gaswap.zoo:alexnet'"),
-        "kwargs": _kwargs,
-    }, ("factory",)),
-    "inputs": _list(_tensor, nonempty=True),
-    "target": _optional(_tensor),
-    "loss": _choice(LOSSES),
-    "batch_size": _POSITIVE,
-    "optimizer": _choice(OPTIMIZERS),
-    "budget": _size,
-    "counts": _list(_choice(COUNTABLE), unique=True),
-    "costs": _costs,
-    "ga": _record(GASettings, _GA_CHECKS),
-    "seed": _integer(0, "a non-negative integer"),
-    "autocast": _optional(_choice(AUTOCAST)),
-}
+_NAME = _pattern(r"\w[\w.-]{0,99}", "a name of letters, digits, '_', '.' and '-' (at most 100, not "
+                                    "starting with '.' or '-')")
+_FACTORY = _pattern(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", "'module:callable', e.g. 'gaswap.zoo:alexnet'")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model to train, built by another module as `factory(**kwargs)`."""
+
+    factory: str = key(_FACTORY, "`module:callable` returning the model, e.g. `gaswap.zoo:alexnet` (see the trust "
+                                 "model: a class deriving from nn.Module or a function of your own)")
+    kwargs: dict = key(_kwargs, "keyword arguments of the factory", factory=dict)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A random tensor fed to the model or the loss."""
+
+    shape: tuple = key(_list(_dim), f"list of positive ints and `{BATCH}` (replaced by the batch size)")
+    dtype: str = key(_choice(DTYPES), f"one of {', '.join(DTYPES)}", "float32")
+    high: int | None = key(_optional(_integer(1, "a positive integer", 2**63 - 1)),
+                           "exclusive upper bound of the random values; integer dtypes only, and required there",
+                           None)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A memory budget: an absolute size in bytes or a fraction of the keep-all peak (exactly one set)."""
+
+    bytes: int | None = None  # absolute budget in bytes
+    fraction: float | None = None  # budget as a multiple of the keep-all peak, in (0, MAX_FRACTION]
+
+    def __post_init__(self):
+        if (self.bytes is None) == (self.fraction is None):
+            raise ValueError("a Budget needs exactly one of bytes and fraction")
+
+    def resolve(self, keep_all_peak: int) -> int:
+        """The budget in bytes, given the peak memory of keeping every activation."""
+        return self.bytes if self.bytes is not None else int(self.fraction * keep_all_peak)
+
+    def __str__(self) -> str:
+        return format_size(self.bytes) if self.bytes is not None else f"{self.fraction:g}x"
+
+
+@dataclass(frozen=True)
+class CostSpec:
+    """Where operator and transfer costs come from."""
+
+    source: str = key(_choice(COST_SOURCES), "`measure` on a device, or `estimate` from a hardware profile",
+                      "measure")
+    profile: str | None = key(_optional(_string), "hardware profile (`gaswap/profiles/`); required for, and only "
+                                                  "for, source `estimate`", None)
+    device: str = key(_choice(DEVICES), "where to measure: `auto` (cuda if present), `cpu` or `cuda`", "auto")
+    threads: int | None = key(_optional(_WORKERS), f"CPU intra-op threads to measure and validate with (1 to "
+                                                   f"{MAX_WORKERS}); only when measuring on the CPU", None)
+
+
+@dataclass(frozen=True)
+class GASettings:
+    """Genetic-algorithm settings."""
+
+    population: int = key(_POSITIVE, "individuals per generation", 64)
+    generations: int = key(_POSITIVE, "maximum number of generations", 60)
+    workers: int = key(_WORKERS, f"processes evaluating individuals (1 to {MAX_WORKERS})", 1)
+    cx_prob: float = key(_PROBABILITY, "probability that a pair of parents is crossed over", 0.9)
+    mut_prob: float = key(_PROBABILITY, "probability that a child is mutated", 0.5)
+    patience: int | None = key(_optional(_POSITIVE), "converged: stop when for this many generations neither the "
+                               "best feasible time nor the front's hypervolume improved by more than `tolerance` "
+                               "(none: run every generation)", None)
+    tolerance: float = key(_number(0, 1, "a relative improvement in [0, 1]"),
+                           "relative improvement that counts for `patience` (0.001 = 0.1 %)", 0.0)
+    max_evaluations: int | None = key(_optional(_POSITIVE), "stop once this many policies were evaluated", None)
+    max_seconds: float | None = key(_optional(_number(0, math.inf, "a non-negative number of seconds")),
+                                    "stop once the search ran this long (resumed runs included)", None)
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What the GA may change, and how its genes mutate and cross over."""
+
+    name: str  # the file stem
+    description: str = key(_string, "one line for humans", "")
+    order: bool = key(_boolean, "evolve the operator order", True)
+    actions: tuple[str, ...] = key(_list(_choice(ACTIONS), nonempty=True, unique=True),
+                                   "actions genes may take; must include `keep`", ACTIONS)
+    key_sigma: float = key(_number(0, math.inf, "a non-negative number"),
+                           "standard deviation of the gaussian mutation of order keys", 0.1)
+    key_indpb: float = key(_PROBABILITY, "per-key mutation probability", 0.05)
+    action_indpb: float = key(_PROBABILITY, "per-gene action mutation probability", 0.05)
+    crossover: str = key(_choice(CROSSOVERS), "`uniform` or `two_point` (applied to both key and action genes)",
+                         "uniform")
+    cx_indpb: float = key(_PROBABILITY, "per-gene swap probability of the uniform crossover", 0.5)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Experiment:
+    """One experiment file, validated."""
+
+    name: str = key(_NAME, "names the results folder", shown="the file's stem")
+    path: str  # the file it was loaded from
+    model: ModelSpec = key(_record(ModelSpec), "the model to train", record=ModelSpec)
+    inputs: tuple[TensorSpec, ...] = key(_list(_tensor, nonempty=True), "positional inputs of model.forward: a "
+                                                                        "list of tensors", record=TensorSpec)
+    target: TensorSpec | None = key(_optional(_tensor), "the loss target (a tensor); required unless the loss is "
+                                                        f"{' or '.join(NO_TARGET)}", None, record=TensorSpec)
+    loss: str = key(_choice(LOSSES), f"one of {', '.join(LOSSES)}; `external`: the step ends at the model's output "
+                                     "(gaswap.apply's module form)", DEFAULT_LOSS)
+    batch_size: int = key(_POSITIVE, f"replaces `{BATCH}` in shapes (at most {MAX_INT32})")
+    optimizer: str = key(_choice(OPTIMIZERS), f"one of {', '.join(OPTIMIZERS)} (its state counts toward the "
+                                              "budget)", DEFAULT_OPTIMIZER)
+    budget: Budget = key(_size, "memory budget: `4GB`, `3.5GiB`, `4096MiB`, bytes, or `0.5x` of the keep-all peak")
+    counts: tuple[str, ...] = key(_list(_choice(COUNTABLE), unique=True), f"persistent memory counted toward the "
+                                                                          f"budget: any of {', '.join(COUNTABLE)}",
+                                  COUNTABLE)
+    costs: CostSpec = key(_costs, "where costs come from", factory=CostSpec, record=CostSpec)
+    search_space: SearchSpace = key(_string, "a search space name (`search_spaces/`) or a path to one, relative "
+                                             "to the experiment file", shown=f"`{DEFAULT_SEARCH_SPACE}`")
+    ga: GASettings = key(_record(GASettings), "genetic-algorithm settings", factory=GASettings, record=GASettings)
+    seed: int = key(_integer(0, "a non-negative integer", MAX_SEED), f"seeds the GA and the random inputs (0 to "
+                                                                     f"{MAX_SEED})", 0)
+    autocast: str | None = key(_optional(_choice(AUTOCAST)), f"run forward and loss under autocast: "
+                                                             f"{' or '.join(AUTOCAST)} (none: off)", None)
+
+
+# ------------------------------------------------------------------------------------------ public API
+
+
+def parse_size(text: str | int) -> Budget:
+    """Parse "4GB", "3.5GiB", "4096MiB", 123456 (bytes) or "0.5x" (of the keep-all peak); units are case-sensitive."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        text = str(text)
+    match = _SIZE.fullmatch(text) if isinstance(text, str) else None
+    if match is None:
+        raise ConfigError(f"invalid size {text!r}: expected e.g. 4GB, 3.5GiB, 4096MiB, 123456 (bytes) or 0.5x")
+    number, unit = Decimal(match[1]), match[2] or "B"
+    if number <= 0:
+        raise ConfigError(f"invalid size {text!r}: must be positive")
+    if unit == "x":
+        if number > MAX_FRACTION:
+            raise ConfigError(f"invalid size {text!r}: a fraction of the keep-all peak must be at most {MAX_FRACTION}x")
+        return Budget(fraction=float(number))
+    size = number * _UNITS[unit]
+    if size != size.to_integral_value():
+        raise ConfigError(f"invalid size {text!r}: not a whole number of bytes")
+    return Budget(bytes=int(size))
+
+
+def format_size(size: int) -> str:
+    """A byte count in the display convention of `gaswap.units`: "4.00 GB" (decimal, default) or "3.73 GiB"."""
+    return units.format_size(size)
+
+
+def load_search_space(name_or_path: str | Path, *, root: str | Path | None = None) -> SearchSpace:
+    """Load a search space by name (a file in `root`, default SEARCH_SPACES_DIR) or by path to a yaml."""
+    return _load_space_file(_find_space(str(name_or_path), Path(root or SEARCH_SPACES_DIR), base=None))
+
+
+def load_experiment(path: str | Path) -> Experiment:
+    """Load and validate an experiment file; a relative search-space path is relative to this file."""
+    path = Path(path)
+    where = _Where(str(path))
+    raw = _read_yaml(path)
+    raw.setdefault("name", path.stem)  # the defaults `shown` in the schema
+    raw.setdefault("search_space", DEFAULT_SEARCH_SPACE)
+    experiment = _build(where, raw, Experiment, {"search_space": _space_check(path.parent)}, path=str(path))
+    if experiment.loss in NO_TARGET and experiment.target is not None:
+        where["target"].fail(f"not used by loss {experiment.loss!r}; remove it or choose another loss")
+    if experiment.loss not in NO_TARGET and experiment.target is None:
+        where["target"].fail(f"required for loss {experiment.loss!r}")
+    tensors = [("inputs", i, spec) for i, spec in enumerate(experiment.inputs)] + [("target", None, experiment.target)]
+    for key, i, spec in tensors:
+        if spec is not None and math.prod(experiment.batch_size if d == BATCH else d for d in spec.shape) > MAX_ELEMENTS:
+            place = where[key] if i is None else where[key][i]
+            place["shape"].fail(f"more than {MAX_ELEMENTS} elements with batch size {experiment.batch_size}")
+    return experiment
+
+
+
+
+# ------------------------------------------------------------------------------------------ key reference
+
+
+def reference() -> str:
+    """Markdown tables of every key of an experiment file and of a search-space file, from the schema (the
+    committed docs/experiment_keys.md is this text: `python -m gaswap.config > docs/experiment_keys.md`)."""
+    lines = ["# Experiment and search-space file keys", "",
+             "Generated from the schema in `gaswap/config.py` by `python -m gaswap.config`; do not edit by hand.",
+             "Unknown keys, wrong types and impossible values are refused with one line naming the file and key.", ""]
+    for title, cls in (("Experiment files (`experiments/*.yaml`)", Experiment),
+                       ("Search-space files (`search_spaces/*.yaml`)", SearchSpace)):
+        lines += [f"## {title}", "", "| key | default | meaning |", "|---|---|---|"]
+        lines += [f"| `{name}` | {default} | {doc} |" for name, default, doc in _rows(cls)]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _rows(cls: type, prefix: str = ""):
+    """(key path, default, description) of each key of `cls`, nested records after their parent."""
+    for name, f in _keys(cls).items():
+        record = f.metadata["record"]
+        many = record is not None and f.type.startswith("tuple")
+        path = f"{prefix}{name}{'[]' if many else ''}"
+        yield path, _default(f), f.metadata["doc"]
+        if record is not None:
+            yield from _rows(record, path + ".")
+
+
+def _default(f) -> str:
+    if f.metadata["shown"]:
+        return f.metadata["shown"]
+    if f.default is MISSING and f.default_factory is MISSING:
+        return "required"
+    value = f.default if f.default is not MISSING else f.default_factory()
+    if value is None or value in ("", {}):
+        return "none" if value is None else f"`{value!r}`"
+    if hasattr(value, "__dataclass_fields__"):
+        return "see below"
+    if isinstance(value, tuple):
+        return f"`[{', '.join(value)}]`"
+    return f"`{str(value).lower() if isinstance(value, bool) else value}`"
+
+
+if __name__ == "__main__":
+    print(reference())

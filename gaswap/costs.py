@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import warnings
@@ -191,20 +192,53 @@ class CostCache:
             data = json.loads(self.path.read_text())
             if data.get("key") != self.key:
                 raise ValueError(f"it holds figures for {data.get('key')}, not {self.key}")
-            self.op_time = {str(k): float(v) for k, v in data["op_time"].items()}
+            self.op_time = {str(k): _seconds(v, f"op_time[{str(k)[:60]}...]") for k, v in data["op_time"].items()}
             self.failed = {str(k): str(v) for k, v in data["failed"].items()}
             link = data["link"]
-            self.link = None if link is None else {k: float(link[k]) for k in ("d2h", "h2d", "latency")}
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            aside = self.path.with_name(self.path.name + ".bad")
-            os.replace(self.path, aside)
-            warnings.warn(f"cost cache {self.path} is unusable ({e}); moved it to {aside} and starting afresh")
+            self.link = None if link is None else {k: _link(k, link[k]) for k in ("d2h", "h2d", "latency")}
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
             self.op_time, self.failed, self.link = {}, {}, None
+            aside = self.path.with_name(self.path.name + ".bad")
+            try:
+                os.replace(self.path, aside)
+            except OSError:  # a read-only cache folder: leave the file, ignore its figures, measure afresh
+                warnings.warn(f"cost cache {self.path} is unusable ({e}); ignoring it (cannot move it aside)")
+                return
+            warnings.warn(f"cost cache {self.path} is unusable ({e}); moved it to {aside} and starting afresh")
 
     def save(self) -> None:
-        """Write the cache atomically."""
+        """Write the cache atomically; a cache folder that cannot be written (read-only, full) is warned about
+        and left as it is: the figures of this run are still used."""
         body = {"key": self.key, "op_time": self.op_time, "failed": self.failed, "link": self.link}
-        write_atomic(self.path, json.dumps(body, indent=1, sort_keys=True))
+        try:
+            write_atomic(self.path, json.dumps(body, indent=1, sort_keys=True))
+        except OSError as err:
+            warnings.warn(f"cost cache {self.path}: cannot write it ({err.strerror or err}); the figures just "
+                          f"measured are used but not kept")
+
+
+# Plausible figures: an op between a picosecond and an hour, a link between 1 KB/s and 100 TB/s, a copy latency
+# under a second. Anything else in a cache is damage or a hand edit, and would make predictions absurd.
+OP_SECONDS = (1e-12, 3600.0)
+LINK_BYTES_PER_S = (1e3, 1e14)
+MAX_LATENCY = 1.0
+
+
+def _seconds(value, what: str) -> float:
+    return _within(value, *OP_SECONDS, what)
+
+
+def _link(key: str, value) -> float:
+    if key == "latency":
+        return _within(value, 0.0, MAX_LATENCY, "link.latency")
+    return _within(value, *LINK_BYTES_PER_S, f"link.{key}")
+
+
+def _within(value, low: float, high: float, what: str) -> float:
+    """`value` as a float if it is a finite number in [low, high], else ValueError naming `what`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not low <= value <= high:
+        raise ValueError(f"{what} is {value!r}, not a number in [{low:g}, {high:g}]")
+    return float(value)
 
 
 def _file_name(key: dict) -> str:

@@ -1,9 +1,88 @@
-"""Writing files so that a reader never sees half of one. No torch here."""
+"""Reading and writing the files a user hands gaswap or gets from it. No torch here.
+
+Reading is bounded: a file larger than its limit is refused before it is read, and YAML is parsed with safe
+types only, no aliases (an alias "bomb" of a few hundred bytes can expand to gigabytes) and no key given
+twice. Writing goes through a temporary file and a rename, so a reader never sees half a file.
+"""
 from __future__ import annotations
 
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
+
+import yaml
+
+MiB = 2**20
+
+
+class UnreadableFile(ValueError):
+    """A file that cannot be read as asked; str() is one line naming the file."""
+
+
+def read_text(path: str | Path, limit: int) -> str:
+    """The UTF-8 text of `path`, refusing a missing file, a folder, or a file over `limit` bytes (before reading)."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise UnreadableFile(f"{path}: no such file") from None
+    except OSError as err:
+        raise UnreadableFile(f"{path}: cannot read ({err.strerror or err})") from None
+    if path.is_dir():
+        raise UnreadableFile(f"{path}: is a folder, not a file")
+    if size > limit:
+        raise UnreadableFile(f"{path}: {size} bytes, more than the {limit} bytes this file may have")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)  # the file may have grown since stat()
+    except OSError as err:
+        raise UnreadableFile(f"{path}: cannot read ({err.strerror or err})") from None
+    if len(data) > limit:
+        raise UnreadableFile(f"{path}: more than the {limit} bytes this file may have")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UnreadableFile(f"{path}: not a UTF-8 text file (byte {err.start}: {err.reason})") from None
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """yaml's SafeLoader refusing aliases (`*name`) and a key given twice in one mapping."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, f"alias *{event.anchor} is not allowed (gaswap files "
+                                                          f"take no anchors or aliases)", event.start_mark)
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                hash(key)
+            except TypeError:
+                raise yaml.constructor.ConstructorError(None, None, "a mapping key must be a plain value",
+                                                        key_node.start_mark) from None
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(path: str | Path, limit: int) -> Any:
+    """The YAML document in `path` (see `read_text` for the limit), safe types only, no aliases, no key twice."""
+    text = read_text(path, limit)
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        line = f"line {mark.line + 1}: " if mark else ""
+        problem = getattr(err, "problem", None) or str(err).replace("\n", " ")
+        raise UnreadableFile(f"{path}: {line}invalid YAML: {problem}") from None
+    except RecursionError:
+        raise UnreadableFile(f"{path}: invalid YAML: nested too deeply") from None
 
 
 def write_atomic(path: str | Path, text: str) -> None:
@@ -16,14 +95,15 @@ def write_atomic(path: str | Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes owner-only files; give the usual permissions
+        os.chmod(tmp, 0o666 & ~umask())  # mkstemp makes owner-only files; give the usual permissions
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
 
 
-def _umask() -> int:
+def umask() -> int:
+    """The process's umask (read without changing it for longer than a moment)."""
     mask = os.umask(0)
     os.umask(mask)
     return mask

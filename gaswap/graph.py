@@ -208,3 +208,30 @@ def chain(n: int, size: int = 1, *, name: str = "chain") -> Graph:
         ops.append(Op(f"b{i}", "bwd", (grad, saved), (f"g{i}",), "bwd", f"layer{i}", signature="b"))
         grad = f"g{i}"
     return Graph(tuple(ops), tensors, loss=f"a{n}")
+
+
+def residual_graph(n_ops: int, size: int = 1 << 20) -> Graph:
+    """A synthetic training step of about `n_ops` ops: residual layers with weights, and their backward.
+
+    Layer i (weight w{i}): h = f(x, w), y = x + h forward; backward gh = bf(gy, h, w) (input gradient),
+    gw = bw(gy, x) (weight gradient, free to run anywhere after gy) and gx = gy + gh.
+    """
+    layers = max(1, n_ops // 5)
+    tensors = {"x0": Tensor("x0", size, "input")}
+    ops = []
+    for i in range(1, layers + 1):
+        tensors[f"w{i}"] = Tensor(f"w{i}", size // 4, "param")
+        tensors[f"h{i}"] = Tensor(f"h{i}", size, "activation", f"f{i}")
+        tensors[f"x{i}"] = Tensor(f"x{i}", size, "activation", f"add{i}")
+        ops.append(Op(f"f{i}", "f", (f"x{i-1}", f"w{i}"), (f"h{i}",), "fwd", f"layer{i}", signature="f"))
+        ops.append(Op(f"add{i}", "add", (f"x{i-1}", f"h{i}"), (f"x{i}",), "fwd", f"layer{i}", signature="add"))
+    grad = f"x{layers}"
+    for i in range(layers, 0, -1):
+        tensors[f"gh{i}"] = Tensor(f"gh{i}", size, "activation", f"bf{i}")
+        tensors[f"gw{i}"] = Tensor(f"gw{i}", size // 4, "grad", f"bw{i}")
+        tensors[f"gx{i}"] = Tensor(f"gx{i}", size, "activation", f"badd{i}")
+        ops.append(Op(f"bf{i}", "bf", (grad, f"h{i}", f"w{i}"), (f"gh{i}",), "bwd", f"layer{i}", signature="bf"))
+        ops.append(Op(f"bw{i}", "bw", (grad, f"x{i-1}"), (f"gw{i}",), "bwd", f"layer{i}", signature="bw"))
+        ops.append(Op(f"badd{i}", "badd", (grad, f"gh{i}"), (f"gx{i}",), "bwd", f"layer{i}", signature="badd"))
+        grad = f"gx{i}"
+    return Graph(tuple(ops), tensors, loss=f"x{layers}")

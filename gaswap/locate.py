@@ -1,13 +1,12 @@
 """Finding what an experiment names from wherever a command runs: its model factory's module (also relative
-to the experiment file's folder) and, from a policy or results folder, the experiment file itself. No torch.
+to the experiment file's folder) and, from a policy or results folder, the experiment file itself. On the
+floor: no torch, no other gaswap module.
 """
 from __future__ import annotations
 
 import importlib
 import sys
 from pathlib import Path
-
-from gaswap.config import ConfigError
 
 FIX = ("make it importable: run from the folder that holds it, add that folder to PYTHONPATH, or install "
        "it (pip install -e)")
@@ -43,11 +42,11 @@ def experiment_file(recorded: dict, near: str | Path, source: str) -> Path:
     """The experiment file a policy or summary `recorded` ("experiment_file", as given to the search): from the
     current folder if it is there, else from a folder above `near` (the policy or results folder: the folder
     the search ran in holds `results/<experiment>/`). `source` says where the name was read, for the error
-    (a ConfigError)."""
+    (a FileNotFoundError: callers turn it into their own one-line error)."""
     given = Path(str(recorded.get("experiment_file")))
     for path in (given, *(folder / given for folder in Path(near).resolve().parents)):
         if path.is_file():
             return path
-    raise ConfigError(f"{source}: names the experiment file {str(given)!r} (as given to the search), which is "
+    raise FileNotFoundError(f"{source}: names the experiment file {str(given)!r} (as given to the search), which is "
                       f"neither in {Path.cwd()} nor in a folder above {near}; run from the folder the search ran "
                       f"in, or put the experiment file back")

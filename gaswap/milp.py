@@ -13,7 +13,11 @@ search space). The formulation is the simulator run symbolically, so its optimum
   happen are pruned;
 - at each op run (event), memory after its outputs are allocated <= budget + M (1 - g);
 - objective: the compute time of all op runs, sum of op_time * g (recompute-only steps have no copies, so
-  the step time is the compute time).
+  the step time is the compute time), handed to HiGHS in microseconds and solved to a zero relative gap:
+  in seconds, HiGHS's absolute gap tolerance (1e-6) and its default relative gap (1e-4) let it declare
+  "optimal" a policy slower than the optimum (tests/test_milp.py shows such a case). The result reports
+  the proven lower bound and the gap to it; a warm start (say, the GA's best policy) bounds the objective
+  from above so the search only looks for better.
 
 Only the x are integer: every other variable is forced by them. The returned policy is simulated again and
 the result says whether the simulator agrees (`verified`). Swapping is not formulated: its just-in-time
@@ -23,15 +27,18 @@ prefetch depends on continuous start times and on waiting for room, which no lin
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass
 
 from gaswap.costs import Costs
 from gaswap.encoding import Action, Chromosome, Encoding
 from gaswap.graph import Graph
-from gaswap.simulator import SimResult, Simulator
+from gaswap.problem import Problem
+from gaswap.simulator import SimResult, liveness
 
 MAX_EVENTS = 20000  # op runs the formulation may hold before it is declared too large
+SCALE = 1e6  # objective units per second handed to the solver (microseconds)
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,15 @@ class MilpResult:
     variables: int
     constraints: int
     simulated: SimResult | None = None  # the returned policy, simulated
+    bound: float = 0.0  # proven lower bound on the step time (s)
+    warm_start: bool = False  # the returned policy is the warm start: the solver found none better
+
+    @property
+    def gap(self) -> float:
+        """(step time - bound) / step time: 0 when proven optimal; inf when no policy."""
+        if self.chromosome is None or self.step_time <= 0:
+            return math.inf if self.chromosome is None else 0.0
+        return max(0.0, (self.step_time - self.bound) / self.step_time)
 
     @property
     def verified(self) -> bool:
@@ -58,46 +74,82 @@ class TooLarge(Exception):
     """The symbolic simulation needs more events than MAX_EVENTS."""
 
 
-def solve(graph: Graph, costs: Costs, budget: int, *, time_limit: float = 60.0) -> MilpResult:
-    """The fastest keep/recompute policy in the captured order whose peak fits `budget` bytes."""
+def solve(graph: Graph, costs: Costs, budget: int, *, time_limit: float = 60.0,
+          warm_start: Chromosome | None = None) -> MilpResult:
+    """The fastest keep/recompute policy in the captured order whose peak fits `budget` bytes.
+
+    `warm_start`: a known policy (e.g. the GA's best); where it is a keep/recompute policy in the captured
+    order that fits, the solver looks only for policies at least as fast, and it is returned when the solver
+    finds none (within the time limit) — `warm_start` True in the result.
+    """
     started = time.perf_counter()
-    encoding = Encoding(graph, (Action.KEEP, Action.RECOMPUTE))
+    problem = Problem(graph, costs, budget, actions=(Action.KEEP, Action.RECOMPUTE))
+    encoding = problem.encoding
     try:
-        model = _Model(graph, costs, budget, encoding)
+        model = _Model(problem)
     except TooLarge:
         return MilpResult("too large", None, float("inf"), time.perf_counter() - started, 0, 0, 0)
     sizes = (len(model.x), len(model.defs), len(model.rows))
-    status, values, objective = ("infeasible", None, 0.0) if model.impossible else _highs(model, time_limit)
+    incumbent = _usable(problem, warm_start)
+    cutoff = None if incumbent is None else incumbent.step_time - model.constant
+    if model.impossible:
+        status, values, objective, bound = "infeasible", None, 0.0, math.inf
+    else:
+        status, values, objective, bound = _highs(model, time_limit, cutoff=cutoff)
+    bound += model.constant
     if values is None:
-        return MilpResult(status, None, float("inf"), time.perf_counter() - started, *sizes)
+        if incumbent is not None:  # nothing at least as fast found: the warm start stands
+            return MilpResult("optimal" if status == "infeasible" else status, incumbent.chromosome,
+                              incumbent.step_time, time.perf_counter() - started, *sizes,
+                              simulated=problem.simulate(incumbent.chromosome),
+                              bound=incumbent.step_time if status == "infeasible" else bound, warm_start=True)
+        return MilpResult(status, None, math.inf, time.perf_counter() - started, *sizes)
     actions = [Action.KEEP] * len(encoding.candidates)
     for k, v in model.x.items():
         actions[k] = Action.RECOMPUTE if values[v] > 0.5 else Action.KEEP
     chromosome = Chromosome(encoding.captured_keys(), tuple(int(a) for a in actions))
-    simulated = Simulator(graph, costs, budget).run(encoding.decode(chromosome.keys), chromosome.actions)
     return MilpResult(status, chromosome, model.constant + objective, time.perf_counter() - started, *sizes,
-                      simulated=simulated)
+                      simulated=problem.simulate(chromosome), bound=min(bound, model.constant + objective))
 
 
-def _highs(model: "_Model", time_limit: float):
-    """(status, variable values or None, objective) of the model, solved by HiGHS."""
+def _usable(problem: Problem, c: Chromosome | None):
+    """`c` evaluated, when it is a keep/recompute policy in the captured order that fits; else None."""
+    if c is None or c.keys != problem.encoding.captured_keys() or len(c.actions) != len(problem.encoding.allowed):
+        return None
+    if any(a not in allowed for a, allowed in zip(c.actions, problem.encoding.allowed)):
+        return None
+    e = problem.evaluate(c)
+    return e if problem.violation(e) == 0 else None
+
+
+def _highs(model: "_Model", time_limit: float, *, scale: float = SCALE, rel_gap: float = 0.0,
+           cutoff: float | None = None):
+    """(status, variable values or None, objective, lower bound) of the model's variable part, in seconds,
+    solved by HiGHS with the objective in units of 1/`scale` s to a relative gap `rel_gap` (None: HiGHS's
+    default); `cutoff` bounds the objective from above (status "infeasible" when nothing is that good)."""
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_array
 
-    n, rows = len(model.defs), model.rows
+    n, rows = len(model.defs), list(model.rows)
     if n == 0:
-        return "optimal", [], 0.0
+        return "optimal", [], 0.0, 0.0
+    objective = [model.objective.get(v, 0.0) * scale for v in range(n)]
+    if cutoff is not None:  # a little slack: the warm start itself must stay feasible
+        rows.append(({v: c for v, c in enumerate(objective) if c}, -math.inf, cutoff * scale * (1 + 1e-9) + 1e-6))
     entries = [(r, v, c) for r, (coefs, _, _) in enumerate(rows) for v, c in coefs.items()]
     row_ids, cols, data = zip(*entries) if entries else ((), (), ())
     matrix = coo_array((data, (row_ids, cols)), shape=(len(rows), n)).tocsr()
     constraints = [LinearConstraint(matrix, [r[1] for r in rows], [r[2] for r in rows])] if rows else []
-    objective = [model.objective.get(v, 0.0) for v in range(n)]
     integrality = [1 if d is None else 0 for d in model.defs]
-    res = milp(objective, constraints=constraints, integrality=integrality, bounds=Bounds(0, 1),
-               options={"time_limit": time_limit, "disp": False})
+    options = {"time_limit": time_limit, "disp": False}
+    if rel_gap is not None:
+        options["mip_rel_gap"] = rel_gap
+    res = milp(objective, constraints=constraints, integrality=integrality, bounds=Bounds(0, 1), options=options)
+    bound = getattr(res, "mip_dual_bound", None)
+    bound = -math.inf if bound is None or not math.isfinite(bound) else bound / scale
     if res.x is None:
-        return ("infeasible" if res.status == 2 else "time limit"), None, 0.0
-    return ("optimal" if res.status == 0 else "time limit"), res.x, res.fun
+        return ("infeasible" if res.status == 2 else "time limit"), None, 0.0, bound
+    return ("optimal" if res.status == 0 else "time limit"), res.x, res.fun / scale, bound
 
 
 def brute_force(graph: Graph, costs: Costs, budget: int, actions=(Action.KEEP, Action.RECOMPUTE),
@@ -110,9 +162,10 @@ def brute_force(graph: Graph, costs: Costs, budget: int, actions=(Action.KEEP, A
         count *= len(allowed)
     if count > limit:
         raise ValueError(f"{count} policies to enumerate, more than the limit {limit}")
-    sim = Simulator(graph, costs, budget)
+    problem = Problem(graph, costs, budget, actions=actions)
+    sim = problem.simulator
     keys = encoding.captured_keys()
-    order = encoding.decode(keys)
+    order = problem.order(Chromosome(keys, ()))
     best = None
     for combo in itertools.product(*encoding.allowed):
         r = sim.run(order, combo)
@@ -129,9 +182,10 @@ class _Model:
     x variable and (a, b) for v = a AND b. `rows` are (coefficients by variable, lower, upper).
     """
 
-    def __init__(self, graph: Graph, costs: Costs, budget: int, encoding: Encoding):
-        self.sim = sim = Simulator(graph, costs, budget)
-        self.budget = budget
+    def __init__(self, problem: Problem):
+        self.sim = sim = problem.simulator
+        self.budget = problem.budget
+        encoding = problem.encoding
         self.defs: list[tuple[int, int] | None] = []
         self.rows: list[tuple[dict[int, float], float, float]] = []
         self.objective: dict[int, float] = {}
@@ -228,7 +282,7 @@ class _Model:
     def run_order(self, order) -> None:
         sim = self.sim
         nt, n = len(sim.size), len(order)
-        last_use, last_fwd = last_uses(sim, order)
+        last_use, last_fwd, _ = liveness(sim, order)
         self.last_use = last_use
         self.needed = [0] * nt  # inputs of the recomputations under way (nested)
         made = [0] * nt
@@ -316,17 +370,6 @@ class _Model:
             self.impossible = True
         else:
             self.row([(1, guard)], hi=0)
-
-
-def last_uses(sim: Simulator, order) -> tuple[list[int], list[int]]:
-    """Per tensor, the position in `order` of its last reader and of its last forward reader (-1: none)."""
-    last_use, last_fwd = [-1] * len(sim.size), [-1] * len(sim.size)
-    for p, i in enumerate(order):
-        for t in sim.op_in[i]:
-            last_use[t] = p
-            if sim.op_fwd[i]:
-                last_fwd[t] = p
-    return last_use, last_fwd
 
 
 def _linear(terms) -> tuple[dict[int, float], float]:

@@ -1,21 +1,33 @@
 """Versioned policy files: the op order and one action per activation, by stable names. No torch here.
 
-A policy names the graph it was made for by fingerprint; loading it for another graph is refused.
+A policy file is data: loading one runs no code (safe YAML types only, no aliases, bounded size, known keys
+and types checked). It names the graph it was made for by fingerprint; using it for another graph is refused,
+and so is a policy whose content does not hold together for its graph (`check_content`): an order that is not
+the graph's ops, actions for tensors the graph lacks, a program that reads a tensor it dropped, never frees
+what it made, disagrees with the actions or holds more memory than the policy predicts.
+
+The `checksum` is an unkeyed sha256 of the content: it detects a file cut short or damaged, not a deliberate
+edit (anyone can recompute it). It is not a signature; the content checks above are what make a handed
+policy safe to run.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import yaml
 
-from gaswap.encoding import Action
-from gaswap.files import write_atomic
+from gaswap.files import UnreadableFile, load_yaml, write_atomic
 from gaswap.graph import Graph
+from gaswap.program import Action, ProgramSyntaxError, Verb, parse_program
 
 VERSION = 1
+MAX_BYTES = 64 * 2**20  # a policy of a 100k-op graph is a few MB; larger files are refused unread
+KEYS = ("gaswap_policy", "fingerprint", "order", "actions", "predicted", "provenance", "program", "checksum")
+LABELS = tuple(a.label for a in Action)
 
 
 class PolicyError(ValueError):
@@ -74,55 +86,209 @@ def _checksum(body: dict) -> str:
 
 
 def load(path: str | Path, graph: Graph | None = None) -> Policy:
-    """Read a policy file; with `graph`, also check that it was made for that graph."""
+    """Read a policy file, checking its form, checksum and types; with `graph`, also that it fits that graph."""
     path = Path(path)
     try:
-        body = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise PolicyError(f"{path}: no such policy file") from None
-    except yaml.YAMLError as err:
-        raise PolicyError(f"{path}: not a readable policy file (corrupted or truncated?): {err}") from None
+        body = load_yaml(path, MAX_BYTES)
+    except UnreadableFile as err:
+        raise PolicyError(f"{err} (not a readable policy file)") from None
     if not isinstance(body, dict) or "gaswap_policy" not in body:
         raise PolicyError(f"{path}: not a gaswap policy file (no 'gaswap_policy' version key)")
     if body["gaswap_policy"] != VERSION:
         raise PolicyError(f"{path}: policy version {body['gaswap_policy']!r}, this gaswap reads version {VERSION}")
-    missing = [k for k in ("fingerprint", "order", "actions", "checksum") if k not in body]
+    unknown = [str(k) for k in body if k not in KEYS]
+    if unknown:
+        raise PolicyError(f"{path}: unknown key {unknown[0]!r} (a policy has {', '.join(KEYS)})")
+    missing = [k for k in ("fingerprint", "order", "actions", "predicted", "program", "checksum") if k not in body]
     if missing:
         raise PolicyError(f"{path}: missing {', '.join(missing)} (truncated file?)")
     if body["checksum"] != _checksum(body):
-        raise PolicyError(f"{path}: checksum mismatch: the file was cut or edited after it was written")
-    if not isinstance(body["order"], list) or not isinstance(body["actions"], dict) or any(
-            v not in ("keep", "swap", "recompute") for v in body["actions"].values()):
-        raise PolicyError(f"{path}: 'order' must be a list of op names and 'actions' map tensors to "
-                          f"keep, swap or recompute")
+        raise PolicyError(f"{path}: checksum mismatch: the file was cut, damaged or edited after it was written")
+    _check_types(body, path)
     try:
-        program = tuple(tuple(step.split(" ", 1)) for step in body.get("program") or ())
-    except AttributeError:
-        raise PolicyError(f"{path}: 'program' must be a list of 'verb name' lines") from None
-    policy = Policy(str(body["fingerprint"]), tuple(body["order"]), dict(body["actions"]),
-                    dict(body.get("predicted") or {}), dict(body.get("provenance") or {}), program)
+        program = parse_program(body["program"] or ())
+    except ProgramSyntaxError as err:
+        raise PolicyError(f"{path}: program: {err}") from None
+    policy = Policy(body["fingerprint"], tuple(body["order"]), dict(body["actions"]), dict(body["predicted"]),
+                    dict(body.get("provenance") or {}), tuple(program))
     if graph is not None:
         check_matches(policy, graph, path)
     return policy
 
 
+def _check_types(body: dict, path: Path) -> None:
+    """PolicyError naming the first key whose value has the wrong type."""
+    def names(value):
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+    predicted = body["predicted"]
+    problems = {
+        "fingerprint": "must be a string" if not isinstance(body["fingerprint"], str) else None,
+        "order": "must be a list of op names" if not names(body["order"]) else None,
+        "actions": (f"must map tensor names to {', '.join(LABELS)}" if not isinstance(body["actions"], dict) or not
+                    all(isinstance(k, str) and v in LABELS for k, v in body["actions"].items()) else None),
+        "predicted": ("must be a mapping whose peak_bytes and step_time_s are positive numbers" if not
+                      isinstance(predicted, dict) or not all(_positive(predicted[k]) for k in
+                                                             ("peak_bytes", "step_time_s") if k in predicted) else None),
+        "provenance": "must be a mapping" if not isinstance(body.get("provenance") or {}, dict) else None,
+        "program": "must be a list of 'verb name' lines" if not names(body["program"] or []) else None,
+    }
+    for key, problem in problems.items():
+        if problem:
+            raise PolicyError(f"{path}: {key}: {problem}")
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
 PROVENANCE_CHECKED = ("model", "inputs", "target", "batch_size", "loss", "optimizer", "torch_version")
 
 
-def check_matches(policy: Policy, graph: Graph, path: str | Path = "policy", provenance: dict | None = None) -> None:
-    """Refuse a policy made for another graph, saying what differs (from `provenance`, the description
-    of the model and inputs at hand, when given; else from the graphs)."""
-    if policy.fingerprint == graph.fingerprint():
-        return
-    ops = {op.name for op in graph.ops}
-    unknown = [n for n in policy.order if n not in ops][:3]
-    detail = f"; ops it names that this graph lacks: {', '.join(unknown)}" if unknown else ""
-    if len(policy.order) != len(graph.ops):
-        detail += f"; it orders {len(policy.order)} ops, this graph has {len(graph.ops)}"
+def check_matches(policy: Policy, graph: Graph, path: str | Path = "policy", provenance: dict | None = None,
+                  torch_version: str | None = None) -> None:
+    """Refuse (PolicyError) a policy made for another graph or another torch release, saying what differs (from
+    `provenance`, the description of the model and inputs at hand, when given; else from the graphs), and a
+    policy whose content does not fit its graph (`check_content`)."""
+    made_with = policy.provenance.get("torch_version")
+    if torch_version is not None and made_with is not None and _release(made_with) != _release(torch_version):
+        raise PolicyError(f"{path}: made with torch {made_with}, this is torch {torch_version}: captured graphs "
+                          f"and kernels differ between releases; re-run the search with this torch")
+    if policy.fingerprint != graph.fingerprint():
+        raise PolicyError(f"{path}: made for graph {policy.fingerprint}, but this model and inputs give graph "
+                          f"{graph.fingerprint()}: {differences(policy, graph, provenance)}. Re-run the search for "
+                          f"this model, shapes and dtype.")
+    check_content(policy, graph, path)
+
+
+def _release(version: str) -> str:
+    """"2.13.0+cu121" -> "2.13.0"."""
+    return str(version).split("+")[0]
+
+
+def differences(policy: Policy, graph: Graph, provenance: dict | None = None) -> str:
+    """What differs between the graph a policy was made for and `graph`, in words."""
+    said = []
     for key in PROVENANCE_CHECKED if provenance else ():
-        if policy.provenance.get(key) != provenance.get(key):
-            detail += f"; {key}: policy {policy.provenance.get(key)!r}, here {provenance.get(key)!r}"
-    raise PolicyError(
-        f"{path}: made for graph {policy.fingerprint}, but this model and inputs give graph "
-        f"{graph.fingerprint()}{detail}. Re-run the search for this model, shapes and dtype."
-    )
+        if key != "torch_version" and policy.provenance.get(key) != provenance.get(key):
+            said.append(f"{key}: policy {_short(policy.provenance.get(key))}, here {_short(provenance.get(key))}")
+    ops = {op.name for op in graph.ops}
+    mine = set(policy.order)
+    if ops - mine or mine - ops:
+        lacks, extra = sorted(mine - ops)[:3], sorted(ops - mine)[:3]
+        said.append(f"the policy orders {len(policy.order)} ops, this graph has {len(graph.ops)}"
+                    + (f"; ops it names that this graph lacks: {', '.join(lacks)}" if lacks else "")
+                    + (f"; ops of this graph it lacks: {', '.join(extra)}" if extra else ""))
+    candidates = set(graph.candidates())
+    if set(policy.actions) != candidates:
+        gone = sorted(set(policy.actions) - candidates)[:3]
+        said.append(f"activations it decides for that this graph lacks: {', '.join(gone)}" if gone else
+                    f"this graph has activations it does not decide for: {', '.join(sorted(candidates - set(policy.actions))[:3])}")
+    if not said:  # same op and tensor names: sizes or shapes changed
+        said.append("the same ops and activations with other tensor sizes (batch size, a layer's width or the "
+                    "number of classes?)")
+    return "; ".join(said)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_content(policy: Policy, graph: Graph, path: str | Path = "policy") -> None:
+    """Refuse (PolicyError) a policy of this graph whose content does not hold together: its order must run
+    every op once after the ops it reads from, its actions must cover exactly the graph's candidates, and
+    replaying its program must find every tensor where it is read, free what it made, swap exactly the
+    tensors marked swap, recompute those marked recompute, keep those marked keep, and never hold more
+    memory than the policy predicts."""
+    problem = _order_problem(policy, graph) or _actions_problem(policy, graph) or _program_problem(policy, graph)
+    if problem:
+        raise PolicyError(f"{path}: {problem}; the file was edited, or made by another gaswap: re-run the search")
+
+
+def _order_problem(policy: Policy, graph: Graph) -> str | None:
+    index = graph.op_index()
+    if sorted(policy.order) != sorted(index):
+        return "order: does not list every op of the graph exactly once"
+    done = set()
+    for name in policy.order:
+        op = graph.ops[index[name]]
+        early = [t for t in op.inputs if graph.tensors[t].producer is not None and graph.tensors[t].producer not in done]
+        if early:
+            return f"order: {name} comes before {graph.tensors[early[0]].producer}, which makes its input {early[0]}"
+        done.add(name)
+    return None
+
+
+def _actions_problem(policy: Policy, graph: Graph) -> str | None:
+    candidates = graph.candidates()
+    unknown = [t for t in policy.actions if t not in set(candidates)]
+    if unknown:
+        return f"actions: {unknown[0]!r} is not an activation of this graph that a policy decides"
+    missing = [t for t in candidates if t not in policy.actions]
+    return f"actions: no action for {missing[0]!r}" if missing else None
+
+
+def _program_problem(policy: Policy, graph: Graph) -> str | None:
+    """Replay the program on names and sizes only: the first thing wrong with it, or None."""
+    if not policy.program:
+        return None  # an old policy without a program: the runtime refuses it with its own message
+    ops, tensors = {op.name: op for op in graph.ops}, graph.tensors
+    size = {t: x.size if graph.counts(x) else 0 for t, x in tensors.items()}
+    device = {t for t, x in tensors.items() if x.producer is None}
+    host, retired, ran, swapped, remade = set(), set(), [], set(), set()
+    freed_at, last_read = {}, {}  # tensor -> line of its first free, of its last read by a run
+    level = peak = graph.resident_bytes()
+    for k, (verb, name) in enumerate(policy.program, 1):
+        where = f"program line {k} ({verb} {name})"
+        if verb in (Verb.RUN, Verb.RECOMPUTE):
+            op = ops.get(name)
+            if op is None:
+                return f"{where}: this graph has no op {name!r}"
+            if verb == Verb.RUN and name in ran:
+                return f"{where}: runs {name} a second time"
+            if verb == Verb.RECOMPUTE and (name not in ran or op.phase != "fwd" or not op.recomputable):
+                return f"{where}: {name} cannot be recomputed there (not yet run, a backward op, random or stateful)"
+            missing = [t for t in op.inputs if t not in device]
+            if missing:
+                return f"{where}: reads {missing[0]}, which the program has not kept, swapped in or recomputed"
+            ran += [name] if verb == Verb.RUN else []
+            last_read.update((t, k) for t in op.inputs if verb == Verb.RUN)
+            for t in op.outputs:
+                if t not in device:
+                    device.add(t)
+                    level += size[t]
+                    remade |= {t} if verb == Verb.RECOMPUTE else set()
+        elif verb == Verb.SWAP_OUT and name in device:
+            host.add(name)
+            swapped.add(name)
+        elif verb == Verb.RETIRE and name in device and name in host:
+            device.remove(name)
+            retired.add(name)
+        elif verb == Verb.SWAP_IN and name in host and name not in device:
+            device.add(name)
+            level += size[name]
+        elif verb == Verb.FREE and (name in device or name in retired):
+            (retired if name in retired else device).remove(name)
+            level -= size[name]
+            freed_at.setdefault(name, k)
+        else:
+            return f"{where}: {name!r} is not where this instruction needs it"
+        peak = max(peak, level)
+    if ran != list(policy.order):
+        return "program: runs the ops in another order than the policy's order" if sorted(ran) == sorted(ops) else             f"program: does not run every op (it runs {len(ran)} of {len(ops)})"
+    left = sorted(t for t in device | retired if tensors[t].producer is not None and tensors[t].kind != "grad"
+                  and t != graph.loss)
+    if left:
+        return f"program: never frees {', '.join(left[:3])}{' ...' if len(left) > 3 else ''} (frees removed?)"
+    action = policy.actions
+    for t in sorted(set(action) | swapped):
+        if (action.get(t) == "swap") != (t in swapped):
+            return f"actions: {t} is {action.get(t, 'not a candidate')!r}, but the program "                    f"{'swaps it out' if t in swapped else 'never swaps it out'}"
+        if action[t] == "recompute" and t not in remade:
+            return f"actions: {t} is 'recompute', but the program never recomputes it"
+        if action[t] == "keep" and freed_at.get(t, math.inf) < last_read.get(t, 0):
+            return f"actions: {t} is 'keep', but the program frees it at line {freed_at[t]}, before it is read at line {last_read[t]}"
+    if peak > policy.predicted.get("peak_bytes", math.inf):
+        return f"program: holds {peak} bytes at its peak, more than the {policy.predicted['peak_bytes']} predicted"
+    return None

@@ -25,9 +25,11 @@ from matplotlib.figure import Figure
 from gaswap import costfile, units
 from gaswap import policy as policies
 from gaswap.config import format_size
-from gaswap.encoding import Action, Encoding
+from gaswap.encoding import Action
 from gaswap.graph import Graph
-from gaswap.simulator import CATEGORIES, SimResult, Simulator
+from gaswap.program import Verb
+from gaswap.problem import Problem
+from gaswap.simulator import CATEGORIES, SimResult
 
 _DEEP, _DARK = sns.color_palette("deep"), sns.color_palette("dark")
 
@@ -400,8 +402,11 @@ def replay(folder: str | Path, policy: str = "policy.yaml", *, cache_dir=None, p
 
     result = load(folder)
     source = f"{result.folder / 'summary.json'}: experiment_file"
-    experiment = config.load_experiment(locate.experiment_file(result.summary, result.folder / "summary.json",
-                                                               source))
+    try:
+        file = locate.experiment_file(result.summary, result.folder / "summary.json", source)
+    except FileNotFoundError as err:
+        raise config.ConfigError(str(err)) from None
+    experiment = config.load_experiment(file)
     captured = workflow.capture_step(experiment)
     graph = captured.graph
     costs = costfile.load(result.folder, graph.fingerprint(), (op.name for op in graph.ops))
@@ -409,18 +414,16 @@ def replay(folder: str | Path, policy: str = "policy.yaml", *, cache_dir=None, p
     if again:
         costs = workflow.costs_for(experiment, graph, cache_dir=cache_dir, progress=progress, captured=captured)
     chosen = policies.load(result.folder / policy, graph)
-    encoding = Encoding(graph)
-    keep = encoding.uniform(Action.KEEP)
-    sim = Simulator(graph, costs, result.budget_bytes)
-    keep_all = sim.run(encoding.decode(keep.keys), keep.actions, trace=True)
+    problem = Problem(graph, costs, result.budget_bytes)
+    keep_all = problem.simulate(problem.encoding.uniform(Action.KEEP), trace=True)
     note = None
     searched = result.summary["keep_all"]["step_time_s"]
     if again and abs(keep_all.step_time / searched - 1) > 1e-9:
         note = (f"costs {costs.source} again for this figure ({result.folder} has no {costfile.NAME}): keep-all "
                 f"{keep_all.step_time * 1e3:.1f} ms here, {searched * 1e3:.1f} ms in the search")
         warnings.warn(note, stacklevel=2)
-    return Replay(result, graph, chosen, Path(policy).name,
-                  sim.run(chosen.order_indices(graph), chosen.action_codes(encoding.candidates), trace=True),
+    order, actions = chosen.order_indices(graph), chosen.action_codes(problem.encoding.candidates)
+    return Replay(result, graph, chosen, Path(policy).name, problem.simulator.run(order, actions, trace=True),
                   keep_all, note)
 
 
@@ -480,7 +483,7 @@ def _levels(run: SimResult) -> pd.DataFrame:
 def _backward_start(run: SimResult, graph: Graph) -> float:
     """When the first backward op starts (ms)."""
     backward = {op.name for op in graph.ops if op.phase == "bwd"}
-    return min(e.start for e in run.timeline if e.kind == "op" and e.name in backward) * 1e3
+    return min(e.start for e in run.timeline if e.kind == Verb.RUN and e.name in backward) * 1e3
 
 
 def _streams(ax, run: SimResult) -> None:

@@ -10,137 +10,33 @@
 Constraint-domination (Deb): a policy over budget (or invalid) gets both objectives set to
 INFEASIBLE + its violation, so every feasible policy dominates it and infeasible ones rank by violation.
 
-Everything the loop carries from one generation to the next is a `_State`; with a checkpoint file it is
-written after the initial population and after every generation (`gaswap.checkpoint`), so a stopped or
-killed search resumes and reaches exactly what an uninterrupted one reaches (wall-clock seconds aside).
+`Search` is the loop, step by step (pymoo's ask/tell): `initial()` or `restore(state)`, then `step()` while
+`has_next()`, then `result()`; `state()` is everything carried from one generation to the next, as plain
+data. `search()` drives it, with an optional checkpoint file (`gaswap.checkpoint`) written after the initial
+population, at most every CHECKPOINT_SECONDS after that, and when the search leaves between generations, so
+a stopped or killed search resumes and reaches exactly what an uninterrupted one reaches (wall-clock seconds
+aside). It stops on the first of: `ga.generations`, `ga.max_evaluations`, `ga.max_seconds`, or convergence
+(`ga.patience` generations without the best time or the hypervolume improving by `ga.tolerance`). Evaluations go through `map(problem.evaluate, batch)`:
+the builtin-like `serial_map` or a `gaswap.parallel.ProcessMap`.
 """
 from __future__ import annotations
 
 import base64
 import math
-import multiprocessing
-import os
 import random
-import signal
 import struct
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict
 
 from deap import base, creator, tools
 
 from gaswap import checkpoint as checkpoints
-from gaswap.costs import Costs
 from gaswap.encoding import Action, Chromosome, Encoding, crossover, mutate
-from gaswap.graph import Graph
-from gaswap.simulator import Simulator
+from gaswap.parallel import ProcessMap, serial_map
+from gaswap.problem import Evaluated, Generation, Problem, SearchResult
 
 INFEASIBLE = 1e9  # objective offset of policies that break the budget
-
-
-@dataclass(frozen=True)
-class Evaluated:
-    """A chromosome with its predicted step time (s) and peak bytes."""
-
-    chromosome: Chromosome
-    step_time: float
-    peak_bytes: int
-    valid: bool = True
-
-    def feasible(self, budget: int) -> bool:
-        return self.valid and self.peak_bytes <= budget
-
-    def counts(self) -> dict[str, int]:
-        """How many candidates each action covers."""
-        return {a.name.lower(): sum(1 for x in self.chromosome.actions if x == a) for a in Action}
-
-
-@dataclass(frozen=True)
-class SearchResult:
-    """The Pareto front of feasible policies (fastest first) and how the search went."""
-
-    front: tuple[Evaluated, ...]
-    seeds: dict[str, Evaluated]
-    history: tuple[dict, ...]
-    evaluations: int
-    seconds: float
-    smallest_peak: int  # the lowest peak any evaluated valid policy reached (useful when none fits)
-    complete: bool = True  # False when `stop` ended the search before its generations (or patience) ran out
-    generations_done: int = 0
-
-    @property
-    def best(self) -> Evaluated | None:
-        return self.front[0] if self.front else None
-
-
-@dataclass
-class Evaluator:
-    """Decodes and simulates chromosomes, in this process or in a pool of worker processes."""
-
-    graph: Graph
-    costs: Costs
-    encoding: Encoding
-    budget: int | None = None
-    workers: int = 1
-    _pool: object = field(default=None, repr=False)
-    _shutdown: object = field(default=None, repr=False)  # shared flag: workers may now end on SIGTERM
-
-    def __enter__(self):
-        if self.workers > 1:
-            ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
-            self._shutdown = ctx.RawValue("b", 0)
-            self._pool = ctx.Pool(self.workers, _init_pool_worker,
-                                  (self._shutdown, self.graph, self.costs, self.encoding, self.budget))
-        else:
-            _init_worker(self.graph, self.costs, self.encoding, self.budget)
-        return self
-
-    def __exit__(self, exc_type, *exc):
-        """Workers leave on their own when all went well, else are terminated; either way they are reaped."""
-        if self._pool is not None:
-            if exc_type is None:
-                self._pool.close()
-            else:
-                self._shutdown.value = 1  # from now on the workers obey SIGTERM (Pool.terminate sends it)
-                self._pool.terminate()
-            self._pool.join()
-            self._pool = None
-
-    def __call__(self, chromosomes: list[Chromosome]) -> list[Evaluated]:
-        if self._pool is None:
-            return [_evaluate(c) for c in chromosomes]
-        chunk = max(1, len(chromosomes) // (4 * self.workers))
-        return self._pool.map(_evaluate, chromosomes, chunksize=chunk)
-
-
-_WORKER: dict = {}
-
-
-def _init_worker(graph: Graph, costs: Costs, encoding: Encoding, budget: int | None) -> None:
-    _WORKER.update(sim=Simulator(graph, costs, budget), enc=encoding, orders={})
-
-
-def _init_pool_worker(shutdown, *args) -> None:
-    """A worker process ignores Ctrl-C and SIGTERM sent to its process group: the parent decides when the
-    search stops, and terminates its workers itself (`shutdown` set: SIGTERM then ends a worker)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-    def on_sigterm(signum, frame):
-        if shutdown.value:
-            os._exit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    _init_worker(*args)
-
-
-def _evaluate(c: Chromosome) -> Evaluated:
-    sim, enc, orders = _WORKER["sim"], _WORKER["enc"], _WORKER["orders"]
-    order = orders.get(c.keys)
-    if order is None:
-        if len(orders) > 4096:
-            orders.clear()
-        order = orders[c.keys] = enc.decode(c.keys)
-    r = sim.run(order, c.actions)
-    return Evaluated(c, r.step_time, r.peak_bytes, r.valid)
+CHECKPOINT_SECONDS = 30.0  # at most one checkpoint per this many seconds while a search runs
 
 
 def _deap_types():
@@ -153,10 +49,10 @@ def _deap_types():
 
 def objectives(e: Evaluated, budget: int) -> tuple[float, float]:
     """NSGA-II objectives with constraint-domination folded in (see the module docstring)."""
-    if not e.valid:
+    violation = e.violation(budget)
+    if violation == math.inf:
         return INFEASIBLE * 2, INFEASIBLE * 2
-    if e.peak_bytes > budget:
-        violation = (e.peak_bytes - budget) / budget
+    if violation > 0:
         return INFEASIBLE + violation, INFEASIBLE + violation
     return e.step_time, float(e.peak_bytes)
 
@@ -170,93 +66,145 @@ def seed_policies(encoding: Encoding) -> dict[str, Chromosome]:
     }
 
 
-def search(
-    graph: Graph,
-    costs: Costs,
-    space,
-    ga,
-    budget: int,
-    seed: int,
-    *,
-    extra_seeds: dict[str, Chromosome] | None = None,
-    on_generation=None,
-    checkpoint=None,
-    resume: bool = False,
-    stop=None,
-    about: dict | None = None,
-) -> SearchResult:
-    """Evolve policies for `graph` under `budget` bytes; `space` and `ga` come from the experiment config.
+class Search:
+    """NSGA-II on `problem` (its budget and search space) with the GA settings `ga`, seeded by `seed`.
 
-    `on_generation(record)` is called after each generation with that generation's history row.
-    Same inputs and seed give the same result, with any number of workers.
-    `checkpoint` (a path): the state is written there after the initial population and every generation;
-    with `resume`, the search continues from it (CheckpointError when it is missing, unreadable or made under
-    another configuration) and ends exactly where an uninterrupted search ends. `stop()` is asked before
-    each generation: True ends the search there, with `complete` False. `about` (plain data) is stored in
-    the checkpoint to say what it belongs to.
+    `seeds` (name -> chromosome) join the simple seed policies in the initial population. `map(func, items)`
+    evaluates a batch (in order). Same inputs and seed give the same search, with any map.
     """
-    started = time.perf_counter()
-    rng = random.Random(seed)
-    encoding = Encoding(graph, tuple(Action.parse(a) for a in space.actions))
-    mu = max(4, -(-ga.population // 4) * 4)  # tournament pairs need a multiple of 4
-    seeds = seed_policies(encoding) | dict(extra_seeds or {})
-    key = checkpoints.fingerprint(graph, costs, space, ga, budget, seed, seeds) if checkpoint else None
-    with Evaluator(graph, costs, encoding, budget, ga.workers) as evaluate:
-        if resume:
-            state = _State.restore(checkpoints.load(checkpoint, key), checkpoint, budget, ga, encoding, rng)
-        else:
-            state = _State(budget)
-            initial = list(dict.fromkeys(seeds.values()))
-            initial += [encoding.random(rng, order=space.order) for _ in range(mu - len(initial))]
-            population = state.absorb(evaluate(initial))
-            state.seeds = {name: next(i.evaluated for i in population if i[0] == c) for name, c in seeds.items()}
-            state.population = tools.selNSGA2(population, mu)
 
-        def elapsed() -> float:  # seconds spent on this search, earlier runs of a resumed one included
-            return state.seconds + time.perf_counter() - started
+    def __init__(self, problem: Problem, ga, seed: int, *, seeds: dict[str, Chromosome] | None = None,
+                 map=serial_map):
+        self.problem, self.ga, self.map = problem, ga, map
+        self.space, self.budget = problem.space, problem.budget
+        self.rng = random.Random(seed)
+        self.mu = max(4, -(-ga.population // 4) * 4)  # tournament pairs need a multiple of 4
+        self.seed_chromosomes = seed_policies(problem.encoding) | dict(seeds or {})
+        self.population: list = []  # DEAP individuals in selection order, crowding distances set
+        self.archive: dict[Chromosome, Evaluated] = {}  # the feasible non-dominated points
+        self.seeds: dict[str, Evaluated] = {}
+        self.history: list[Generation] = []
+        self.generation = 0
+        self.evaluations = 0
+        self.smallest_peak = 2**62  # the lowest peak of any valid policy evaluated
+        self.seconds_before = 0.0  # search time spent before this process took over
+        self.reference = (math.inf, float(problem.budget))  # hypervolume reference point
+        self.started = time.perf_counter()
 
-        def save() -> None:
-            if checkpoint is not None:
-                checkpoints.save(checkpoint, state.plain(rng, elapsed()), key, about)
+    # --- the loop ---
+    def initial(self) -> None:
+        """Evaluate the seeds and random chromosomes up to the population size; select the population."""
+        encoding, space = self.problem.encoding, self.space
+        initial = list(dict.fromkeys(self.seed_chromosomes.values()))
+        initial += [encoding.random(self.rng, order=space.order) for _ in range(self.mu - len(initial))]
+        population = self._absorb(self._evaluate(initial))
+        self.seeds = {name: next(i.evaluated for i in population if i[0] == c)
+                      for name, c in self.seed_chromosomes.items()}
+        self.population = tools.selNSGA2(population, self.mu)
+        self.reference = _reference_point(self.seeds, self.budget)
 
-        if not resume:
-            save()
-        reference = _reference_point(state.seeds, budget)
-        while not state.done(ga) and not (stop is not None and stop()):
-            parents = _tournament(state.population, mu, rng)
-            children = []
-            for a, b in zip(parents[::2], parents[1::2]):
-                ca, cb = a[0], b[0]
-                if rng.random() < ga.cx_prob:
-                    ca, cb = crossover(ca, cb, rng, kind=space.crossover, indpb=space.cx_indpb)
-                children += [_maybe_mutate(c, rng, encoding, space, ga.mut_prob) for c in (ca, cb)]
-            state.population = tools.selNSGA2(state.population + state.absorb(evaluate(children)), mu)
-            state.advance(_record(state.generation + 1, state.evaluations, state.archive, reference, elapsed()))
-            save()
-            if on_generation:
-                on_generation(state.history[-1])
-    front = tuple(sorted(state.archive.values(), key=lambda e: (e.step_time, e.peak_bytes)))
-    return SearchResult(front, state.seeds, tuple(state.history), state.evaluations, elapsed(), state.smallest_peak,
-                        complete=state.done(ga), generations_done=state.generation)
+    def has_next(self) -> bool:
+        """Whether the search goes on (see `stopped_by`)."""
+        return self.stopped_by() is None
 
+    def stopped_by(self) -> str | None:
+        """What ends the search now, or None: "generations" (ga.generations done), "evaluations"
+        (ga.max_evaluations reached), "seconds" (ga.max_seconds spent) or "converged" (for ga.patience
+        generations neither the best feasible time nor the hypervolume improved by more than ga.tolerance)."""
+        ga = self.ga
+        if self.generation >= ga.generations:
+            return "generations"
+        if ga.max_evaluations and self.evaluations >= ga.max_evaluations:
+            return "evaluations"
+        if ga.max_seconds is not None and self.seconds() >= ga.max_seconds:
+            return "seconds"
+        if ga.patience and len(self.history) > ga.patience:
+            now, then = self.history[-1], self.history[-1 - ga.patience]
+            faster = now.best_time_s < then.best_time_s * (1 - ga.tolerance)
+            wider = now.hypervolume > then.hypervolume * (1 + ga.tolerance)
+            if not (faster or wider):
+                return "converged"
+        return None
 
-@dataclass
-class _State:
-    """What the loop carries from one generation to the next: exactly what a checkpoint holds."""
+    def step(self) -> Generation:
+        """One generation: tournaments, variation, evaluation of the children, NSGA-II selection."""
+        rng, space, ga = self.rng, self.space, self.ga
+        parents = _tournament(self.population, self.mu, rng)
+        children = []
+        for a, b in zip(parents[::2], parents[1::2]):
+            ca, cb = a[0], b[0]
+            if rng.random() < ga.cx_prob:
+                ca, cb = crossover(ca, cb, rng, kind=space.crossover, indpb=space.cx_indpb)
+            children += [self._maybe_mutate(c) for c in (ca, cb)]
+        self.population = tools.selNSGA2(self.population + self._absorb(self._evaluate(children)), self.mu)
+        points = [(e.step_time, float(e.peak_bytes)) for e in self.archive.values()]
+        record = Generation(self.generation + 1, self.evaluations, min((p[0] for p in points), default=math.inf),
+                            len(points), hypervolume(points, self.reference), self.seconds())
+        self.generation = record.generation
+        self.history.append(record)
+        return record
 
-    budget: int
-    population: list = field(default_factory=list)  # DEAP individuals in selection order, crowding set
-    archive: dict = field(default_factory=dict)  # Chromosome -> Evaluated: the feasible non-dominated ones
-    seeds: dict = field(default_factory=dict)  # name -> Evaluated
-    history: list = field(default_factory=list)
-    generation: int = 0
-    evaluations: int = 0
-    smallest_peak: int = 2**62  # the lowest peak of any valid policy evaluated
-    best_time: float = math.inf  # the best feasible time so far, and for how many generations it has held
-    stale: int = 0
-    seconds: float = 0.0  # search time spent before this process took over
+    def seconds(self) -> float:
+        """Seconds spent on this search, earlier runs of a resumed one included."""
+        return self.seconds_before + time.perf_counter() - self.started
 
-    def absorb(self, results: list[Evaluated]) -> list:
+    def result(self, *, complete: bool | None = None) -> SearchResult:
+        """The front (fastest first) and how the search went; `complete` defaults to `not has_next()`."""
+        front = tuple(sorted(self.archive.values(), key=lambda e: (e.step_time, e.peak_bytes)))
+        stopped_by = self.stopped_by()
+        complete = stopped_by is not None if complete is None else complete
+        return SearchResult(front, self.seeds, tuple(self.history), self.evaluations, self.seconds(),
+                            self.smallest_peak, complete=complete, generations_done=self.generation,
+                            stopped_by=(stopped_by or "") if complete else "interrupted")
+
+    # --- state ---
+    def state(self) -> dict:
+        """Everything the loop carries to the next generation, as JSON-able data (see gaswap.checkpoint)."""
+        version, internal, gauss_next = self.rng.getstate()
+        return {
+            "generation": self.generation, "evaluations": self.evaluations, "seconds": self.seconds(),
+            "smallest_peak": self.smallest_peak,
+            "rng": [version, list(internal), gauss_next],
+            "population": [_plain(i.evaluated) + [i.fitness.crowding_dist] for i in self.population],
+            "archive": [_plain(e) for e in self.archive.values()],
+            "seeds": {name: _plain(e) for name, e in self.seeds.items()},
+            "history": [asdict(h) for h in self.history],
+        }
+
+    def restore(self, plain: dict, path="checkpoint") -> None:
+        """Continue from `plain` (a `state()`, already matched to this configuration) instead of `initial()`;
+        CheckpointError (naming `path`) when it is malformed or past `ga.generations`."""
+        if plain["generation"] > self.ga.generations:
+            raise checkpoints.CheckpointError(
+                f"{path}: the checkpoint is at generation {plain['generation']}, past ga.generations "
+                f"{self.ga.generations}: raise ga.generations, or start the search afresh (without --resume)")
+        encoding = self.problem.encoding
+        try:
+            version, internal, gauss_next = plain["rng"]
+            self.rng.setstate((version, tuple(internal), gauss_next))
+            self.generation, self.evaluations = int(plain["generation"]), int(plain["evaluations"])
+            self.smallest_peak, self.seconds_before = int(plain["smallest_peak"]), float(plain["seconds"])
+            self.history = [Generation(**h) for h in plain["history"]]
+            self.seeds = {str(name): _evaluated(row, encoding) for name, row in plain["seeds"].items()}
+            self.archive = {}
+            for row in plain["archive"]:
+                e = _evaluated(row, encoding)
+                self.archive[e.chromosome] = e
+            self.population = []
+            for row in plain["population"]:
+                ind = _individual(_evaluated(row[:5], encoding), self.budget)
+                ind.fitness.crowding_dist = float(row[5])
+                self.population.append(ind)
+        except (KeyError, IndexError, TypeError, ValueError) as err:
+            raise checkpoints.CheckpointError(f"{path}: malformed checkpoint ({err})") from None
+        self.started = time.perf_counter()
+        self.reference = _reference_point(self.seeds, self.budget)
+
+    # --- helpers ---
+    def _evaluate(self, chromosomes: list[Chromosome]) -> list[Evaluated]:
+        return list(self.map(self.problem.evaluate, chromosomes))
+
+    def _absorb(self, results: list[Evaluated]) -> list:
         """Count, archive and wrap evaluated chromosomes as DEAP individuals."""
         self.evaluations += len(results)
         for e in results:
@@ -266,55 +214,78 @@ class _State:
                 _add_to_archive(self.archive, e)
         return [_individual(e, self.budget) for e in results]
 
-    def advance(self, record: dict) -> None:
-        """Close a generation: its history row, and how long the best feasible time has held."""
-        self.generation = record["generation"]
-        self.history.append(record)
-        if record["best_time_s"] < self.best_time:
-            self.best_time, self.stale = record["best_time_s"], 0
+    def _maybe_mutate(self, c: Chromosome) -> Chromosome:
+        space, rng = self.space, self.rng
+        if rng.random() >= self.ga.mut_prob:
+            return c
+        return mutate(c, rng, self.problem.encoding.allowed, order=space.order, key_sigma=space.key_sigma,
+                      key_indpb=space.key_indpb, action_indpb=space.action_indpb)
+
+
+def search(problem: Problem, ga, seed: int, *, seeds: dict[str, Chromosome] | None = None, on_generation=None,
+           checkpoint=None, resume: bool = False, stop=None, about: dict | None = None,
+           checkpoint_seconds: float = CHECKPOINT_SECONDS) -> SearchResult:
+    """Run a `Search` on `problem` to its end; `ga.workers` processes evaluate.
+
+    `on_generation(record)` is called after each generation with its `Generation`.
+    `checkpoint` (a path): the state is written there after the initial population, then after a generation
+    when `checkpoint_seconds` passed since the last write, and whenever the search leaves between two
+    generations (done, `stop`, or an exception raised by `on_generation`): a search killed outright loses
+    at most `checkpoint_seconds` of work. With `resume`, the search continues from it (CheckpointError when
+    it is missing, unreadable or made under another configuration) and ends exactly where an uninterrupted
+    search ends. `stop()` is asked before each generation: True ends the search there, with `complete`
+    False. `about` (plain data) is stored in the checkpoint to say what it belongs to.
+    """
+    with (ProcessMap(ga.workers) if ga.workers > 1 else _Serial()) as pmap:
+        s = Search(problem, ga, seed, seeds=seeds, map=pmap)
+        key = None
+        if checkpoint is not None:
+            key = checkpoints.fingerprint(problem.graph, problem.costs, problem.space, ga, problem.budget, seed,
+                                          s.seed_chromosomes)
+        if resume:
+            s.restore(checkpoints.load(checkpoint, key), checkpoint)
         else:
-            self.stale += 1
+            s.initial()
+        saved = time.perf_counter()
 
-    def done(self, ga) -> bool:
-        return self.generation >= ga.generations or bool(ga.patience and self.stale >= ga.patience)
+        def save() -> None:
+            nonlocal saved
+            if checkpoint is not None:
+                checkpoints.save(checkpoint, s.state(), key, about)
+                saved = time.perf_counter()
 
-    def plain(self, rng: random.Random, seconds: float) -> dict:
-        """The state as JSON-able data (see gaswap.checkpoint)."""
-        version, internal, gauss_next = rng.getstate()
-        return {
-            "generation": self.generation, "evaluations": self.evaluations, "seconds": seconds,
-            "smallest_peak": self.smallest_peak, "best_time_s": self.best_time, "stale": self.stale,
-            "rng": [version, list(internal), gauss_next],
-            "population": [_plain(i.evaluated) + [i.fitness.crowding_dist] for i in self.population],
-            "archive": [_plain(e) for e in self.archive.values()],
-            "seeds": {name: _plain(e) for name, e in self.seeds.items()},
-            "history": self.history,
-        }
+        if not resume:
+            save()
+        unsaved = False
+        while s.has_next() and not (stop is not None and stop()):
+            record = s.step()
+            unsaved = True
+            if time.perf_counter() - saved >= checkpoint_seconds:
+                save()
+                unsaved = False
+            if on_generation:
+                try:
+                    on_generation(record)
+                except BaseException:
+                    if unsaved:  # between two generations: the state is whole
+                        save()
+                    raise
+        if unsaved:
+            save()
+        return s.result()
 
-    @classmethod
-    def restore(cls, plain: dict, path, budget: int, ga, encoding: Encoding, rng: random.Random) -> "_State":
-        """The state of a checkpoint (already matched to this configuration); sets `rng` to its state."""
-        if plain["generation"] > ga.generations:
-            raise checkpoints.CheckpointError(
-                f"{path}: the checkpoint is at generation {plain['generation']}, past ga.generations "
-                f"{ga.generations}: raise ga.generations, or start the search afresh (without --resume)")
-        try:
-            version, internal, gauss_next = plain["rng"]
-            rng.setstate((version, tuple(internal), gauss_next))
-            state = cls(budget, generation=int(plain["generation"]), evaluations=int(plain["evaluations"]),
-                        smallest_peak=int(plain["smallest_peak"]), best_time=float(plain["best_time_s"]),
-                        stale=int(plain["stale"]), seconds=float(plain["seconds"]), history=list(plain["history"]))
-            state.seeds = {str(name): _evaluated(row, encoding) for name, row in plain["seeds"].items()}
-            for row in plain["archive"]:
-                e = _evaluated(row, encoding)
-                state.archive[e.chromosome] = e
-            for row in plain["population"]:
-                ind = _individual(_evaluated(row[:5], encoding), budget)
-                ind.fitness.crowding_dist = float(row[5])
-                state.population.append(ind)
-        except (KeyError, IndexError, TypeError, ValueError) as err:
-            raise checkpoints.CheckpointError(f"{path}: malformed checkpoint ({err})") from None
-        return state
+
+class _Serial:
+    """`serial_map` as a context manager, like ProcessMap."""
+
+    def __call__(self, func, items) -> list:
+        return serial_map(func, items)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
 
 
 def _plain(e: Evaluated) -> list:
@@ -339,13 +310,6 @@ def _individual(e: Evaluated, budget: int):
     ind.evaluated = e
     ind.fitness.values = objectives(e, budget)
     return ind
-
-
-def _maybe_mutate(c: Chromosome, rng: random.Random, encoding: Encoding, space, prob: float) -> Chromosome:
-    if rng.random() >= prob:
-        return c
-    return mutate(c, rng, encoding.allowed, order=space.order, key_sigma=space.key_sigma,
-                  key_indpb=space.key_indpb, action_indpb=space.action_indpb)
 
 
 def _tournament(population: list, k: int, rng: random.Random) -> list:
@@ -389,16 +353,3 @@ def hypervolume(points: list[tuple[float, float]], reference: tuple[float, float
             area += (reference[0] - x) * (prev_y - y)
             prev_y = y
     return area
-
-
-def _record(gen: int, evaluations: int, archive: dict, reference, seconds: float) -> dict:
-    points = [(e.step_time, float(e.peak_bytes)) for e in archive.values()]
-    best = min((p[0] for p in points), default=float("inf"))
-    return {
-        "generation": gen,
-        "evaluations": evaluations,
-        "best_time_s": best,
-        "front_size": len(points),
-        "hypervolume": hypervolume(points, reference),
-        "seconds": seconds,
-    }

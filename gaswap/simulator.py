@@ -25,13 +25,15 @@ from __future__ import annotations
 import bisect
 import heapq
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from gaswap.costs import Costs
 from gaswap.graph import COUNTABLE, Graph
 from gaswap.program import Action, Instruction, Verb
 
-KEEP, SWAP = Action.KEEP, Action.SWAP
-# `SimResult.program` is the simulated step as a runtime replays it: Instructions in issue order.
+# Streams of the timeline, and the one event kind that is not an instruction (compute waits for a copy).
+COMPUTE, D2H, H2D = "compute", "d2h", "h2d"
+WAIT = "wait"
 # What device memory holds, for traced runs (`SimResult.changes`).
 CATEGORIES = ("parameters", "optimizer state", "inputs and buffers", "gradients", "activations", "swapped in",
               "recomputed")
@@ -41,8 +43,8 @@ CATEGORIES = ("parameters", "optimizer state", "inputs and buffers", "gradients"
 class Event:
     """One interval on a stream, and why it happened."""
 
-    stream: str  # "compute" | "d2h" | "h2d"
-    kind: str  # "op" | "recompute" | "swap_out" | "swap_in" | "wait"
+    stream: str  # COMPUTE | D2H | H2D
+    kind: str  # Verb.RUN | Verb.RECOMPUTE | Verb.SWAP_OUT | Verb.SWAP_IN | WAIT
     name: str  # the op or tensor concerned
     start: float
     end: float
@@ -61,7 +63,7 @@ class SimResult:
     timeline: tuple[Event, ...] = ()
     memory: tuple[tuple[float, int], ...] = ()  # (time, device bytes) after each change
     changes: tuple[tuple[float, str, int], ...] = ()  # (time, one of CATEGORIES, +/- bytes), in order
-    program: tuple[Instruction, ...] = ()  # what a runtime does, in order
+    program: tuple[Instruction, ...] = ()  # the simulated step as a runtime replays it, in issue order
 
     def by_category(self) -> list[tuple[float, dict[str, int]]]:
         """Device bytes per category after each change of a traced run: [(time, {category: bytes})]."""
@@ -75,6 +77,31 @@ class SimResult:
 
 class Unrealizable(Exception):
     """A tensor is needed again but the policy left no way to bring it back."""
+
+
+class Liveness(NamedTuple):
+    """Per tensor, positions in an order: its last reader, its last forward reader (-1: none) and its first
+    backward reader (len(order): none)."""
+
+    last_use: list[int]
+    last_fwd: list[int]
+    first_bwd: list[int]
+
+
+def liveness(sim: "Simulator", order) -> Liveness:
+    """Where each tensor of `sim` is read in `order` (indices into graph.ops)."""
+    nt, n = len(sim.size), len(order)
+    last_use, last_fwd, first_bwd = [-1] * nt, [-1] * nt, [n] * nt
+    op_in, op_fwd = sim.op_in, sim.op_fwd
+    for p, i in enumerate(order):
+        fwd = op_fwd[i]
+        for t in op_in[i]:
+            last_use[t] = p
+            if fwd:
+                last_fwd[t] = p
+            elif first_bwd[t] > p:
+                first_bwd[t] = p
+    return Liveness(last_use, last_fwd, first_bwd)
 
 
 class Simulator:
@@ -108,30 +135,40 @@ class Simulator:
         self.serial_copies = not costs.copies_overlap
 
     def run(self, order, actions, *, trace: bool = False) -> SimResult:
-        """Simulate the ops in `order` (indices into graph.ops) with `actions` aligned with candidates."""
+        """Simulate the ops in `order` (indices into graph.ops) with `actions` aligned with candidates;
+        `trace` records the timeline, the memory changes and the program."""
         try:
-            return _Run(self, order, actions, trace).result()
+            return (_TracedRun if trace else _Run)(self, order, actions).result()
         except Unrealizable as err:
             inf = float("inf")
             return SimResult(inf, 2**62, inf, valid=False, reason=str(err))
 
 
 class _Run:
-    """The state of one simulation; a class so that recursion shares it without globals."""
+    """One simulation, untraced; a class so that recursion shares its state without globals.
 
-    def __init__(self, sim: Simulator, order, actions, trace: bool):
-        self.sim, self.order, self.trace = sim, order, trace
-        nt = len(sim.size)
-        self.act = act = [KEEP] * nt
+    Phases: liveness of the order (`liveness`), the release schedule (`release_after`), the prefetch
+    schedule (`prefetch`), then the main loop (`result`). `_TracedRun` records what happens.
+    """
+
+    def __init__(self, sim: Simulator, order, actions):
+        self.sim, self.order = sim, order
+        nt, n = len(sim.size), len(order)
+        self.swapped = [False] * nt  # SWAP
+        self.moved = [False] * nt  # not KEEP: gone after the forward readers, back for the backward ones
         for k, a in zip(sim.candidates, actions):
-            act[k] = a
-        self.events: list[Event] = []
-        self.memory: list[tuple[float, int]] = []
-        self.changes: list[tuple[float, str, int]] = []
-        self.program: list[Instruction] = []
-        self.category: list[str] = [""] * nt  # what each resident tensor counts as (traced runs)
-        if trace:
-            self.note_resident()
+            if a != Action.KEEP:
+                self.moved[k] = True
+                self.swapped[k] = a == Action.SWAP
+        self.live = liveness(sim, order)
+        self.made = made = [0] * nt  # position of each tensor's producer (0 for inputs)
+        for p, i in enumerate(order):
+            for t in sim.op_out[i]:
+                made[t] = p
+        self.release_after = self.release_schedule()  # tensors to release after each position
+        self.made_before: list[int] = []  # bytes allocated by the ops before each position (when swapping)
+        self.inputs_out: list[int] = []  # swapped inputs: copied to the host as the step starts
+        self.prefetch = self.prefetch_schedule() if any(self.swapped) else [[] for _ in range(n)]
         self.mem = sim.base_bytes
         self.peak = self.mem
         self.pending: list[tuple[float, int, int]] = []  # (time, tensor, bytes) frees waiting for a copy
@@ -144,50 +181,59 @@ class _Run:
         self.pos = 0  # position of the op being prepared or run
         self.needed = [0] * nt  # inputs of the recomputations under way (nested)
 
-    def result(self) -> SimResult:
-        sim, order, act = self.sim, self.order, self.act
-        nt, n = len(sim.size), len(order)
-        last_use, last_fwd, first_bwd = [-1] * nt, [-1] * nt, [n] * nt
-        for p, i in enumerate(order):
-            fwd = sim.op_fwd[i]
-            for t in sim.op_in[i]:
-                last_use[t] = p
-                if fwd:
-                    last_fwd[t] = p
-                elif first_bwd[t] > p:
-                    first_bwd[t] = p
-        self.last_use = last_use
-        pos_of = [0] * len(order)
-        for p, i in enumerate(order):
-            pos_of[i] = p
-        made = [pos_of[i] if i >= 0 else 0 for i in sim.producer]
-        release: list[list[int]] = [[] for _ in range(n)]  # tensors to release after position p
-        for t in range(nt):
-            if act[t] != KEEP:  # gone after its forward readers, back for the backward ones
+    # --- schedules ---
+    def release_schedule(self) -> list[list[int]]:
+        """After which position each tensor is released: after its last reader, and a moved one also after
+        its last forward reader (never before it is made); persistent kept tensors never."""
+        sim, made, moved = self.sim, self.made, self.moved
+        last_use, last_fwd = self.live.last_use, self.live.last_fwd
+        release: list[list[int]] = [[] for _ in self.order]
+        for t in range(len(sim.size)):
+            if moved[t]:
                 release[max(last_fwd[t], made[t])].append(t)
                 release[max(last_use[t], made[t])].append(t)
             elif not sim.persistent[t]:
                 release[max(last_use[t], made[t])].append(t)
-        self.release_after = release
-        prefetch: list[list[int]] = [[] for _ in range(n)]
-        swapped = [t for t in sim.candidates if act[t] == SWAP]
-        if swapped:
-            prefix, self.made_before = [0.0], [0]  # compute time and bytes allocated before each position
-            for i in order:
-                prefix.append(prefix[-1] + sim.op_time[i])
-                self.made_before.append(self.made_before[-1] + sim.out_bytes[i])
-            for t in sorted(swapped, key=first_bwd.__getitem__):  # same position: first needed, first copied
-                c = first_bwd[t]
-                p = min(c, bisect.bisect_right(prefix, prefix[c] - sim.h2d_time[t]) - 1)  # zero-time ops: not past c
-                if sim.serial_copies:
-                    p = c
-                prefetch[max(p, last_fwd[t] + 1, made[t] + 1)].append(t)
-                if sim.producer[t] < 0:  # an input: its copy to the host starts with the step
-                    self.swap_out(t, 0.0)
+        return release
 
+    def prefetch_schedule(self) -> list[list[int]]:
+        """At which position each swapped tensor's copy back is first tried: the latest op before its first
+        backward reader whose preceding compute covers the copy (at the reader itself with serial copies),
+        never before its last forward reader has run nor before it is made."""
+        sim, order, made = self.sim, self.order, self.made
+        last_fwd, first_bwd = self.live.last_fwd, self.live.first_bwd
+        prefetch: list[list[int]] = [[] for _ in order]
+        prefix, made_before = [0.0], [0]  # compute time and bytes allocated before each position
+        for i in order:
+            prefix.append(prefix[-1] + sim.op_time[i])
+            made_before.append(made_before[-1] + sim.out_bytes[i])
+        self.made_before = made_before
+        swapped = [t for t in sim.candidates if self.swapped[t]]
+        for t in sorted(swapped, key=first_bwd.__getitem__):  # same position: first needed, first copied
+            c = first_bwd[t]
+            p = min(c, bisect.bisect_right(prefix, prefix[c] - sim.h2d_time[t]) - 1)  # zero-time ops: not past c
+            if sim.serial_copies:
+                p = c
+            prefetch[max(p, last_fwd[t] + 1, made[t] + 1)].append(t)
+            if sim.producer[t] < 0:
+                self.inputs_out.append(t)
+        return prefetch
+
+    # --- the main loop ---
+    def result(self) -> SimResult:
+        self.execute()
+        return SimResult(max(self.clock, self.d2h_free, self.h2d_free), self.peak, self.compute)
+
+    def execute(self) -> None:
+        """Run the ops in order: prefetches due, rematerializations, the op, swap-outs, releases."""
+        sim, order = self.sim, self.order
         op_in, op_out, names = sim.op_in, sim.op_out, sim.op_names
+        first_bwd = self.live.first_bwd
         budget = sim.budget
-        resident = self.resident
+        resident, ready, swapped = self.resident, self.ready, self.swapped
+        prefetch, release_after = self.prefetch, self.release_after
+        for t in self.inputs_out:  # an input's copy to the host starts with the step
+            self.swap_out(t, 0.0)
         for p, i in enumerate(order):
             self.pos = p
             for t in prefetch[p]:
@@ -200,45 +246,34 @@ class _Run:
                     if budget is not None and not self.room_until(t, p, first_bwd[t]):
                         prefetch[p + 1].append(t)  # no room under the budget yet
                         continue
-                self.swap_in(t, self.clock, f"prefetch for {names[order[first_bwd[t]]]}")
-            for t in op_in[i]:
+                self.swap_in(t, self.clock, "prefetch for", names[order[first_bwd[t]]])
+            inputs = op_in[i]
+            for t in inputs:
                 if not resident[t]:
                     self.rematerialize(t, names[i])
-            self.run_op(i, self.start_time(op_in[i]), "op", f"position {p} of the order")
-            end = self.clock
+            start = self.clock
+            for t in inputs:
+                if ready[t] > start:
+                    start = ready[t]
+            self.run_op(i, start)
             for t in op_out[i]:
-                if act[t] == SWAP:
-                    self.swap_out(t, end)
-            for t in release[p]:
+                if swapped[t]:
+                    self.swap_out(t, self.clock)
+            for t in release_after[p]:
                 if resident[t]:
-                    self.release(t, end)
+                    self.release(t, self.clock)
         self.settle(float("inf"))
-        step = max(self.clock, self.d2h_free, self.h2d_free)
-        return SimResult(step, self.peak, self.compute, timeline=tuple(self.events), memory=tuple(self.memory),
-                         changes=tuple(self.changes), program=tuple(self.program))
 
     # --- memory ---
-    def note_resident(self) -> None:
-        """Record what is resident from the start, by category (traced runs)."""
-        sim = self.sim
-        for t, kind in enumerate(sim.kind):
-            if sim.producer[t] < 0:
-                self.category[t] = "parameters" if kind == "param" else "inputs and buffers"
-                self.changes.append((0.0, self.category[t], sim.size[t]))
-        for category, nbytes in sim.graph.resident.items():
-            if category in sim.graph.counted or category not in COUNTABLE:
-                self.changes.append((0.0, category.replace("_", " "), nbytes))
-
     def settle(self, when: float) -> None:
         """Apply the frees of swapped-out tensors whose copies have landed by `when`."""
         pending = self.pending
         while pending and pending[0][0] <= when:
-            freed_at, t, freed = heapq.heappop(pending)
-            self.mem -= freed
-            if self.trace:
-                self.memory.append((freed_at, self.mem))
-                self.changes.append((freed_at, self.category[t], -freed))
-                self.program.append(Instruction(Verb.FREE, self.sim.tensor_names[t]))
+            self.landed(*heapq.heappop(pending))
+
+    def landed(self, when: float, t: int, nbytes: int) -> None:
+        """The copy to the host of a retired tensor has landed: its device copy goes."""
+        self.mem -= nbytes
 
     def room_until(self, t: int, p: int, c: int) -> bool:
         """Whether bringing `t` back now keeps memory under the budget while the ops at positions p..c-1 run
@@ -246,7 +281,7 @@ class _Run:
         them, device copies of swapped tensors that go when their copies to the host land, and ops that wait
         for copies to the device (at least until the host copy has landed and been copied back); the memory
         of recomputations and of later prefetches is not foreseen."""
-        sim, order, act = self.sim, self.order, self.act
+        sim, order, swapped = self.sim, self.order, self.swapped
         size, op_out, op_time, out_bytes = sim.size, sim.op_out, sim.op_time, sim.out_bytes
         self.settle(self.clock)
         level = self.mem + size[t]
@@ -274,15 +309,15 @@ class _Run:
             level += out_bytes[i]
             clock += op_time[i]
             for u in op_out[i]:
-                if act[u] == SWAP:
+                if swapped[u]:
                     d2h_free = max(d2h_free, clock) + sim.d2h_time[u]
-                born[u] = d2h_free if act[u] == SWAP else clock
+                born[u] = d2h_free if swapped[u] else clock
             for u in self.release_after[q]:
                 if u in gone or not (self.resident[u] or u in born):
                     continue
                 gone.add(u)
                 copying_until = born[u] if u in born else self.d2h_end[u]
-                if act[u] == SWAP and copying_until > clock:
+                if swapped[u] and copying_until > clock:
                     bisect.insort(landing, (copying_until, size[u]), lo=k)
                 else:
                     level -= size[u]
@@ -293,26 +328,22 @@ class _Run:
         self.mem += nbytes
         if self.mem > self.peak:
             self.peak = self.mem
-        if self.trace:
-            self.memory.append((when, self.mem))
 
     def free(self, t: int, when: float) -> None:
         self.resident[t] = False
         self.mem -= self.sim.size[t]
-        if self.trace:
-            self.memory.append((when, self.mem))
-            self.changes.append((when, self.category[t], -self.sim.size[t]))
-            self.program.append(Instruction(Verb.FREE, self.sim.tensor_names[t]))
 
     def release(self, t: int, when: float) -> None:
         """Free `t` after its last reader; a swapped tensor's device copy waits for its d2h copy."""
-        if self.act[t] == SWAP and self.on_host[t] and self.d2h_end[t] > when:
-            self.resident[t] = False
-            heapq.heappush(self.pending, (self.d2h_end[t], t, self.sim.size[t]))
-            if self.trace:
-                self.program.append(Instruction(Verb.RETIRE, self.sim.tensor_names[t]))
+        if self.swapped[t] and self.on_host[t] and self.d2h_end[t] > when:
+            self.retire(t)
         else:
             self.free(t, when)
+
+    def retire(self, t: int) -> None:
+        """`t`'s device copy goes once its copy to the host has landed."""
+        self.resident[t] = False
+        heapq.heappush(self.pending, (self.d2h_end[t], t, self.sim.size[t]))
 
     # --- streams ---
     def start_time(self, inputs) -> float:
@@ -323,90 +354,163 @@ class _Run:
                 start = self.ready[t]
         return start
 
-    def run_op(self, i: int, start: float, kind: str, reason: str) -> None:
+    def run_op(self, i: int, start: float) -> None:
+        """Op i runs from `start`: its outputs are allocated; one already here (a recomputed op re-producing a
+        kept output) is made, then dropped, and the kept one stays, ready when it was."""
         sim = self.sim
-        if self.trace and start > self.clock:
-            waited = [sim.tensor_names[t] for t in sim.op_in[i] if self.ready[t] > self.clock]
-            self.events.append(Event("compute", "wait", sim.op_names[i], self.clock, start,
-                                     "wait for swap-in of " + ", ".join(waited)))
         end = start + sim.op_time[i]
-        nbytes = 0
+        self.alloc(sim.out_bytes[i], start)
+        resident, ready, size = self.resident, self.ready, sim.size
         for t in sim.op_out[i]:
-            nbytes += sim.size[t]
-        self.alloc(nbytes, start)
-        # A recomputed op may re-produce an output that is already here: that copy is made, then dropped
-        # (the kept one stays, and is ready when it was).
-        duplicates = [t for t in sim.op_out[i] if self.resident[t]]
-        for t in sim.op_out[i]:
-            if self.trace:
-                cat = "recomputed" if kind == "recompute" else "gradients" if sim.kind[t] == "grad" else "activations"
-                self.changes.append((start, cat, sim.size[t]))
-                if t not in duplicates:
-                    self.category[t] = cat
-            if t not in duplicates:
-                self.resident[t] = True
-                self.ready[t] = end
-        for t in duplicates:
-            self.mem -= sim.size[t]
-            if self.trace:
-                self.changes.append((start, "recomputed", -sim.size[t]))
-                self.memory.append((start, self.mem))
+            if resident[t]:
+                self.mem -= size[t]
+            else:
+                resident[t] = True
+                ready[t] = end
         self.clock = end
         self.compute += sim.op_time[i]
-        if self.trace:
-            self.events.append(Event("compute", kind, sim.op_names[i], start, end, reason))
-            self.program.append(Instruction(Verb.RUN if kind == "op" else Verb.RECOMPUTE, sim.op_names[i]))
 
-    def swap_out(self, t: int, when: float) -> None:
-        start = max(self.d2h_free, when, self.clock if self.sim.serial_copies else when)
-        self.d2h_free = self.d2h_end[t] = end = start + self.sim.d2h_time[t]
-        if self.sim.serial_copies:
+    def rerun_op(self, i: int, start: float, reader: str) -> None:
+        """Op i runs again, for `reader`."""
+        self.run_op(i, start)
+
+    def swap_out(self, t: int, when: float) -> float:
+        """Start copying `t` to the host; returns when the copy starts."""
+        sim = self.sim
+        start = max(self.d2h_free, when, self.clock if sim.serial_copies else when)
+        self.d2h_free = self.d2h_end[t] = end = start + sim.d2h_time[t]
+        if sim.serial_copies:
             self.clock = end
         self.on_host[t] = True
-        if self.trace:
-            name = self.sim.tensor_names[t]
-            self.events.append(Event("d2h", "swap_out", name, start, end, f"swap-out {name} after its producer"))
-            self.program.append(Instruction(Verb.SWAP_OUT, name))
+        return start
 
-    def swap_in(self, t: int, when: float, reason: str) -> None:
-        self.alloc(self.sim.size[t], when)
+    def swap_in(self, t: int, when: float, why: str, reader: str) -> float:
+        """Allocate `t` on the device and copy it back (`why` `reader`: "prefetch for b3"); returns when the
+        copy starts."""
+        sim = self.sim
+        self.alloc(sim.size[t], when)
         self.resident[t] = True
-        if self.trace:
-            self.category[t] = "swapped in"
-            self.changes.append((when, "swapped in", self.sim.size[t]))
-        start = max(self.h2d_free, when, self.d2h_end[t], self.clock if self.sim.serial_copies else when)
-        self.h2d_free = self.ready[t] = end = start + self.sim.h2d_time[t]
-        if self.sim.serial_copies:
+        start = max(self.h2d_free, when, self.d2h_end[t], self.clock if sim.serial_copies else when)
+        self.h2d_free = self.ready[t] = end = start + sim.h2d_time[t]
+        if sim.serial_copies:
             self.clock = end
-        if self.trace:
-            name = self.sim.tensor_names[t]
-            self.events.append(Event("h2d", "swap_in", name, start, end, f"swap-in {name}: {reason}"))
-            self.program.append(Instruction(Verb.SWAP_IN, name))
+        return start
 
     # --- bringing tensors back ---
     def rematerialize(self, t: int, reader: str) -> None:
         """Make `t` resident again for `reader`: copy it back from the host or re-run its producer."""
         sim = self.sim
         if self.on_host[t]:
-            self.swap_in(t, self.clock, f"on demand for {reader}")
+            self.swap_in(t, self.clock, "on demand for", reader)
             return
         i = sim.producer[t]
         if i < 0 or not sim.op_recomputable[i]:
             why = "its producer is random or mutates state" if i >= 0 else "it has no producer"
             raise Unrealizable(f"{sim.tensor_names[t]} is needed by {reader} but is gone and {why}")
-        needed = self.needed
-        for u in sim.op_in[i]:
+        needed, resident = self.needed, self.resident
+        inputs = sim.op_in[i]
+        for u in inputs:
             needed[u] += 1  # re-producing another input must not drop this one
-        for u in sim.op_in[i]:
-            if not self.resident[u]:
+        for u in inputs:
+            if not resident[u]:
                 self.rematerialize(u, sim.op_names[i])
-        self.run_op(i, self.start_time(sim.op_in[i]), "recompute", f"recompute {sim.op_names[i]} for {reader}")
-        for u in sim.op_in[i]:
+        self.rerun_op(i, self.start_time(inputs), reader)
+        for u in inputs:
             needed[u] -= 1
-        for u in sim.op_in[i] + sim.op_out[i]:  # drop what no later op reads, nor a recompute under way
-            transient = not sim.persistent[u] or self.act[u] != KEEP
-            if self.resident[u] and self.last_use[u] < self.pos and transient and u != t and not needed[u]:
+        last_use, persistent, moved = self.live.last_use, sim.persistent, self.moved
+        for u in inputs + sim.op_out[i]:  # drop what no later op reads, nor a recompute under way
+            transient = not persistent[u] or moved[u]
+            if resident[u] and last_use[u] < self.pos and transient and u != t and not needed[u]:
                 self.free(u, self.clock)
+
+
+class _TracedRun(_Run):
+    """A simulation that records what happens: timeline events, memory after each change, changes by
+    category and the program. Untraced runs do none of this work."""
+
+    def __init__(self, sim: Simulator, order, actions):
+        self.events: list[Event] = []
+        self.memory: list[tuple[float, int]] = []
+        self.changes: list[tuple[float, str, int]] = []
+        self.program: list[Instruction] = []
+        self.category: list[str] = [""] * len(sim.size)  # what each resident tensor counts as
+        for t, kind in enumerate(sim.kind):  # resident from the start
+            if sim.producer[t] < 0:
+                self.category[t] = "parameters" if kind == "param" else "inputs and buffers"
+                self.changes.append((0.0, self.category[t], sim.size[t]))
+        for category, nbytes in sim.graph.resident.items():
+            if category in sim.graph.counted or category not in COUNTABLE:
+                self.changes.append((0.0, category.replace("_", " "), nbytes))
+        super().__init__(sim, order, actions)
+
+    def result(self) -> SimResult:
+        self.execute()
+        return SimResult(max(self.clock, self.d2h_free, self.h2d_free), self.peak, self.compute,
+                         timeline=tuple(self.events), memory=tuple(self.memory), changes=tuple(self.changes),
+                         program=tuple(self.program))
+
+    def landed(self, when: float, t: int, nbytes: int) -> None:
+        super().landed(when, t, nbytes)
+        self.memory.append((when, self.mem))
+        self.changes.append((when, self.category[t], -nbytes))
+        self.program.append(Instruction(Verb.FREE, self.sim.tensor_names[t]))
+
+    def alloc(self, nbytes: int, when: float) -> None:
+        super().alloc(nbytes, when)
+        self.memory.append((when, self.mem))
+
+    def free(self, t: int, when: float) -> None:
+        super().free(t, when)
+        self.memory.append((when, self.mem))
+        self.changes.append((when, self.category[t], -self.sim.size[t]))
+        self.program.append(Instruction(Verb.FREE, self.sim.tensor_names[t]))
+
+    def retire(self, t: int) -> None:
+        super().retire(t)
+        self.program.append(Instruction(Verb.RETIRE, self.sim.tensor_names[t]))
+
+    def run_op(self, i: int, start: float) -> None:
+        self.record_op(i, start, Verb.RUN, f"position {self.pos} of the order")
+
+    def rerun_op(self, i: int, start: float, reader: str) -> None:
+        self.record_op(i, start, Verb.RECOMPUTE, f"recompute {self.sim.op_names[i]} for {reader}")
+
+    def record_op(self, i: int, start: float, verb: Verb, reason: str) -> None:
+        sim = self.sim
+        if start > self.clock:
+            waited = [sim.tensor_names[t] for t in sim.op_in[i] if self.ready[t] > self.clock]
+            self.events.append(Event(COMPUTE, WAIT, sim.op_names[i], self.clock, start,
+                                     "wait for swap-in of " + ", ".join(waited)))
+        duplicates = [t for t in sim.op_out[i] if self.resident[t]]
+        _Run.run_op(self, i, start)
+        for t in sim.op_out[i]:
+            category = "recomputed" if verb == Verb.RECOMPUTE else "gradients" if sim.kind[t] == "grad" else "activations"
+            self.changes.append((start, category, sim.size[t]))
+            if t not in duplicates:
+                self.category[t] = category
+        level = self.mem + sum(sim.size[t] for t in duplicates)
+        for t in duplicates:
+            level -= sim.size[t]
+            self.changes.append((start, "recomputed", -sim.size[t]))
+            self.memory.append((start, level))
+        self.events.append(Event(COMPUTE, verb, sim.op_names[i], start, self.clock, reason))
+        self.program.append(Instruction(verb, sim.op_names[i]))
+
+    def swap_out(self, t: int, when: float) -> float:
+        start = super().swap_out(t, when)
+        name = self.sim.tensor_names[t]
+        self.events.append(Event(D2H, Verb.SWAP_OUT, name, start, self.d2h_end[t], f"swap-out {name} after its producer"))
+        self.program.append(Instruction(Verb.SWAP_OUT, name))
+        return start
+
+    def swap_in(self, t: int, when: float, why: str, reader: str) -> float:
+        start = super().swap_in(t, when, why, reader)
+        name = self.sim.tensor_names[t]
+        self.category[t] = "swapped in"
+        self.changes.append((when, "swapped in", self.sim.size[t]))
+        self.events.append(Event(H2D, Verb.SWAP_IN, name, start, self.ready[t], f"swap-in {name}: {why} {reader}"))
+        self.program.append(Instruction(Verb.SWAP_IN, name))
+        return start
 
 
 def lower_bound(graph: Graph) -> int:

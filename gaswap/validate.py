@@ -30,22 +30,31 @@ OPTIMIZERS = {
 }
 
 
-def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", progress=None) -> dict:
+def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, experiment: str | Path | None = None,
+             trust_factory: bool = False, progress=None) -> dict:
     """Train `steps` steps under the policy; return (and write beside it) predicted vs measured figures.
 
-    The first step warms up and creates the optimizer state. Step time is the median of the later steps;
-    the peak is the allocator's (CUDA, every later step) or the storage tracker's (CPU, the last step,
-    which is left out of the timing because tracking slows it). `progress(done, steps)` after each step.
+    The model comes from `experiment` when given, else from the experiment file the policy names; a factory
+    named only by the policy must be one of gaswap's own models unless `trust_factory` (a shared policy file
+    must not choose code to run). The first step warms up and creates the optimizer state. Step time is the
+    median of the later steps; the peak is the allocator's (CUDA, every later step) or the storage tracker's
+    (CPU, the last step, which is left out of the timing because tracking slows it). `progress(done, steps)`
+    after each step.
     """
     if steps < 3:
-        raise ValueError("validate needs at least 3 steps: one warms up and creates the optimizer state, "
-                         "then timed steps, and (on the CPU) a last step with the memory tracker")
+        raise config.ConfigError(f"--steps {steps}: validate needs at least 3 steps: one warms up and creates the "
+                                 f"optimizer state, then timed steps, and (on the CPU) a last step with the memory tracker")
+    if device not in ("auto", "cpu", "cuda"):
+        raise config.ConfigError(f"--device {device!r}: must be auto, cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise config.ConfigError("--device cuda: this machine has no CUDA device (use cpu or auto)")
     policy_path = Path(policy_path)
     policy = policies.load(policy_path)
     if not policy.program:
         raise policies.PolicyError(f"{policy_path}: the policy has no program; re-run the search that made it")
-    exp = config.load_experiment(experiment_file(policy.provenance, policy_path,
-                                                 f"{policy_path}: provenance.experiment_file"))
+    if not all(k in policy.predicted for k in ("peak_bytes", "step_time_s")):
+        raise policies.PolicyError(f"{policy_path}: predicted: needs peak_bytes and step_time_s to compare with")
+    exp = _experiment(policy, policy_path, experiment, trust_factory)
     dev = resolve_device(device)
     if dev.type == "cpu":
         use_cpu(exp.costs.threads)  # as when the costs were measured
@@ -58,7 +67,8 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", prog
         target = workflow.output_gradient(captured, dev, exp.seed)
     here = {"model": {"factory": exp.model.factory, "kwargs": exp.model.kwargs}, "batch_size": exp.batch_size,
             "torch_version": str(torch.__version__)}
-    policies.check_matches(policy, captured.graph, policy_path, provenance=policy.provenance | here)
+    policies.check_matches(policy, captured.graph, policy_path, provenance=policy.provenance | here,
+                           torch_version=str(torch.__version__))
     runner = StepRunner(captured, policy.program, dev)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = OPTIMIZERS[exp.optimizer](trainable)
@@ -103,6 +113,29 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", prog
     report["time_ratio"] = report["measured"]["step_time_s"] / report["predicted"]["step_time_s"]
     write_atomic(policy_path.with_name("validation.json"), json.dumps(report, indent=2) + "\n")
     return report
+
+
+def _experiment(policy: policies.Policy, policy_path: Path, named: str | Path | None, trust: bool) -> config.Experiment:
+    """The experiment to build the model from: the one the user named, else the policy's, whose factory must
+    then be one of gaswap's own models unless `trust` (Refused otherwise, before anything is imported)."""
+    from gaswap.results import Refused
+    from gaswap.zoo import shipped
+
+    if named is not None:
+        return config.load_experiment(named)
+    file = policy.provenance.get("experiment_file")
+    if not isinstance(file, str) or not file:
+        raise policies.PolicyError(f"{policy_path}: provenance names no experiment file; pass --experiment FILE")
+    try:
+        file = str(experiment_file(policy.provenance, policy_path, f"{policy_path}: provenance.experiment_file"))
+    except FileNotFoundError as err:
+        raise config.ConfigError(str(err)) from None
+    exp = config.load_experiment(file)
+    if not shipped(exp.model.factory) and not trust:
+        raise Refused(f"{policy_path}: its experiment {file} builds the model with {exp.model.factory}, code named "
+                      f"only by this policy file; if you trust it, name the experiment yourself (--experiment "
+                      f"{file}) or pass --trust-factory")
+    return exp
 
 
 def _sync(device: torch.device) -> None:

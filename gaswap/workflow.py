@@ -23,22 +23,19 @@ from pathlib import Path
 
 from gaswap import checkpoint as checkpoints
 from gaswap import config, costfile, results
+from gaswap.results import Refused  # noqa: F401  (re-exported for callers of check_results_folder)
 from gaswap.capture import CaptureError  # noqa: F401  (re-exported for the CLI)
 from gaswap.checkpoint import CheckpointError  # noqa: F401  (re-exported for the CLI)
 from gaswap import policy as policies
 from gaswap.costs import Costs, estimate, load_profile
-from gaswap.encoding import Action, Encoding
 from gaswap.graph import Graph
-from gaswap.search import Evaluated, SearchResult, search
-from gaswap.simulator import Simulator, lower_bound
+from gaswap.problem import Evaluated, Problem, SearchResult
+from gaswap.search import search
+from gaswap.simulator import lower_bound
 
 
 class Infeasible(Exception):
     """No policy found under the budget."""
-
-
-class Refused(Exception):
-    """What is on disk forbids the command: another experiment's results folder, or no checkpoint to resume."""
 
 
 @dataclass(frozen=True)
@@ -54,20 +51,35 @@ class Prepared:
 
 
 def build_model(experiment: config.Experiment, device: str = "meta"):
-    """The experiment's model, with parameters on `device` ("meta" allocates nothing)."""
+    """The experiment's model, with parameters on `device` ("meta" allocates nothing). Whatever the factory
+    raises (SystemExit included) becomes a ConfigError naming it; so does a factory returning no nn.Module."""
     import torch
 
-    from gaswap.zoo import resolve
+    from gaswap.zoo import check_model, resolve
 
+    path = experiment.model.factory
     try:
-        factory = resolve(experiment.model.factory, base=Path(experiment.path).parent)
+        factory = resolve(path, base=Path(experiment.path).parent)
     except ValueError as err:
         raise config.ConfigError(f"{experiment.path}: model.factory: {err}") from None
     try:
         with torch.device(device):
-            return factory(**experiment.model.kwargs)
+            model = factory(**experiment.model.kwargs)
     except TypeError as err:
-        raise config.ConfigError(f"{experiment.path}: model.kwargs: {experiment.model.factory} refused them: {err}") from None
+        raise config.ConfigError(f"{experiment.path}: model.kwargs: {path} refused them: {err}") from None
+    except (Exception, SystemExit) as err:
+        raise config.ConfigError(f"{experiment.path}: model: {path}(**kwargs) failed: {type(err).__name__}: "
+                                 f"{_one_line(err)}") from None
+    try:
+        return check_model(path, model)
+    except ValueError as err:
+        raise config.ConfigError(f"{experiment.path}: model.factory: {err}") from None
+
+
+def _one_line(err: BaseException) -> str:
+    """An exception's message on one line, shortened."""
+    text = " ".join(str(err).split())
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def make_inputs(experiment: config.Experiment, device: str = "meta", generator=None):
@@ -93,13 +105,30 @@ def prepare(experiment: config.Experiment, *, cache_dir=None, progress=None) -> 
 
 
 def capture_step(experiment: config.Experiment):
-    """The experiment's training step captured on the meta device (a `Captured`; `.graph` is its Graph)."""
+    """The experiment's training step captured on the meta device (a `Captured`; `.graph` is its Graph);
+    CaptureError naming the experiment file when it cannot be captured or has nothing to plan."""
     from gaswap.capture import capture
 
     model = build_model(experiment)
     inputs, target = make_inputs(experiment)
-    return capture(model, inputs, target, experiment.loss, optimizer=experiment.optimizer,
-                   counted=experiment.counts, autocast=experiment.autocast)
+    try:
+        captured = capture(model, inputs, target, experiment.loss, optimizer=experiment.optimizer,
+                           counted=experiment.counts, autocast=experiment.autocast)
+        check_trainable(captured.graph)
+    except CaptureError as err:
+        raise CaptureError(f"{experiment.path}: {err}") from None
+    return captured
+
+
+def check_trainable(graph: Graph) -> None:
+    """Refuse (CaptureError) a step with nothing to plan: no gradient (the output is detached or depends
+    on no trainable parameter) or no activation that the backward pass reads."""
+    if not any(t.kind == "grad" for t in graph.tensors.values()):
+        raise CaptureError("the step computes no gradient: the model's output does not depend on any trainable "
+                           "parameter (is it detached, or computed under torch.no_grad?)")
+    if not graph.candidates():
+        raise CaptureError("the backward pass reads no activation of the forward pass: nothing to keep, swap or "
+                           "recompute (is the model's output detached, or computed under torch.no_grad?)")
 
 
 def costs_for(experiment: config.Experiment, graph: Graph, *, cache_dir=None, progress=None, captured=None) -> Costs:
@@ -114,6 +143,12 @@ def costs_for(experiment: config.Experiment, graph: Graph, *, cache_dir=None, pr
         return estimate(graph, profile)
     from gaswap.measure import measure, resolve_device
 
+    if spec.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise config.ConfigError(f"{experiment.path}: costs.device: cuda, but this machine has no CUDA device "
+                                     f"(use auto or cpu, or costs from a hardware profile)")
     in_place = None
     if captured is not None and resolve_device(spec.device).type == "cpu":
         import torch
@@ -137,101 +172,58 @@ def output_gradient(captured, device, seed: int):
 
 def keep_all(prepared: Prepared) -> Evaluated:
     """The captured order with every activation kept: what plain PyTorch does."""
-    enc = Encoding(prepared.graph)
-    c = enc.uniform(Action.KEEP)
-    r = Simulator(prepared.graph, prepared.costs).run(enc.decode(c.keys), c.actions)
-    return Evaluated(c, r.step_time, r.peak_bytes, r.valid)
+    return Problem(prepared.graph, prepared.costs).keep_all()
 
 
 def results_folder(root: str | Path, experiment: config.Experiment) -> Path:
     """`root/<experiment name>`, the folder the experiment's results go to."""
-    if experiment.name in (".", ".."):
-        raise config.ConfigError(f"{experiment.path}: name: {experiment.name!r} cannot name a results folder")
-    return Path(root) / experiment.name
+    return results.folder_of(root, experiment.name)
 
 
 def check_results_folder(experiment: config.Experiment, out: str | Path, *, resume: bool = False,
                          force: bool = False) -> None:
-    """Refuse (`Refused`) to replace a folder holding another experiment's results or something that is not a
-    gaswap results folder, unless `force`; with `resume`, refuse when there is no checkpoint to resume."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise Refused(f"{out} exists and is not a folder; move it away or choose another --results folder")
-    if out.is_dir() and not force:
-        owner = _owner(out)
-        if owner is None and any(out.iterdir()):
-            raise Refused(f"{out}/ exists but has no readable gaswap summary.json or checkpoint; use --force to "
-                          f"replace it, or choose another --results folder")
-        if owner is not None and not _same_experiment(owner, experiment):
-            raise Refused(f"{out}/ holds the results of experiment {owner[0]!r} ({owner[1] or 'file unknown'}), "
-                          f"not of {experiment.name!r} ({experiment.path}); use --force to replace them, choose "
-                          f"another --results folder, or give this experiment another `name:`")
-    if resume and not (out / checkpoints.NAME).is_file():
-        raise Refused(f"{out / checkpoints.NAME}: no checkpoint to resume from (no search of {experiment.name!r} "
-                      f"was interrupted there, or it completed); run without --resume to start a search")
-
-
-def _owner(out: Path) -> tuple[str, str | None] | None:
-    """(experiment, experiment file) of a results folder, from its summary.json or else its checkpoint."""
-    try:
-        summary = json.loads((out / "summary.json").read_text())
-    except (OSError, ValueError):
-        summary = None
-    if not (isinstance(summary, dict) and isinstance(summary.get("experiment"), str)):
-        summary = checkpoints.about(out / checkpoints.NAME) if (out / checkpoints.NAME).is_file() else None
-    if not (isinstance(summary, dict) and isinstance(summary.get("experiment"), str)):
-        return None
-    file = summary.get("experiment_file")
-    return summary["experiment"], file if isinstance(file, str) else None
-
-
-def _same_experiment(owner: tuple[str, str | None], experiment: config.Experiment) -> bool:
-    name, file = owner
-    if name != experiment.name:
-        return False
-    if file is None or file == experiment.path:
-        return True
-    try:
-        return os.path.samefile(file, experiment.path)
-    except OSError:
-        return False
+    """`results.check_folder` for this experiment: refuse another experiment's folder unless `force`, and
+    a `resume` without a checkpoint."""
+    results.check_folder(experiment.name, experiment.path, out, resume=resume, force=force)
 
 
 def run_search(prepared: Prepared, out: str | Path, *, on_generation=None, resume: bool = False,
                force: bool = False, stop=None) -> tuple[SearchResult, dict]:
     """Search the experiment's policies and write its results folder; raises Infeasible when none fits.
 
-    The search checkpoints into `out/.checkpoint.json` after every generation; `resume` continues from there
+    The search checkpoints into `out/.checkpoint.json` (see `search.search`); `resume` continues from there
     (CheckpointError when it is unusable). `stop()` (e.g. the `Stop` of `stop_on_signals`) ends the search
     early: the results so far are written, marked incomplete, beside the checkpoint. `force` replaces a
     folder made by another experiment (see `check_results_folder`).
     """
+    exp = prepared.experiment
+    with results.locked(out):
+        results.recover(out)
+        check_results_folder(exp, out, resume=resume, force=force)
+        return _search_and_write(prepared, Path(out), on_generation, resume, stop)
+
+
+def _search_and_write(prepared: Prepared, out: Path, on_generation, resume: bool, stop) -> tuple[SearchResult, dict]:
     exp, graph, costs = prepared.experiment, prepared.graph, prepared.costs
-    out = Path(out)
-    check_results_folder(exp, out, resume=resume, force=force)
     reference = keep_all(prepared)
     budget = exp.budget.resolve(reference.peak_bytes)
-    result = search(graph, costs, exp.search_space, exp.ga, budget, exp.seed, on_generation=on_generation,
-                    checkpoint=out / checkpoints.NAME, resume=resume, stop=stop,
-                    about={"experiment": exp.name, "experiment_file": exp.path})
+    problem = Problem(graph, costs, budget, exp.search_space)
+    result = search(problem, exp.ga, exp.seed, on_generation=on_generation, checkpoint=out / checkpoints.NAME,
+                    resume=resume, stop=stop, about={"experiment": exp.name, "experiment_file": exp.path})
     if result.best is None and result.complete:
-        _discard_checkpoint(out)
+        results.discard_checkpoint(out)
         raise Infeasible(
             f"{exp.path}: no policy found under the budget {config.format_size(budget)}: the smallest peak "
             f"reached was {config.format_size(result.smallest_peak)}, and no policy can go below "
             f"{config.format_size(lower_bound(graph))} (resident memory plus the largest single op). "
             f"Raise the budget, or search longer (ga.generations) or a wider search space."
         )
-    encoding = Encoding(graph)
     provenance = describe(prepared) | {"budget_bytes": budget}
 
-    simulator = Simulator(graph, costs, budget)
-
     def make_policy(e: Evaluated) -> policies.Policy:
-        order = encoding.decode(e.chromosome.keys)
-        program = simulator.run(order, e.chromosome.actions, trace=True).program  # what the runtime replays
-        return policies.from_result(graph, encoding.candidates, order, e.chromosome.actions,
-                                    results.point(e, reference), provenance, program)
+        program = problem.simulate(e.chromosome, trace=True).program  # what the runtime replays
+        return policies.from_result(graph, problem.encoding.candidates, problem.order(e.chromosome),
+                                    e.chromosome.actions, results.point(e, reference), provenance, program)
 
     summary = describe(prepared) | {
         "budget_bytes": budget,
@@ -239,27 +231,15 @@ def run_search(prepared: Prepared, out: str | Path, *, on_generation=None, resum
         "keep_all": {"peak_bytes": reference.peak_bytes, "step_time_s": reference.step_time},
         "generations": exp.ga.generations,
     }
+    if costs.source == "measured":  # ops that could not be timed got a roofline figure: say which
+        summary["estimated_ops"] = list(costs.estimated)
     # bench tables compare methods on this experiment, whatever this search found: they stay
-    carry = ("bench.csv", "bench.md") if out.is_dir() and _same_experiment(_owner(out) or ("", None), exp) else ()
+    owner = results.owner_of(out) if out.is_dir() else None
+    carry = ("bench.csv", "bench.md") if owner and results.same_experiment(owner, exp.name, exp.path) else ()
     carry += () if result.complete else (checkpoints.NAME,)
     results.write(out, result, make_policy, summary, carry=carry,
                   extra={costfile.NAME: costfile.dumps(costs, graph.fingerprint())})  # what `plot` re-simulates with
     return result, summary
-
-
-def _discard_checkpoint(out: Path) -> None:
-    """Remove the checkpoint of a search that found nothing, with partial results that hold no policy either
-    (those of its own interrupted runs), or the folder the checkpoint alone made."""
-    (out / checkpoints.NAME).unlink(missing_ok=True)
-    try:
-        summary = json.loads((out / "summary.json").read_text())
-        partial = summary.get("complete") is False and summary.get("best") is None
-    except (OSError, ValueError, AttributeError):
-        partial = False
-    if partial:
-        shutil.rmtree(out, ignore_errors=True)
-    elif out.is_dir() and not any(out.iterdir()):
-        out.rmdir()
 
 
 class Stop:

@@ -1,13 +1,15 @@
 """A small built-in model zoo (torch.nn only) and `resolve` for "module:callable" model paths.
 
-CNNs (alexnet, vgg16, resnet18/50, tiny_cnn, unet), an mlp and transformers (gpt, bert). Factories from
+CNNs (alexnet, vgg16, resnet18/50, tiny_cnn, unet), an mlp, an unrolled gru and transformers (gpt, bert). Factories from
 installed packages are named by path, e.g. "torchvision.models:resnet50"; `huggingface` builds a
 transformers model from its class name and config.
 """
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -157,6 +159,25 @@ def mlp(sizes: tuple[int, ...] = (32, 64, 64, 10), dropout: float = 0.0) -> nn.M
             if dropout:
                 layers.append(nn.Dropout(dropout))
     return nn.Sequential(*layers)
+
+
+class _UnrolledGRU(nn.Module):
+    def __init__(self, features: int, hidden: int, steps: int, num_classes: int):
+        super().__init__()
+        self.steps = steps
+        self.cell = nn.GRUCell(features, hidden)
+        self.head = nn.Linear(hidden, num_classes)
+
+    def forward(self, x):  # x: [batch, steps, features]
+        h = x.new_zeros(x.shape[0], self.cell.hidden_size)
+        for t in range(self.steps):
+            h = self.cell(x[:, t], h)
+        return self.head(h)
+
+
+def gru(features: int = 16, hidden: int = 32, steps: int = 24, num_classes: int = 10) -> nn.Module:
+    """A GRU cell unrolled over `steps` time steps (a graph of many small ops), then a linear head."""
+    return _UnrolledGRU(features, hidden, steps, num_classes)
 
 
 class _TinyCNN(nn.Module):
@@ -359,21 +380,93 @@ def unet(in_channels: int = 3, num_classes: int = 2, width: int = 64, depth: int
     return _UNet(in_channels, num_classes, width, depth)
 
 
+# --- small models for the compiled head to head (gaswap compare): concatenation-heavy, unrolled recurrent ---
+
+class _DenseLayer(nn.Module):
+    def __init__(self, cin: int, growth: int):
+        super().__init__()
+        self.body = nn.Sequential(nn.BatchNorm2d(cin), nn.ReLU(), nn.Conv2d(cin, 4 * growth, 1, bias=False),
+                                  nn.BatchNorm2d(4 * growth), nn.ReLU(), nn.Conv2d(4 * growth, growth, 3, padding=1,
+                                                                                  bias=False))
+
+    def forward(self, x):
+        return torch.cat([x, self.body(x)], 1)
+
+
+def densenet(num_classes: int = 10, growth: int = 12, layers: int = 6, blocks: int = 2) -> nn.Module:
+    """A small DenseNet-BC: `blocks` dense blocks of `layers` BN-ReLU-conv1x1-BN-ReLU-conv3x3 layers, each
+    concatenating its `growth` new channels to its input; 1x1 conv + average-pool transitions halve the map."""
+    width = 2 * growth
+    parts: list[nn.Module] = [nn.Conv2d(3, width, 3, padding=1, bias=False)]
+    for b in range(blocks):
+        for _ in range(layers):
+            parts.append(_DenseLayer(width, growth))
+            width += growth
+        if b < blocks - 1:
+            parts += [nn.BatchNorm2d(width), nn.ReLU(), nn.Conv2d(width, width // 2, 1, bias=False), nn.AvgPool2d(2)]
+            width //= 2
+    parts += [nn.BatchNorm2d(width), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, num_classes)]
+    return nn.Sequential(*parts)
+
+
+class _UnrolledGRU(nn.Module):
+    def __init__(self, vocab: int, width: int, steps: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.cell = nn.GRUCell(width, width)
+        self.head = nn.Linear(width, vocab)
+        self.steps = steps
+
+    def forward(self, ids):  # [B, T] -> logits [B, T, vocab]; the cell unrolled over the T steps
+        x = self.embed(ids)
+        h = x.new_zeros(x.shape[0], self.cell.hidden_size)
+        outputs = []
+        for t in range(self.steps):
+            h = self.cell(x[:, t], h)
+            outputs.append(h)
+        return self.head(torch.stack(outputs, 1))
+
+
+def gru(vocab: int = 256, width: int = 128, steps: int = 24) -> nn.Module:
+    """A GRU language model with its cell unrolled over `steps` time steps (many small ops): forward(ids
+    [B, steps]) -> logits [B, steps, vocab]."""
+    return _UnrolledGRU(vocab, width, steps)
+
+
 def huggingface(architecture: str, **config) -> nn.Module:
     """A Hugging Face transformers model with fresh weights: `architecture` names its class (e.g.
     "GPT2LMHeadModel", "BertForMaskedLM"), the other arguments its config (e.g. n_layer=2; add
     attn_implementation="eager" for attention written out rather than fused). Needs `transformers`;
     the model returns a ModelOutput, whose logits `capture` reads."""
-    model_class = getattr(importlib.import_module("transformers"), architecture)
+    model_class = getattr(importlib.import_module("transformers"), str(architecture), None)
+    if not (inspect.isclass(model_class) and issubclass(model_class, nn.Module) and hasattr(model_class, "config_class")):
+        raise ValueError(f"huggingface: {architecture!r} is not a transformers model class")
     return model_class(model_class.config_class(**config))
 
 
+# Packages whose functions load or run things (pickles, hub code, shell commands) rather than build a model:
+# a factory may not be one of them, whatever it is called. Python's standard library is refused as a whole.
+NOT_FACTORIES = ("torch", "numpy", "yaml", "pickle", "dill", "cloudpickle", "joblib", "pandas", "scipy")
+# The zoo's factories: the only functions of gaswap a factory may name, and the only factories a policy file
+# may have validate and plot build without the user naming the experiment (see `shipped`).
+MODELS = ("alexnet", "vgg16", "resnet18", "resnet50", "mlp", "tiny_cnn", "gpt", "bert", "unet", "huggingface")
+
+
 def resolve(path: str, base=None):
-    """Import "package.module:callable" (e.g. "gaswap.zoo:alexnet") and return the callable; a module not on
-    the Python path is also looked for in the folder `base` (the experiment file's)."""
+    """Import "package.module:callable" (e.g. "gaswap.zoo:alexnet") and return the model factory it names; a
+    module not on the Python path is also looked for in the folder `base` (the experiment file's).
+
+    A factory is a class deriving from `torch.nn.Module`, or a Python function (it must return a Module;
+    `check_model` checks what it returned). Python's standard library and builtins are refused before anything
+    is imported, and so are functions living in NOT_FACTORIES (torch's Module classes are fine): neither
+    `os:system`, `subprocess:run`, `builtins:exec` nor `torch:load` ever runs. Any other function is code the
+    experiment file's author chose: an experiment file is trusted as a script is (see the README's trust model).
+    """
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"model path {path!r} must look like 'package.module:callable'")
+    if _standard(module_name):
+        raise ValueError(f"model path {path!r}: {module_name!r} is Python's standard library, not a model factory")
     try:
         module = import_module(module_name, base)
     except ImportError as e:
@@ -383,6 +476,33 @@ def resolve(path: str, base=None):
         if not hasattr(obj, part):
             raise ValueError(f"model path {path!r}: module {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"model path {path!r}: {attr!r} is not callable")
+    if inspect.isclass(obj):
+        if not issubclass(obj, nn.Module):
+            raise ValueError(f"model path {path!r}: class {obj.__qualname__} is not a torch.nn.Module")
+        return obj
+    home = getattr(obj, "__module__", None) or ""
+    ours = home.split(".")[0] == "gaswap"
+    if (not inspect.isfunction(obj) or _standard(home) or home.split(".")[0] in NOT_FACTORIES
+            or (ours and (home, obj.__name__) not in [(__name__, m) for m in MODELS])):
+        what = f"a function of {home!r}" if inspect.isfunction(obj) else f"a {type(obj).__name__}"
+        raise ValueError(f"model path {path!r}: {attr!r} is {what}, not a model factory (a class deriving from "
+                         f"torch.nn.Module, or a function of your own returning one)")
     return obj
+
+
+def shipped(path: str) -> bool:
+    """Whether `path` names one of the zoo's own factories ("gaswap.zoo:gpt"): code that ships with gaswap."""
+    return path in {f"{__name__}:{m}" for m in MODELS}
+
+
+def check_model(path: str, model) -> nn.Module:
+    """`model` if the factory at `path` returned a torch.nn.Module, else ValueError saying what it returned."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model path {path!r} returned a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def _standard(module_name: str) -> bool:
+    """Whether `module_name` belongs to Python's standard library (builtins included)."""
+    top = module_name.split(".")[0]
+    return top in sys.stdlib_module_names or top in sys.builtin_module_names

@@ -14,15 +14,16 @@ A graph is built the way a captured step looks:
   when the parameter has a single reader (else contributions summed into the "grad" at the end). Some
   backward ops are not recomputable either.
 
-Sizes may be 0. Costs are small dyadic numbers (whole seconds per op, power-of-two bandwidths), so that
+Every graph has at least one candidate: the loss's backward reads the last forward output. Sizes may be 0. Costs are small dyadic numbers (whole seconds per op, power-of-two bandwidths), so that
 sums of times are exact in floating point.
 """
 from __future__ import annotations
 
+from hypothesis import event
 from hypothesis import strategies as st
 
 from gaswap.costs import Costs
-from gaswap.encoding import Chromosome, Encoding
+from gaswap.encoding import Action, Chromosome, Encoding
 from gaswap.graph import COUNTABLE, Graph, Op, Tensor
 
 SIZES = st.integers(min_value=0, max_value=64)
@@ -73,6 +74,8 @@ def training_graphs(draw, max_forward: int = 8) -> Graph:
             else:
                 gys.append(grads[y][0])
         saved = draw(st.lists(st.sampled_from(sorted(set(f.inputs + f.outputs))), max_size=3, unique=True))
+        if f.name == "loss" and f.inputs[0] not in saved:  # the last forward output is saved: a candidate
+            saved.insert(0, f.inputs[0])
         targets = [t for t in dict.fromkeys(f.inputs) if tensors[t].kind == "activation"]
         if targets:
             name = f"b_{f.name}"
@@ -105,8 +108,15 @@ def costs_for(draw, graph: Graph) -> Costs:
 
 @st.composite
 def chromosomes(draw, encoding: Encoding) -> Chromosome:
-    """Any keys (ties included) and any allowed action per candidate."""
+    """Any keys (ties included) and any allowed action per candidate. Reports coverage (pytest
+    --hypothesis-show-statistics): candidates, whether recompute is allowed, and the actions drawn."""
     keys = draw(st.lists(st.integers(0, 8).map(float), min_size=len(encoding.graph.ops),
                          max_size=len(encoding.graph.ops)))
     actions = [draw(st.sampled_from([int(a) for a in allowed])) for allowed in encoding.allowed]
+    n = len(encoding.candidates)
+    event(f"candidates: {n if n < 4 else '4+'}")
+    event("recompute allowed for some candidate" if any(Action.RECOMPUTE in a for a in encoding.allowed)
+          else "recompute allowed for none")
+    for a in (Action.SWAP, Action.RECOMPUTE):
+        event(f"chromosome {'has' if a in actions else 'has no'} {a.label}")
     return Chromosome(tuple(keys), tuple(actions))

@@ -4,9 +4,10 @@ from types import SimpleNamespace
 import pytest
 from helpers import unit_costs
 
-from gaswap.baselines import BASELINES, chen_greedy, chen_sqrt, dtr, knapsack, simulate
+from gaswap.baselines import BASELINES, chen_greedy, chen_sqrt, dtr, knapsack
+from gaswap.problem import Problem
 from gaswap.bench import _bench, parse_budget
-from gaswap.benchmark import residual_graph
+from gaswap.graph import residual_graph
 from gaswap.config import Budget, GASettings
 from gaswap.encoding import Action, Encoding
 from gaswap.graph import chain
@@ -37,7 +38,7 @@ def test_greedy_segmenting_takes_the_fastest_segment_size_that_fits():
     c = unit_costs(g)
     policy = chen_greedy(g, c, 5)
     assert policy.actions == (K, R, K, R)
-    r = simulate(g, c, 5, policy)
+    r = Problem(g, c, 5).simulate(policy)
     assert (r.peak_bytes, r.step_time) == (5, 10.0)
 
 
@@ -75,8 +76,8 @@ def test_every_baseline_is_a_captured_order_chromosome_of_allowed_actions(graph,
 @pytest.mark.parametrize("name", sorted(BASELINES))
 def test_every_baseline_is_valid_where_every_recomputation_is(graph, name):
     costs = unit_costs(graph)
-    peak = simulate(graph, costs, None, Encoding(graph).uniform(K)).peak_bytes
-    assert simulate(graph, costs, peak * 2 // 3, BASELINES[name](graph, costs, peak * 2 // 3)).valid
+    peak = Problem(graph, costs, None).simulate(Encoding(graph).uniform(K)).peak_bytes
+    assert Problem(graph, costs, peak * 2 // 3).simulate(BASELINES[name](graph, costs, peak * 2 // 3)).valid
 
 
 def test_bench_budgets_are_fractions_or_sizes():
@@ -88,7 +89,7 @@ def test_bench_budgets_are_fractions_or_sizes():
 def test_bench_rows_put_the_hybrid_ga_at_or_below_every_fitting_baseline():
     g = residual_graph(30)
     costs = unit_costs(g, bandwidth=float(1 << 22))
-    keep = simulate(g, costs, None, Encoding(g).uniform(K))
+    keep = Problem(g, costs, None).simulate(Encoding(g).uniform(K))
     experiment = SimpleNamespace(ga=GASettings(population=16, generations=10), seed=0)
     prepared = SimpleNamespace(graph=g, costs=costs, experiment=experiment)
     rows = list(_bench(prepared, keep.peak_bytes * 3 // 4, keep.step_time, time_limit=10))

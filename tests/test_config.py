@@ -126,7 +126,7 @@ MALFORMED = [
     ({"costs": {"source": "measure", "device": "auto", "threads": 1}},
      "costs.threads: only used when measuring on the CPU (source 'measure', device 'cpu')"),
     ({"search_space": "hybird"}, "search_space: unknown search space 'hybird' (did you mean 'hybrid'?) "
-                                 "(known: hybrid, order_only, recompute_only, swap_only)"),
+                                 "(known: compiled, hybrid, order_only, recompute_only, swap_only)"),
     ({"search_space": "nowhere/x.yaml"}, "search_space: search space file"),
     ({"name": "a b"}, "name: must be a name of letters"),
 ]
@@ -261,3 +261,22 @@ def test_autocast_accepts_the_two_mixed_precision_dtypes(tmp_path):
 def test_external_loss_needs_no_target(tmp_path):
     exp = load_patched(tmp_path, {"loss": "external", "target": DROP})
     assert (exp.loss, exp.target) == ("external", None)
+
+
+def test_the_committed_key_reference_is_generated_from_the_schema():
+    from pathlib import Path
+
+    from gaswap.config import reference
+
+    committed = (Path(__file__).resolve().parents[1] / "docs/experiment_keys.md").read_text()
+    assert committed == reference() + "\n", "regenerate it: python -m gaswap.config > docs/experiment_keys.md"
+
+
+def test_the_reference_names_every_key_of_the_example():
+    from gaswap.config import reference
+
+    text = reference()
+    for key in VALID:
+        assert f"| `{key}" in text
+    for key in VALID["ga"]:
+        assert f"| `ga.{key}`" in text

@@ -4,7 +4,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gaswap.benchmark import residual_graph
+from gaswap.graph import residual_graph
 from gaswap.encoding import Action, Chromosome, Encoding, crossover, mutate
 from gaswap.graph import chain
 

@@ -6,7 +6,7 @@ import pytest
 
 from gaswap import locate, planned
 from gaswap.cli import main
-from gaswap.config import ConfigError, load_experiment
+from gaswap.config import load_experiment
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,7 +64,7 @@ def test_experiment_file_is_found_from_the_policy_when_run_elsewhere(tmp_path, m
     assert locate.experiment_file(recorded, policy, "p") == tmp_path / "work/experiments/x.yaml"
     # results written outside the folder the search ran in: the error says what to do
     far = tmp_path / "far/results/x/policy.yaml"
-    with pytest.raises(ConfigError, match=r"^p: names the experiment file 'experiments/x.yaml' \(as given.*run from "
+    with pytest.raises(FileNotFoundError, match=r"^p: names the experiment file 'experiments/x.yaml' \(as given.*run from "
                                           r"the folder the search ran in"):
         locate.experiment_file(recorded, far, "p")
 
@@ -78,7 +78,8 @@ def test_validate_works_from_another_folder_and_warns_of_another_device(project,
     assert main(["search", "experiments/my_mlp.yaml"]) == 0
     monkeypatch.chdir(tmp_path_factory.mktemp("elsewhere"))
     capsys.readouterr()
-    assert main(["validate", str(project / "results/my_mlp/policy.yaml"), "--steps", "3", "--device", "cpu"]) == 0
+    assert main(["validate", str(project / "results/my_mlp/policy.yaml"), "--steps", "3", "--device", "cpu",
+                 "--trust-factory"]) == 0  # the factory is named only by the policy: the user vouches for it
     captured = capsys.readouterr()
     assert "measured" in captured.out and "(planned for another device)" in captured.out
     assert "warning: the policy was planned for v100-pcie-16gb" in captured.err
@@ -93,7 +94,7 @@ def test_validate_works_from_another_folder_and_warns_of_another_device(project,
     with pytest.warns(UserWarning, match="planned for v100-pcie-16gb"):
         gaswap.apply_step(model, project / "results/my_mlp/policy.yaml", inputs, target)
     shutil.move(project / "experiments/my_mlp.yaml", project / "gone.yaml")
-    assert main(["validate", str(project / "results/my_mlp/policy.yaml"), "--steps", "3"]) == 2
+    assert main(["validate", str(project / "results/my_mlp/policy.yaml"), "--steps", "3", "--trust-factory"]) == 2
     assert "policy.yaml: provenance.experiment_file: names the experiment file" in capsys.readouterr().err
 
 

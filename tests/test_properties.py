@@ -202,11 +202,11 @@ def test_recompute_never_changes_the_forward(problem):
         r = simulate(graph, costs, order, actions)
         if not r.valid:
             continue
-        assert [e.name for e in op_events(r, "op")] == [graph.ops[i].name for i in order]
+        assert [e.name for e in op_events(r, "run")] == [graph.ops[i].name for i in order]
         ops = {op.name: op for op in graph.ops}
-        compute = [e for e in r.timeline if e.stream == "compute" and e.kind in ("op", "recompute")]
-        forward = [k for k, e in enumerate(compute) if e.kind == "op" and ops[e.name].phase == "fwd"]
-        assert all(e.kind == "op" for e in compute[:forward[-1]])
+        compute = [e for e in r.timeline if e.stream == "compute" and e.kind in ("run", "recompute")]
+        forward = [k for k, e in enumerate(compute) if e.kind == "run" and ops[e.name].phase == "fwd"]
+        assert all(e.kind == "run" for e in compute[:forward[-1]])
         assert all(ops[e.name].phase == "fwd" and ops[e.name].recomputable for e in op_events(r, "recompute"))
 
 
@@ -231,7 +231,7 @@ def test_streams_are_queues_and_data_arrives_before_use(problem):
         elif e.kind == "swap_in":
             assert e.start >= out_end[e.name]
             landed[e.name] = e.end
-        elif e.kind in ("op", "recompute"):
+        elif e.kind in ("run", "recompute"):
             assert all(e.start >= landed[t] for t in inputs[e.name] if t in landed)
 
 
@@ -275,8 +275,8 @@ def test_a_budget_only_moves_copies(problem, budget):
     assert free.valid == bounded.valid
     if free.valid:
         assert bounded.compute_time == free.compute_time
-        assert [(e.kind, e.name) for e in op_events(bounded, "recompute") + op_events(bounded, "op")] == \
-               [(e.kind, e.name) for e in op_events(free, "recompute") + op_events(free, "op")]
+        assert [(e.kind, e.name) for e in op_events(bounded, "recompute") + op_events(bounded, "run")] == \
+               [(e.kind, e.name) for e in op_events(free, "recompute") + op_events(free, "run")]
 
 
 @PROPERTY
@@ -333,7 +333,9 @@ def test_bug_1_zero_time_swap_in_after_zero_time_ops():
     bisect_right(prefix, prefix[c] - h2d_time) - 1 is n when h2d_time is 0 and no time passes after the
     reader at c, and prefetch[n] was out of range (fixed in 2956480: clamped to c)."""
     g = chain(1, size=0)
-    Simulator(g, unit_costs(g, op_time=0.0)).run([0, 1], (S,))
+    r = Simulator(g, unit_costs(g, op_time=0.0)).run([0, 1], (S,), trace=True)
+    assert r.valid and r.step_time == 0.0 and r.peak_bytes == 0
+    assert [str(i) for i in r.program] == ["swap_out x", "run f1", "free x", "swap_in x", "run b1", "free x", "free g1"]
 
 
 def test_bug_2_recomputed_duplicate_is_in_the_traces():

@@ -5,6 +5,7 @@ the `on_generation` callback, an exception raised there); one test sends SIGINT 
 `python -m gaswap search` process group. Unit-level tests use a synthetic graph with unit costs.
 """
 import csv
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -20,10 +21,11 @@ from helpers import unit_costs
 
 from gaswap import checkpoint as checkpoints
 from gaswap import config, workflow
-from gaswap.benchmark import residual_graph
+from gaswap.graph import residual_graph
 from gaswap.checkpoint import CheckpointError
 from gaswap.cli import main
 from gaswap.config import GASettings, load_search_space
+from gaswap.problem import Problem
 from gaswap.search import search
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,13 +42,13 @@ def problem():
 
 def run(problem, ckpt=None, *, ga=GA, budget=BUDGET, seed=3, **kw):
     g, costs = problem
-    return search(g, costs, SPACE, ga, budget, seed, checkpoint=ckpt, **kw)
+    return search(Problem(g, costs, budget, SPACE), ga, seed, checkpoint=ckpt, **kw)
 
 
 def outcome(r):
     """Everything a search reaches, wall-clock seconds aside."""
     return ([(e.chromosome, e.step_time, e.peak_bytes, e.valid) for e in r.front],
-            [{k: v for k, v in h.items() if k != "seconds"} for h in r.history],
+            [dataclasses.replace(h, seconds=0) for h in r.history],
             r.evaluations, r.smallest_peak, r.seeds, r.complete, r.generations_done)
 
 
@@ -82,7 +84,7 @@ def test_a_search_killed_inside_a_generation_resumes_from_the_last_finished_one(
     ckpt = tmp_path / checkpoints.NAME
 
     def crash(record):
-        if record["generation"] == 6:
+        if record.generation == 6:
             raise KeyboardInterrupt  # as if killed right after generation 6 was checkpointed
 
     with pytest.raises(KeyboardInterrupt):
@@ -111,7 +113,7 @@ def test_a_signal_stops_the_search_after_the_current_generation(problem, uninter
     ckpt = tmp_path / checkpoints.NAME
 
     def on_generation(record):
-        if record["generation"] == 4:
+        if record.generation == 4:
             os.kill(os.getpid(), signum)
 
     with workflow.stop_on_signals(messages.append) as stop:
@@ -155,7 +157,7 @@ def test_workers_ignore_sigint_and_leave_no_zombies(problem, tmp_path, fail):
             status = dict(line.split(":\t", 1) for line in Path(f"/proc/{p.pid}/status").read_text().splitlines()
                           if ":\t" in line)
             seen[p.pid] = int(status["SigIgn"], 16)
-        if fail and record["generation"] == 3:
+        if fail and record.generation == 3:
             raise KeyboardInterrupt
 
     ga = GASettings(**(GA.__dict__ | {"workers": 2, "generations": 4}))
@@ -200,13 +202,14 @@ def test_a_checkpoint_of_another_configuration_is_refused_saying_what_differs(pr
     with pytest.raises(CheckpointError, match="what differs: the GA settings"):
         run(problem, checkpointed, ga=GASettings(**(GA.__dict__ | {"mut_prob": 0.3})), resume=True)
     with pytest.raises(CheckpointError, match="what differs: the op and copy costs"):
-        search(g, unit_costs(g, op_time=2.0, bandwidth=200.0), SPACE, GA, BUDGET, 3, checkpoint=checkpointed,
+        search(Problem(g, unit_costs(g, op_time=2.0, bandwidth=200.0), BUDGET, SPACE), GA, 3, checkpoint=checkpointed,
                resume=True)
     other = residual_graph(45, size=100)
     with pytest.raises(CheckpointError, match="what differs: the captured graph .*; the op and copy costs"):
-        search(other, unit_costs(other, bandwidth=200.0), SPACE, GA, BUDGET, 3, checkpoint=checkpointed, resume=True)
+        search(Problem(other, unit_costs(other, bandwidth=200.0), BUDGET, SPACE), GA, 3, checkpoint=checkpointed,
+               resume=True)
     with pytest.raises(CheckpointError, match="what differs: the search space"):
-        search(g, costs, load_search_space("swap_only"), GA, BUDGET, 3, checkpoint=checkpointed, resume=True)
+        search(Problem(g, costs, BUDGET, load_search_space("swap_only")), GA, 3, checkpoint=checkpointed, resume=True)
     # the number of workers and of generations may change
     assert run(problem, checkpointed, ga=GASettings(**(GA.__dict__ | {"workers": 2})), resume=True).complete
 
@@ -347,7 +350,7 @@ def test_cli_refusals_exit_4_before_capturing_anything(tmp_path, capsys):
     assert "'alexnet_4gb' (experiments/alexnet_4gb.yaml)" in err and f"not of 'exp' ({path})" in err
     assert "--force" in err
     path.write_text(EXPERIMENT.replace("seed: 3", "name: ..\nseed: 3"))
-    assert main(args) == 2 and "cannot name a results folder" in capsys.readouterr().err
+    assert main(args) == 2 and "not starting with '.'" in capsys.readouterr().err
 
 
 # --- a real process, a real Ctrl-C ---------------------------------------------------------------------------

@@ -1,17 +1,21 @@
 """The NSGA-II search, the policy file and the results folder on small synthetic graphs (no torch)."""
 import csv
+import dataclasses
 import json
+import math
 
 import pytest
 from helpers import unit_costs
 
+from gaswap import checkpoint as checkpoints
 from gaswap import policy as policies
 from gaswap import results
-from gaswap.benchmark import residual_graph
+from gaswap.graph import residual_graph
 from gaswap.config import GASettings, load_search_space
 from gaswap.encoding import Action, Encoding
 from gaswap.graph import chain
-from gaswap.search import Evaluated, _add_to_archive, hypervolume, objectives, search
+from gaswap.problem import Evaluated, Problem
+from gaswap.search import _add_to_archive, hypervolume, objectives, search
 
 GA = GASettings(population=24, generations=15)
 
@@ -25,7 +29,7 @@ def problem():
 def run(problem, budget, space="hybrid", **ga):
     g, costs = problem
     settings = GASettings(**(GA.__dict__ | ga))
-    return search(g, costs, load_search_space(space), settings, budget, seed=3)
+    return search(Problem(g, costs, budget, load_search_space(space)), settings, seed=3)
 
 
 def test_same_seed_same_front_with_any_number_of_workers(problem):
@@ -33,7 +37,7 @@ def test_same_seed_same_front_with_any_number_of_workers(problem):
     assert [(e.step_time, e.peak_bytes, e.chromosome) for e in one.front] == \
            [(e.step_time, e.peak_bytes, e.chromosome) for e in two.front]
     def without_clock(history):
-        return [{k: v for k, v in h.items() if k != "seconds"} for h in history]
+        return [dataclasses.replace(h, seconds=0) for h in history]
 
     assert without_clock(one.history) == without_clock(two.history)
 
@@ -127,6 +131,7 @@ def test_results_folder(problem, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["best"]["peak_bytes"] == r.best.peak_bytes <= 1500
     assert summary["evaluations"] == r.evaluations
+    assert summary["stopped_by"] == "generations" and summary["complete"]
     assert policies.load(out / "policy.yaml", g).predicted["step_time_s"] == r.best.step_time
     # writing again replaces the folder whole, leaving no temporary folders behind
     results.write(tmp_path / "exp", r, make_policy, {"experiment": "exp"})
@@ -148,3 +153,34 @@ def test_a_policy_cut_inside_its_program_or_edited_is_refused(problem, tmp_path)
     (tmp_path / "edit.yaml").write_text("".join(lines).replace(": swap", ": keep", 1))
     with pytest.raises(policies.PolicyError, match="edit.yaml: checksum mismatch"):
         policies.load(tmp_path / "edit.yaml")
+
+
+def test_a_converged_search_stops_and_says_so(problem):
+    r = run(problem, 1500, generations=500, patience=5, tolerance=0.001)
+    assert r.complete and r.stopped_by == "converged" and r.generations_done < 500
+
+    def stalled(k):  # no improvement beyond the tolerance over the 5 generations ending at history[k]
+        now, then = r.history[k], r.history[k - 5]
+        return now.best_time_s >= then.best_time_s * 0.999 and now.hypervolume <= then.hypervolume * 1.001
+
+    assert stalled(len(r.history) - 1) and not any(stalled(k) for k in range(5, len(r.history) - 1))
+
+
+def test_evaluation_and_time_limits_stop_the_search(problem):
+    r = run(problem, 1500, generations=500, max_evaluations=200)
+    assert r.stopped_by == "evaluations" and 200 <= r.evaluations < 200 + GA.population
+    r = run(problem, 1500, generations=10**6, max_seconds=0.5)
+    assert r.stopped_by == "seconds" and r.complete and r.seconds >= 0.5
+
+
+def test_checkpoints_are_written_at_most_every_checkpoint_seconds(problem, tmp_path, monkeypatch):
+    written = []
+    monkeypatch.setattr(checkpoints, "save", lambda path, state, *a: written.append(state["generation"]))
+    g, costs = problem
+    search(Problem(g, costs, 1500, load_search_space("hybrid")), GA, 3, checkpoint=tmp_path / "c.json",
+           checkpoint_seconds=math.inf)
+    assert written == [0, GA.generations]  # the initial population, and the end
+    written.clear()
+    search(Problem(g, costs, 1500, load_search_space("hybrid")), GA, 3, checkpoint=tmp_path / "c.json",
+           checkpoint_seconds=0.0)
+    assert written == list(range(GA.generations + 1))

@@ -19,7 +19,7 @@ def run(graph, actions, **costs):
 def test_keep_all_chain():
     # chain(3): f1 f2 f3 | b3(a3, a2) b2(g3, a1) b1(g2, x); every tensor 1 byte, every op 1 s; x resident.
     r = run(chain(3), (K, K, K))
-    assert trace(r) == [("compute", "op", n, float(i), float(i + 1)) for i, n in
+    assert trace(r) == [("compute", "run", n, float(i), float(i + 1)) for i, n in
                         enumerate(["f1", "f2", "f3", "b3", "b2", "b1"])]
     # a3 is the loss and stays; a2 goes after b3, g3 and a1 after b2, g2 and g1 (read by nobody) after b1.
     assert r.memory == ((0, 2), (1, 3), (2, 4), (3, 5), (4, 4), (4, 5), (5, 4), (5, 3), (5, 4),
@@ -29,8 +29,8 @@ def test_keep_all_chain():
 
 def test_recompute_reruns_producer_before_backward_reader():
     r = run(chain(3), (K, R, K))
-    assert trace(r)[3:6] == [("compute", "op", "b3", 3, 4), ("compute", "recompute", "f1", 4, 5),
-                             ("compute", "op", "b2", 5, 6)]
+    assert trace(r)[3:6] == [("compute", "run", "b3", 3, 4), ("compute", "recompute", "f1", 4, 5),
+                             ("compute", "run", "b2", 5, 6)]
     assert r.timeline[4].reason == "recompute f1 for b2"
     # a1 freed after f2 (t=2), back at t=4 for b2, freed after it.
     assert r.memory[:5] == ((0, 2), (1, 3), (2, 2), (2, 3), (3, 4))
@@ -48,12 +48,12 @@ def test_recursive_recompute_runs_each_producer_once():
 def test_swap_overlaps_and_prefetches_just_in_time():
     r = run(chain(3), (K, S, S))
     assert trace(r) == [
-        ("compute", "op", "f1", 0, 1), ("d2h", "swap_out", "a1", 1, 2), ("compute", "op", "f2", 1, 2),
-        ("d2h", "swap_out", "a2", 2, 3), ("compute", "op", "f3", 2, 3),
+        ("compute", "run", "f1", 0, 1), ("d2h", "swap_out", "a1", 1, 2), ("compute", "run", "f2", 1, 2),
+        ("d2h", "swap_out", "a2", 2, 3), ("compute", "run", "f3", 2, 3),
         # both prefetches are issued after the last forward reader (f3); the one needed first goes first
         ("h2d", "swap_in", "a2", 3, 4), ("h2d", "swap_in", "a1", 4, 5),
-        ("compute", "wait", "b3", 3, 4), ("compute", "op", "b3", 4, 5),
-        ("compute", "op", "b2", 5, 6), ("compute", "op", "b1", 6, 7)]
+        ("compute", "wait", "b3", 3, 4), ("compute", "run", "b3", 4, 5),
+        ("compute", "run", "b2", 5, 6), ("compute", "run", "b1", 6, 7)]
     assert r.timeline[7].reason == "wait for swap-in of a2"
     assert r.timeline[5].reason == "swap-in a2: prefetch for b3"
     assert (r.step_time, r.peak_bytes, r.compute_time) == (7.0, 5, 6.0)
@@ -68,10 +68,10 @@ def test_copies_that_hold_up_compute_run_in_line_just_before_the_reader():
     costs = dataclasses.replace(unit_costs(g), copies_overlap=False)
     r = Simulator(g, costs).run(enc.decode(enc.captured_keys()), (K, S, S), trace=True)
     assert trace(r) == [
-        ("compute", "op", "f1", 0, 1), ("d2h", "swap_out", "a1", 1, 2), ("compute", "op", "f2", 2, 3),
-        ("d2h", "swap_out", "a2", 3, 4), ("compute", "op", "f3", 4, 5),
-        ("h2d", "swap_in", "a2", 5, 6), ("compute", "op", "b3", 6, 7),
-        ("h2d", "swap_in", "a1", 7, 8), ("compute", "op", "b2", 8, 9), ("compute", "op", "b1", 9, 10)]
+        ("compute", "run", "f1", 0, 1), ("d2h", "swap_out", "a1", 1, 2), ("compute", "run", "f2", 2, 3),
+        ("d2h", "swap_out", "a2", 3, 4), ("compute", "run", "f3", 4, 5),
+        ("h2d", "swap_in", "a2", 5, 6), ("compute", "run", "b3", 6, 7),
+        ("h2d", "swap_in", "a1", 7, 8), ("compute", "run", "b2", 8, 9), ("compute", "run", "b1", 9, 10)]
     assert (r.step_time, r.compute_time) == (10.0, 6.0)
     assert r.peak_bytes == 5  # while b2 runs: x, the loss a3, g3, a1 (back just now) and g2
 

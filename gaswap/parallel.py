@@ -1,0 +1,119 @@
+"""Parallel maps for the search: `map(func, items) -> list`, in order, as DEAP's `toolbox.map`. No torch here.
+
+`ProcessMap(n)` runs `func` in n worker processes of this machine. Each worker is sent a function once (with
+what it holds: a `Problem`'s graph and costs) and then only batches of items: one batch per worker per call,
+so a generation costs one message each way per worker. Workers ignore SIGINT and SIGTERM sent to the process
+group (the parent decides when a search stops, and ends its workers itself); `close()` lets them finish,
+`terminate()` ends them, and either way they are reaped.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+
+
+def serial_map(func, items) -> list:
+    """The map of a search in this process."""
+    return [func(x) for x in items]
+
+
+class ProcessMap:
+    """`map(func, items)` over `workers` processes, results in the order of `items`."""
+
+    def __init__(self, workers: int):
+        ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
+        self._shutdown = ctx.RawValue("b", 0)  # set: the workers may now end on SIGTERM
+        self._workers = []
+        for _ in range(workers):
+            parent, child = ctx.Pipe()
+            process = ctx.Process(target=_serve, args=(child, self._shutdown), daemon=True)
+            process.start()
+            child.close()
+            self._workers.append((process, parent))
+        self._keys: dict = {}  # function -> the key the workers know it by
+
+    def __call__(self, func, items) -> list:
+        items = list(items)
+        key = self._keys.get(func)
+        if key is None:
+            key = self._keys[func] = len(self._keys)
+            for _, conn in self._workers:
+                conn.send(("define", key, func))
+        n = len(self._workers)
+        bounds = [len(items) * w // n for w in range(n + 1)]
+        busy = []
+        for (_, conn), lo, hi in zip(self._workers, bounds, bounds[1:]):
+            if hi > lo:
+                conn.send(("map", key, items[lo:hi]))
+                busy.append(conn)
+        out, error = [], None
+        for conn in busy:
+            ok, value = conn.recv()
+            if ok:
+                out += value
+            else:
+                error = error or value
+        if error is not None:
+            raise error
+        return out
+
+    def close(self) -> None:
+        """Let the workers leave, and reap them."""
+        for process, conn in self._workers:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        self._join()
+
+    def terminate(self) -> None:
+        """End the workers now (SIGTERM, which they obey from now on), and reap them."""
+        self._shutdown.value = 1
+        for process, _ in self._workers:
+            if process.is_alive():
+                process.terminate()
+        self._join()
+
+    def _join(self) -> None:
+        for process, conn in self._workers:
+            process.join()
+            conn.close()
+        self._workers = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        if exc_type is None:
+            self.close()
+        else:
+            self.terminate()
+
+
+def _serve(conn, shutdown) -> None:
+    """A worker: define functions, map batches, until told to leave (None) or the parent is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def on_sigterm(signum, frame):
+        if shutdown.value:
+            os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    functions = {}
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        verb, key, value = message
+        if verb == "define":
+            functions[key] = value
+            continue
+        try:
+            reply = (True, [functions[key](x) for x in value])
+        except Exception as err:  # sent to the parent, which raises it
+            reply = (False, err)
+        conn.send(reply)

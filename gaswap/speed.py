@@ -1,0 +1,65 @@
+"""`python -m gaswap speed`: simulator evaluations per second (decode and simulate, as the search does)."""
+from __future__ import annotations
+
+import random
+import time
+
+from gaswap.costs import Costs
+from gaswap.graph import Graph, residual_graph
+from gaswap.problem import Problem
+
+
+def evaluations_per_second(problem: Problem, seconds: float, seed: int = 0) -> tuple[float, int]:
+    """Evaluate distinct random chromosomes for about `seconds` of this process's CPU time;
+    (evaluations per CPU-second, evaluations)."""
+    rng = random.Random(seed)
+    pool = [problem.encoding.random(rng) for _ in range(64)]
+    done, started = 0, time.process_time()
+    while time.process_time() - started < seconds:
+        c = pool[done % len(pool)]
+        c = type(c)(tuple(k + 1e-9 * done for k in c.keys), c.actions)  # distinct keys: no decode reuse
+        problem.evaluate(c)
+        done += 1
+    return done / (time.process_time() - started), done
+
+
+def deep_gpt_graph(layers: int = 44) -> tuple[Graph, Costs]:
+    """A captured GPT-2-sized decoder deep enough for about 2,000 ops, with V100 roofline costs."""
+    import torch
+
+    from gaswap import zoo
+    from gaswap.capture import capture, make_inputs
+    from gaswap.costs import estimate, load_profile
+
+    with torch.device("meta"):
+        model = zoo.gpt(vocab=50257, layers=layers, width=768, heads=12, seq=1024)
+    ids = {"shape": ["batch", 1024], "dtype": "int64", "high": 50257}
+    inputs, target = make_inputs([ids], ids, 8)
+    graph = capture(model, inputs, target, "cross_entropy", optimizer="adam").graph
+    return graph, estimate(graph, load_profile("v100-pcie-16gb"))
+
+
+def simulator_speed(experiments: list[str], synthetic_ops: int, seconds: float) -> list[str]:
+    """One line per graph: ops, candidates, evaluations per second on one core (budget 0.5x keep-all
+    where the graph has no experiment)."""
+    from gaswap import config, workflow
+
+    def line(name, graph, costs, budget):
+        rate, n = evaluations_per_second(Problem(graph, costs, budget), seconds)
+        return (f"{name}: {len(graph.ops)} ops, {len(graph.candidates())} candidates: "
+                f"{rate:,.0f} evaluations per CPU-second ({n} in {seconds:g} s of CPU, one core)")
+
+    def half_keep_all(graph, costs):
+        return Problem(graph, costs).keep_all().peak_bytes // 2
+
+    lines = []
+    for path in experiments:
+        prepared = workflow.prepare(config.load_experiment(path))
+        budget = prepared.experiment.budget.resolve(workflow.keep_all(prepared).peak_bytes)
+        lines.append(line(prepared.experiment.name, prepared.graph, prepared.costs, budget))
+    g = residual_graph(synthetic_ops)
+    costs = Costs({op.name: 1e-4 for op in g.ops}, 12e9, 12e9, "synthetic", "synthetic")
+    lines.append(line("synthetic residual graph", g, costs, half_keep_all(g, costs)))
+    g, costs = deep_gpt_graph()
+    lines.append(line("gpt, 44 layers, batch 8 x 1024 (captured)", g, costs, half_keep_all(g, costs)))
+    return lines

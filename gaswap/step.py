@@ -1,0 +1,13 @@
+"""What one training step is made of, for every module that names it: losses, optimizers and autocast dtypes,
+and the defaults an experiment file, `capture` and the runtime share. No torch here, no gaswap imports.
+"""
+from __future__ import annotations
+
+LOSSES = ("cross_entropy", "mse", "sum", "external")  # external: computed outside the step (gaswap.apply)
+NO_TARGET = ("sum", "external")  # losses that take no target
+# optimizer -> the state it keeps, in multiples of the parameters' bytes (momentum: one buffer; Adam: two)
+OPTIMIZER_STATE = {"sgd": 0, "sgd_momentum": 1, "adam": 2}
+OPTIMIZERS = tuple(OPTIMIZER_STATE)
+AUTOCAST = ("bfloat16", "float16")  # mixed-precision dtypes of the forward pass and the loss
+DEFAULT_LOSS = "sum"  # needs no target
+DEFAULT_OPTIMIZER = "sgd"  # keeps no state
