@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     p.add_argument("--cache", default=None, help="cost cache folder")
     p.add_argument("--time-limit", type=_at_least(0.1, float), default=60.0, help="MILP time limit per budget, seconds")
     p.set_defaults(run=bench)
-    p = verbs.add_parser("compare", help="eager, torch.compile memory budgets and gaswap compiled policies, head to head")
+    p = add_parser("compare", help="eager, torch.compile memory budgets and gaswap compiled policies, head to head")
     p.add_argument("experiment", help="experiment YAML file, e.g. experiments/compare_densenet_cpu.yaml")
     p.add_argument("--rounds", type=_at_least(1, int), default=5, help="rounds of all methods in rotated order (default 5)")
     p.add_argument("--steps", type=_at_least(1, int), default=3, help="timed steps per method and round (default 3)")
@@ -103,11 +103,11 @@ def main(argv=None) -> int:
     p.add_argument("--results", default="results", help="folder of result folders (default: results)")
     p.add_argument("--cache", default=None, help="cost cache folder (default: $GASWAP_CACHE or ~/.cache/gaswap)")
     p.set_defaults(run=compare)
-    p = verbs.add_parser("memory", help="GPU memory of policies: live, allocator allocated/reserved, arena plan")
+    p = add_parser("memory", help="GPU memory of policies: live, allocator allocated/reserved, arena plan")
     p.add_argument("experiments", nargs="+", help="experiment files, e.g. experiments/alexnet_4gb.yaml")
     p.add_argument("--results", default="results", help="folder of result folders with shipped policies")
     p.set_defaults(run=memory)
-    p = verbs.add_parser("check-gpu", help="on a CUDA machine: CUDA tests, search + validate two experiments, "
+    p = add_parser("check-gpu", help="on a CUDA machine: CUDA tests, search + validate two experiments, "
                                            "allocator model vs measured memory, one JSON report")
     p.add_argument("--out", default="gpu_check.json", help="the JSON report (default: gpu_check.json)")
     p.add_argument("--steps", type=_at_least(3, int), default=5, help="validation steps per experiment (default 5)")
