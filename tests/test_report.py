@@ -232,6 +232,7 @@ def test_action_map_stacks_bytes_per_layer_and_action(searched, summary):
     assert ax.get_xlabel() == f"saved tensors' size ({unit})"
 
 
+@pytest.mark.slow
 def test_plot_results_writes_four_pngs_beside_the_results(searched):
     folder, cache = searched
     paths = report.plot_results(folder, cache_dir=cache)
@@ -248,6 +249,7 @@ nbformat.write(notebook, sys.argv[3])
 """
 
 
+@pytest.mark.slow
 def test_notebook_runs_headless(searched, tmp_path):
     """In a child process: a kernel client's threads and sockets must not live on in the test process, whose
     later tests fork search workers."""
