@@ -19,6 +19,8 @@ import torch.nn.functional as F
 
 import gaswap
 from gaswap import config, experiment, policy as policies, zoo
+from gaswap.config import format_size  # decimal units (MB); GASWAP_UNITS=binary for MiB
+from gaswap.locate import experiment_file
 from gaswap.measure import resolve_device
 from gaswap.memory import DeviceMemory
 from gaswap.validate import OPTIMIZERS
@@ -93,7 +95,7 @@ def main() -> None:
                         help="build the model the policy's experiment names even when it is not one of gaswap's zoo")
     args = parser.parse_args()
     policy = policies.load(args.policy)
-    exp = config.load_experiment(policy.provenance["experiment_file"])
+    exp = config.load_experiment(experiment_file(policy.provenance, args.policy, f"{args.policy}: experiment_file"))
     if not zoo.shipped(exp.model.factory) and not args.trust_factory:  # a shared policy must not pick code to run
         sys.exit(f"error: {args.policy}: its experiment builds the model with {exp.model.factory}, code named only "
                  f"by the policy file; pass --trust-factory if you trust it")
@@ -107,8 +109,8 @@ def main() -> None:
         print(f"{k:>6}  {plain[k]:>11.5f}  {ours[k]:>11.5f}")
     print(f"{args.steps - 1:>6}  {plain[-1]:>11.5f}  {ours[-1]:>11.5f}")
     budget = policy.provenance.get("budget_bytes")
-    print(f"peak memory: eager {plain_peak / 2**20:.2f} MiB, with the policy {our_peak / 2**20:.2f} MiB "
-          f"(predicted {policy.predicted['peak_bytes'] / 2**20:.2f} MiB, budget {budget / 2**20:.2f} MiB)")
+    print(f"peak memory: eager {format_size(plain_peak)}, with the policy {format_size(our_peak)} "
+          f"(predicted {format_size(policy.predicted['peak_bytes'])}, budget {format_size(budget)})")
     swapped = [t for t, a in policy.actions.items() if a == "swap" and t.startswith("input")]
     if swapped:
         print(f"note: the policy swaps {', '.join(swapped)} out, but this loop still holds the batch while the step "

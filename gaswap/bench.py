@@ -30,15 +30,15 @@ COLUMNS = ("budget", "budget_bytes", "method", "feasible", "peak_bytes", "step_t
 
 
 def run(experiment_path, budgets, *, results_root="results", cache_dir=None, time_limit=60,
-        progress=None) -> list[dict]:
+        progress=None, measure_progress=None) -> list[dict]:
     """Bench one experiment under each budget (a fraction of the keep-all peak such as 0.5, or a size for
     `config.parse_size`: "0.5x", "4GB"); write bench.csv and bench.md; return the rows (COLUMNS).
-    `progress(row)` is called as each row is made."""
+    `progress(row)` is called as each row is made, `measure_progress(done, total)` while costs are measured."""
     from gaswap import workflow
 
     experiment = config.load_experiment(experiment_path)
     parsed = {label: parse_budget(label) for label in (str(b).strip() for b in budgets)}  # refused before capture
-    prepared = workflow.prepare(experiment, cache_dir=cache_dir)
+    prepared = workflow.prepare(experiment, cache_dir=cache_dir, progress=measure_progress)
     reference = workflow.keep_all(prepared)
     rows = []
     for label, spec in parsed.items():

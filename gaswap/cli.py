@@ -1,7 +1,21 @@
-"""Command line: one thin function per verb. `python -m gaswap search experiments/alexnet_4gb.yaml`."""
+"""gaswap fits neural-network training into a memory budget. It captures one training step of your model,
+then searches the operator order and, per activation, whether to keep it on the device, swap it to host
+memory or recompute it, predicting each policy's step time and peak memory with a simulator. The result is a
+Pareto front of policy files you can plot, check with real training steps, and apply in your training loop.
+
+typical use:
+  gaswap search experiments/alexnet_4gb.yaml     # writes results/alexnet_4gb/ (policy.yaml, front, figures...)
+  gaswap plot results/alexnet_4gb                # Pareto front, convergence, memory timeline, action map
+  gaswap validate results/alexnet_4gb/policy.yaml --steps 10   # measured against predicted
+  then, in Python: gaswap.apply(model, policy, inputs) or gaswap.apply_step(model, policy, inputs, target)
+
+`python -m gaswap` works the same as `gaswap`. Sizes are shown in decimal units (GB = 10^9 bytes) unless
+--units binary (or $GASWAP_UNITS=binary) asks for GiB = 2^30 bytes."""
+# One thin function per verb below; the work is done in gaswap.workflow, bench, validate and report.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shlex
 import signal
@@ -10,7 +24,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from gaswap import config
+from gaswap import config, units
 from gaswap.config import format_size
 
 # Exit codes (README, "Exit codes"): 0 done; 1 an internal error (a bug: one line, GASWAP_DEBUG=1 shows the
@@ -36,9 +50,14 @@ def _at_least(minimum: float, kind=int):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="gaswap", description=__doc__)
+    parser = argparse.ArgumentParser(prog="gaswap", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    _units_option(parser, None)
+    common = argparse.ArgumentParser(add_help=False)
+    _units_option(common, argparse.SUPPRESS)  # also after the verb, without overriding one given before it
     verbs = parser.add_subparsers(dest="verb", required=True)
-    p = verbs.add_parser("search", help="search keep/swap/recompute policies for an experiment")
+    add_parser = functools.partial(verbs.add_parser, parents=[common])
+    p = add_parser("search", help="search keep/swap/recompute policies for an experiment")
     p.add_argument("experiment", help="experiment YAML file, e.g. experiments/alexnet_4gb.yaml")
     p.add_argument("--results", default="results", help="folder of result folders (default: results)")
     p.add_argument("--cache", default=None, help="cost cache folder (default: $GASWAP_CACHE or ~/.cache/gaswap)")
@@ -46,12 +65,12 @@ def main(argv=None) -> int:
                    help="continue an interrupted search from results/<experiment>/.checkpoint.json")
     p.add_argument("--force", action="store_true", help="replace a results folder made by another experiment")
     p.set_defaults(run=search)
-    p = verbs.add_parser("speed", help="benchmark the simulator: evaluations per second")
+    p = add_parser("speed", help="benchmark the simulator: evaluations per second")
     p.add_argument("experiments", nargs="*", help="experiment files whose graphs to time (default: alexnet_4gb)")
     p.add_argument("--synthetic-ops", type=_at_least(2), default=2000, help="size of the synthetic graph also timed")
     p.add_argument("--seconds", type=_at_least(0.01, float), default=3.0, help="time spent per graph")
     p.set_defaults(run=speed)
-    p = verbs.add_parser("validate", help="run real training steps under a policy: measured vs predicted")
+    p = add_parser("validate", help="run real training steps under a policy: measured vs predicted")
     p.add_argument("policy", help="policy file, e.g. results/tiny_cnn_cpu/policy.yaml")
     p.add_argument("--steps", type=_at_least(3), default=5, help="training steps (at least 3; default 5)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
@@ -62,13 +81,13 @@ def main(argv=None) -> int:
     p.add_argument("--trust-factory", action="store_true",
                    help="build the model from the factory the policy's experiment names, even outside gaswap.zoo")
     p.set_defaults(run=validate)
-    p = verbs.add_parser("plot", help="write the Pareto, convergence, memory-timeline and action-map PNGs")
+    p = add_parser("plot", help="write the Pareto, convergence, memory-timeline and action-map PNGs")
     p.add_argument("results", help="a results folder, e.g. results/alexnet_4gb")
     p.add_argument("--cache", default=None, help="cost cache folder of the search (measured costs)")
     p.add_argument("--trust-factory", action="store_true",
                    help="build the model from the factory the results name, even outside gaswap.zoo")
     p.set_defaults(run=plot)
-    p = verbs.add_parser("bench", help="baselines, GA per search space and MILP at several budgets")
+    p = add_parser("bench", help="baselines, GA per search space and MILP at several budgets")
     p.add_argument("experiment", help="experiment YAML file")
     p.add_argument("--budgets", default="0.9,0.75,0.5,0.33,0.25",
                    help="comma-separated fractions of keep-all peak or sizes (default 0.9,0.75,0.5,0.33,0.25)")
@@ -76,7 +95,7 @@ def main(argv=None) -> int:
     p.add_argument("--cache", default=None, help="cost cache folder")
     p.add_argument("--time-limit", type=_at_least(0.1, float), default=60.0, help="MILP time limit per budget, seconds")
     p.set_defaults(run=bench)
-    p = verbs.add_parser("compare", help="eager, torch.compile memory budgets and gaswap compiled policies, head to head")
+    p = add_parser("compare", help="eager, torch.compile memory budgets and gaswap compiled policies, head to head")
     p.add_argument("experiment", help="experiment YAML file, e.g. experiments/compare_densenet_cpu.yaml")
     p.add_argument("--rounds", type=_at_least(1, int), default=5, help="rounds of all methods in rotated order (default 5)")
     p.add_argument("--steps", type=_at_least(1, int), default=3, help="timed steps per method and round (default 3)")
@@ -85,11 +104,11 @@ def main(argv=None) -> int:
     p.add_argument("--results", default="results", help="folder of result folders (default: results)")
     p.add_argument("--cache", default=None, help="cost cache folder (default: $GASWAP_CACHE or ~/.cache/gaswap)")
     p.set_defaults(run=compare)
-    p = verbs.add_parser("memory", help="GPU memory of policies: live, allocator allocated/reserved, arena plan")
+    p = add_parser("memory", help="GPU memory of policies: live, allocator allocated/reserved, arena plan")
     p.add_argument("experiments", nargs="+", help="experiment files, e.g. experiments/alexnet_4gb.yaml")
     p.add_argument("--results", default="results", help="folder of result folders with shipped policies")
     p.set_defaults(run=memory)
-    p = verbs.add_parser("check-gpu", help="on a CUDA machine: CUDA tests, search + validate two experiments, "
+    p = add_parser("check-gpu", help="on a CUDA machine: CUDA tests, search + validate two experiments, "
                                            "allocator model vs measured memory, one JSON report")
     p.add_argument("--out", default="gpu_check.json", help="the JSON report (default: gpu_check.json)")
     p.add_argument("--steps", type=_at_least(3, int), default=5, help="validation steps per experiment (default 5)")
@@ -113,6 +132,12 @@ KNOWN_ERRORS = {
 
 def run(args) -> int:
     """Run a verb; every failure a user can meet is one `error:` line and its exit code, never a traceback."""
+    try:
+        units.use(args.units)
+        units.convention()  # a bad $GASWAP_UNITS is refused before any work
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_CONFIG
     try:
         return args.run(args)
     except KeyboardInterrupt as err:  # Ctrl-C outside a search, or a second signal during one
@@ -140,6 +165,17 @@ def _error(err, code: int) -> int:
     return code
 
 
+def _units_option(parser, default) -> None:
+    parser.add_argument("--units", choices=tuple(units.CONVENTIONS), default=default,
+                        help=f"how sizes are shown: decimal (GB = 10^9 bytes) or binary (GiB = 2^30 bytes); "
+                             f"default: ${units.ENV}, else decimal")
+
+
+def _prog() -> str:
+    """How this command was started, for the commands it suggests: `python -m gaswap` or `gaswap`."""
+    return "python -m gaswap" if Path(sys.argv[0]).name == "__main__.py" else "gaswap"
+
+
 def search(args) -> int:
     """Capture, cost, search and write `results/<experiment>/`; print a short table."""
     exp = config.load_experiment(args.experiment)  # a bad file is refused before torch is imported
@@ -162,6 +198,7 @@ def _search(args, exp, out) -> int:
     if not args.resume and (out / CHECKPOINT).is_file():
         print(f"note: {out / CHECKPOINT} holds an interrupted search; this new search replaces it "
               f"(--resume would continue it)")
+    figures = sorted(p.name for p in out.glob("*.png")) if out.is_dir() else []  # a new search outdates them
     print(f"gaswap search {exp.name}: {exp.model.factory}, batch {exp.batch_size}, budget {exp.budget}, "
           f"search space {exp.search_space.name}")
     with tqdm(desc="capture + cost measurement", unit="op", leave=False) as bar:
@@ -193,13 +230,37 @@ def _search(args, exp, out) -> int:
               f"{exp.ga.generations}: wrote the results so far to {out}/ (summary.json: \"complete\": false) "
               f"and the checkpoint {out / CHECKPOINT}\nresume with: {resume_command(args)}")
         return stop.exit_code
-    print(f"wrote {out}/ (policy.yaml, front.csv, history.csv, summary.json, policies/)")
+    print(f"wrote {out}/ (policy.yaml, front.csv, history.csv, summary.json, costs.json, policies/)")
+    if figures:
+        print(f"{out}/ held figures of the search it replaces ({', '.join(figures)}); drawing them again:")
+        _plot_folder(out, args.cache, trust_factory=True)  # the experiment this command was given
+    print(next_steps(out, exp, plotted=bool(figures)))
     return 0
+
+
+def next_steps(out: Path, exp, *, plotted: bool = False) -> str:
+    """What to do with a results folder just written: plot, validate, apply in a training loop."""
+    prog = _prog()
+    policy = shlex.quote(str(out / "policy.yaml"))
+    lines = ["next:"]
+    if not plotted:
+        lines.append(f"  {prog} plot {shlex.quote(str(out))}    # Pareto front, convergence, memory timeline, "
+                     f"action map (PNGs in the folder)")
+    lines.append(f"  {prog} validate {policy} --steps 10    # real training steps: measured against predicted "
+                 f"peak and step time")
+    path = str(out / "policy.yaml")
+    if exp.loss == "external":
+        lines += ["  in your training loop (the model's forward and backward under the policy, your loss as is):",
+                  f"    model = gaswap.apply(model, {path!r}, example_inputs)"]
+    else:
+        lines += ["  in your training loop (forward, loss and backward under the policy):",
+                  f"    step = gaswap.apply_step(model, {path!r}, inputs, target); loss = step(x, y)"]
+    return "\n".join(lines)
 
 
 def resume_command(args) -> str:
     """The command line that resumes this search."""
-    words = ["python", "-m", "gaswap", "search", args.experiment, "--resume"]
+    words = [*_prog().split(), "search", args.experiment, "--resume"]
     if args.results != "results":
         words += ["--results", args.results]
     if args.cache is not None:
@@ -293,40 +354,85 @@ def _progress(bar):
 
 def validate(args) -> int:
     """Train a few real steps under a policy; print and write predicted vs measured peak and step time."""
+    from gaswap import planned
+    from gaswap import policy as policies
     from gaswap.validate import validate as run_validation
 
-    r = run_validation(args.policy, args.steps, args.device, experiment=args.experiment,
-                       trust_factory=args.trust_factory)
+    with tqdm(total=args.steps, desc="validate", unit="step", leave=False) as bar:
+        r = run_validation(args.policy, args.steps, args.device, experiment=args.experiment,
+                           trust_factory=args.trust_factory, progress=_progress(bar))
     p, m = r["predicted"], r["measured"]
     print(f"{r['experiment']} on {r['device']} ({r['steps']} steps; costs {r['cost_source']})")
+    elsewhere = planned.mismatch(policies.load(args.policy).provenance, r["device"])
+    if elsewhere:
+        print(f"warning: {elsewhere}", file=sys.stderr)
     print(f"  peak       predicted {format_size(p['peak_bytes'])}, measured {format_size(m['peak_bytes'])} "
           f"({r['peak_ratio'] - 1:+.1%}); budget {format_size(r['budget_bytes'])}")
-    print(f"  step time  predicted {_ms(p['step_time_s'])}, measured {_ms(m['step_time_s'])} ({r['time_ratio'] - 1:+.1%})")
+    print(f"  step time  predicted {_ms(p['step_time_s'])}, measured {_ms(m['step_time_s'])} ({r['time_ratio'] - 1:+.1%})"
+          + (" (planned for another device)" if elsewhere else ""))
     print(f"wrote {Path(args.policy).with_name('validation.json')}")
     return 0
 
 
 def plot(args) -> int:
     """Write the figures of a results folder beside it."""
+    _plot_folder(Path(args.results), args.cache, args.trust_factory)
+    return 0
+
+
+def _plot_folder(folder: Path, cache, trust_factory: bool = False) -> list[Path]:
+    """Draw a results folder's four figures, printing their paths, and loudly when costs had to be got again."""
+    import warnings
+
     from gaswap.report import plot_results
     from gaswap.results import check_plottable
 
-    check_plottable(args.results, trust_factory=args.trust_factory)
-    for path in plot_results(args.results, cache_dir=args.cache):
+    check_plottable(folder, trust_factory=trust_factory)
+    bars = []
+
+    def measuring(done, total):  # a bar only when costs are measured again (no costs.json)
+        if not bars:
+            bars.append(tqdm(desc="plot: measuring costs again", unit="op", leave=False))
+        _progress(bars[0])(done, total)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            paths = plot_results(folder, cache_dir=cache, progress=measuring)
+        finally:
+            for bar in bars:
+                bar.close()
+    for warning in caught:
+        print(f"WARNING: {warning.message}", file=sys.stderr)
+    for path in paths:
         print(path)
-    return 0
+    return paths
 
 
 def bench(args) -> int:
     """Compare baselines, the GA in each search space and the MILP at several budgets."""
-    exp = config.load_experiment(args.experiment)
+    from gaswap import bench as benchmark
     from gaswap import results
-    from gaswap.bench import run as run_bench, to_markdown
+    from gaswap.baselines import BASELINES
 
-    with results.locked(results.folder_of(args.results, exp.name)):  # refused at once while a search writes there
-        rows = run_bench(args.experiment, args.budgets.split(","), results_root=args.results,
-                         cache_dir=args.cache, time_limit=args.time_limit)
-    print(to_markdown(rows, exp.name))
+    exp = config.load_experiment(args.experiment)
+    budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
+    methods = [*BASELINES, "milp", *(f"ga:{space}" for space in benchmark.SPACES)]  # the rows of a budget, in order
+    with results.locked(results.folder_of(args.results, exp.name)), \
+            tqdm(desc="capture + cost measurement", unit="op", leave=False) as measuring, \
+            tqdm(total=len(budgets) * len(methods), desc="bench", unit="row") as bar:  # locked: refused at once while a search writes there
+
+        def show(row):
+            bar.update()
+            if bar.n < bar.total:  # what runs now, and what the last row found
+                found = _ms(row["step_time_s"] or float("inf")) + ("" if row["feasible"] else " (over budget)")
+                bar.set_postfix_str(f"now {budgets[bar.n // len(methods)]} {methods[bar.n % len(methods)]}; "
+                                    f"{row['method']}: {found}")
+
+        rows = benchmark.run(args.experiment, budgets, results_root=args.results, cache_dir=args.cache,
+                             time_limit=args.time_limit, progress=show, measure_progress=_progress(measuring))
+    print(benchmark.to_markdown(rows, exp.name))
+    print(f"wrote {Path(args.results) / exp.name}/ (bench.csv, bench.md)")
     return 0
 
 

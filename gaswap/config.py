@@ -18,6 +18,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
+from gaswap import units
 from gaswap.files import UnreadableFile, load_yaml
 from gaswap.graph import COUNTABLE
 from gaswap.step import AUTOCAST, DEFAULT_LOSS, DEFAULT_OPTIMIZER, LOSSES, NO_TARGET, OPTIMIZERS
@@ -425,11 +426,8 @@ def parse_size(text: str | int) -> Budget:
 
 
 def format_size(size: int) -> str:
-    """A byte count in decimal units: "4.00 GB", "512.00 MB", "12 B"."""
-    for unit in ("TB", "GB", "MB", "KB"):
-        if size >= _UNITS[unit]:
-            return f"{size / _UNITS[unit]:.2f} {unit}"
-    return f"{size} B"
+    """A byte count in the display convention of `gaswap.units`: "4.00 GB" (decimal, default) or "3.73 GiB"."""
+    return units.format_size(size)
 
 
 def load_search_space(name_or_path: str | Path, *, root: str | Path | None = None) -> SearchSpace:

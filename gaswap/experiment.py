@@ -4,6 +4,7 @@ a step with loss "external" is given. Used by workflow (capture and costs), vali
 from __future__ import annotations
 
 from dataclasses import asdict
+from pathlib import Path
 
 from gaswap import config
 
@@ -17,7 +18,7 @@ def build_model(experiment: config.Experiment, device: str = "meta"):
 
     path = experiment.model.factory
     try:
-        factory = resolve(path)
+        factory = resolve(path, base=Path(experiment.path).parent)
     except ValueError as err:
         raise config.ConfigError(f"{experiment.path}: model.factory: {err}") from None
     try:

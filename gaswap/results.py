@@ -43,7 +43,7 @@ def point(e: Evaluated, keep_all: Evaluated) -> dict:
     return {"peak_bytes": e.peak_bytes, "step_time_s": e.step_time, "overhead": overhead(e, keep_all)} | e.counts()
 
 
-def write(folder: str | Path, result: SearchResult, make_policy, summary: dict, *, carry=()) -> Path:
+def write(folder: str | Path, result: SearchResult, make_policy, summary: dict, *, carry=(), extra=None) -> Path:
     """Write the results of `result` into `folder`, replacing what was there.
 
     `make_policy(evaluated)` turns a front point into a `Policy`; `summary` holds the experiment's
@@ -51,7 +51,7 @@ def write(folder: str | Path, result: SearchResult, make_policy, summary: dict, 
     the seeds, the evaluations, the search time, whether the search ran to its end (`complete`,
     `generations_done`) and what stopped it (`stopped_by`: "generations", "evaluations", "seconds",
     "converged" or "interrupted"). Files named in `carry` (bench tables, a checkpoint) are copied from the
-    old folder into the new.
+    old folder into the new; `extra` maps more file names to their text (costs.json).
     """
     folder = Path(folder)
     keep_all = result.seeds["keep_all"]
@@ -60,11 +60,11 @@ def write(folder: str | Path, result: SearchResult, make_policy, summary: dict, 
         recover(folder)
         tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.tmp-"))
         os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes an owner-only folder
-        _fill(tmp, folder, result, make_policy, summary, keep_all, carry)
+        _fill(tmp, folder, result, make_policy, summary, keep_all, carry, extra or {})
     return folder
 
 
-def _fill(tmp: Path, folder: Path, result, make_policy, summary: dict, keep_all, carry) -> None:
+def _fill(tmp: Path, folder: Path, result, make_policy, summary: dict, keep_all, carry, extra) -> None:
     """Write the results into `tmp`, then replace `folder` by it."""
     try:
         rows = []
@@ -87,6 +87,8 @@ def _fill(tmp: Path, folder: Path, result, make_policy, summary: dict, keep_all,
             "stopped_by": result.stopped_by,
         }
         (tmp / "summary.json").write_text(json.dumps(body, indent=2, default=_plain) + "\n")
+        for name, text in extra.items():
+            (tmp / name).write_text(text)
         for name in carry:
             if (folder / name).is_file():
                 shutil.copy2(folder / name, tmp / name)
@@ -324,12 +326,12 @@ def check_plottable(folder: str | Path, *, trust_factory: bool = False) -> None:
     for key, kind in SUMMARY_KEYS.items():
         if not isinstance(summary.get(key), kind) or isinstance(summary.get(key), bool):
             raise ResultsError(f"{folder / 'summary.json'}: {key}: missing or not a {kind.__name__}")
-    file = Path(summary["experiment_file"])
-    if not (file.is_absolute() or file.exists()):
-        file = folder.resolve().parents[1] / file  # as report finds it: relative to the folder holding results/
-    if not file.is_file():
-        raise ResultsError(f"{folder / 'summary.json'}: experiment_file {summary['experiment_file']!r} is not there; "
-                           f"the figures re-capture its model")
+    from gaswap.locate import experiment_file
+
+    try:  # as report finds it: from here, or from a folder above the results (the one the search ran in)
+        file = experiment_file(summary, folder / "summary.json", f"{folder / 'summary.json'}: experiment_file")
+    except FileNotFoundError as err:
+        raise ResultsError(f"{err} (the figures re-capture its model)") from None
     exp = config.load_experiment(file)
     if not shipped(exp.model.factory) and not trust_factory:
         raise Refused(f"{folder}: its experiment {file} builds the model with {exp.model.factory}, code named only "

@@ -19,6 +19,7 @@ from gaswap import config, policy as policies
 from gaswap.capture import capture
 from gaswap.experiment import build_model, make_inputs, output_gradient
 from gaswap.files import write_atomic
+from gaswap.locate import experiment_file
 from gaswap.measure import device_name, resolve_device, use_cpu
 from gaswap.memory import DeviceMemory
 from gaswap.runtime import StepRunner
@@ -31,14 +32,15 @@ OPTIMIZERS = {
 
 
 def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, experiment: str | Path | None = None,
-             trust_factory: bool = False) -> dict:
+             trust_factory: bool = False, progress=None) -> dict:
     """Train `steps` steps under the policy; return (and write beside it) predicted vs measured figures.
 
     The model comes from `experiment` when given, else from the experiment file the policy names; a factory
     named only by the policy must be one of gaswap's own models unless `trust_factory` (a shared policy file
     must not choose code to run). The first step warms up and creates the optimizer state. Step time is the
     median of the later steps; the peak is the allocator's (CUDA, every later step) or the storage tracker's
-    (CPU, the last step, which is left out of the timing because tracking slows it).
+    (CPU, the last step, which is left out of the timing because tracking slows it). `progress(done, steps)`
+    after each step.
     """
     if steps < 3:
         raise config.ConfigError(f"--steps {steps}: validate needs at least 3 steps: one warms up and creates the "
@@ -95,6 +97,8 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, e
         del grads
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if progress:
+            progress(step + 1, steps)
     report = {
         "experiment": exp.name,
         "policy": str(policy_path),
@@ -123,6 +127,10 @@ def _experiment(policy: policies.Policy, policy_path: Path, named: str | Path | 
     file = policy.provenance.get("experiment_file")
     if not isinstance(file, str) or not file:
         raise policies.PolicyError(f"{policy_path}: provenance names no experiment file; pass --experiment FILE")
+    try:
+        file = str(experiment_file(policy.provenance, policy_path, f"{policy_path}: provenance.experiment_file"))
+    except FileNotFoundError as err:
+        raise config.ConfigError(str(err)) from None
     exp = config.load_experiment(file)
     if not shipped(exp.model.factory) and not trust:
         raise Refused(f"{policy_path}: its experiment {file} builds the model with {exp.model.factory}, code named "

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from gaswap import checkpoint as checkpoints
-from gaswap import config, results
+from gaswap import config, costfile, results
 from gaswap.experiment import build_model, make_inputs, output_gradient
 from gaswap.results import Refused  # noqa: F401  (what check_results_folder raises)
 from gaswap import policy as policies
@@ -47,9 +47,20 @@ def prepare(experiment: config.Experiment, *, cache_dir=None, progress=None) -> 
     """Capture the experiment's training step (on the meta device) and get its costs."""
     import torch
 
+    started = time.perf_counter()
+    captured = capture_step(experiment)
+    capture_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    costs = costs_for(experiment, captured.graph, cache_dir=cache_dir, progress=progress, captured=captured)
+    return Prepared(experiment, captured.graph, costs, capture_seconds, time.perf_counter() - started,
+                    torch.__version__)
+
+
+def capture_step(experiment: config.Experiment):
+    """The experiment's training step captured on the meta device (a `Captured`; `.graph` is its Graph);
+    CaptureError naming the experiment file when it cannot be captured or has nothing to plan."""
     from gaswap.capture import CaptureError, capture
 
-    started = time.perf_counter()
     model = build_model(experiment)
     inputs, target = make_inputs(experiment)
     try:
@@ -58,11 +69,7 @@ def prepare(experiment: config.Experiment, *, cache_dir=None, progress=None) -> 
         check_trainable(captured.graph)
     except CaptureError as err:
         raise CaptureError(f"{experiment.path}: {err}") from None
-    capture_seconds = time.perf_counter() - started
-    started = time.perf_counter()
-    costs = costs_for(experiment, captured.graph, cache_dir=cache_dir, progress=progress, captured=captured)
-    return Prepared(experiment, captured.graph, costs, capture_seconds, time.perf_counter() - started,
-                    torch.__version__)
+    return captured
 
 
 def check_trainable(graph: Graph) -> None:
@@ -176,7 +183,8 @@ def _search_and_write(prepared: Prepared, out: Path, on_generation, resume: bool
     owner = results.owner_of(out) if out.is_dir() else None
     carry = ("bench.csv", "bench.md") if owner and results.same_experiment(owner, exp.name, exp.path) else ()
     carry += () if result.complete else (checkpoints.NAME,)
-    results.write(out, result, make_policy, summary, carry=carry)
+    results.write(out, result, make_policy, summary, carry=carry,
+                  extra={costfile.NAME: costfile.dumps(costs, graph.fingerprint())})  # what `plot` re-simulates with
     return result, summary
 
 

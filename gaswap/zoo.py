@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gaswap.locate import import_module
+
 
 def alexnet(num_classes: int = 1000) -> nn.Module:
     """AlexNet with torchvision's layout (features / avgpool / classifier)."""
@@ -432,8 +434,9 @@ MODELS = ("alexnet", "vgg16", "resnet18", "resnet50", "mlp", "tiny_cnn", "gpt", 
           "huggingface")
 
 
-def resolve(path: str):
-    """Import "package.module:callable" (e.g. "gaswap.zoo:alexnet") and return the model factory it names.
+def resolve(path: str, base=None):
+    """Import "package.module:callable" (e.g. "gaswap.zoo:alexnet") and return the model factory it names; a
+    module not on the Python path is also looked for in the folder `base` (the experiment file's).
 
     A factory is a class deriving from `torch.nn.Module`, or a Python function (it must return a Module;
     `check_model` checks what it returned). Python's standard library and builtins are refused before anything
@@ -447,7 +450,7 @@ def resolve(path: str):
     if _standard(module_name):
         raise ValueError(f"model path {path!r}: {module_name!r} is Python's standard library, not a model factory")
     try:
-        module = importlib.import_module(module_name)
+        module = import_module(module_name, base)
     except ImportError as e:
         raise ValueError(f"model path {path!r}: cannot import module {module_name!r} ({e})") from e
     obj = module

@@ -6,9 +6,9 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "gaswap"
-FLOOR = {"program", "files", "step"}
+FLOOR = {"program", "files", "step", "units", "locate"}
 CORE = {"graph", "costs", "encoding", "simulator", "problem", "parallel", "checkpoint", "search", "baselines",
-        "milp", "policy", "allocator"}
+        "milp", "policy", "allocator", "costfile", "planned"}
 APPLICATION = {"config", "experiment", "results", "signals", "workflow", "validate", "report", "bench", "speed",
                "compare", "gpu_check", "gpu_memory", "cli", "__main__"}
 
