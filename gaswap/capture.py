@@ -49,6 +49,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import flop_registry
 
 from . import graph
+from .dropout import eager_masks
 from .graph import Graph, Op, Tensor
 from .step import AUTOCAST, LOSSES, OPTIMIZER_STATE  # noqa: F401  (LOSSES: the losses `capture` takes)
 
@@ -69,34 +70,104 @@ class Captured:
     follow `placeholders` (parameters, then buffers, then inputs, then the target) and `grads` follow
     the "param" placeholders. With loss "external", `gm(*args) -> (output, *grads)` and the last argument
     is the gradient of the output. `placeholders` lists (fx name, kind, source) with kind "param"
-    (trainable parameter), "buffer" (buffer or frozen parameter), "input" or "grad_output", and source the
-    parameter or buffer path, "inputs.<i>", "target" or "grad_output". Calling `gm` updates the buffers
+    (trainable parameter), "buffer" (buffer or frozen parameter), "input", "grad_output" or "constant" (a
+    tensor made in forward, e.g. `torch.tensor([...])`: traced as a constant, lifted to a placeholder after
+    the others; its value is in `constants` and `arguments` passes it on the model's device), and source the
+    parameter or buffer path, "inputs.<i>", "target", "grad_output" or the constant's name. Calling `gm` updates the buffers
     it is given in place (BatchNorm running statistics), as a training step does. `arguments` builds
-    `args` from a model; `gm` was traced on the CPU, so use `gm_on(device)` to run it elsewhere.
+    `args` from a model; `gm` was traced with the CPU's dispatch, so use `gm_on(device)` to run it elsewhere.
     """
 
     graph: Graph
     gm: fx.GraphModule
     seconds: float
     placeholders: list[tuple[str, str, str]] = field(default_factory=list)
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def arguments(self, model: nn.Module, inputs: tuple[torch.Tensor, ...], target: torch.Tensor | None) -> list:
         """The positional arguments of `gm` taken from a model with real tensors and real inputs; `target`
         is the loss's target, or with loss "external" the gradient of the output (None if not known yet)."""
         state = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
         data = {f"inputs.{i}": x for i, x in enumerate(inputs)} | {"target": target, "grad_output": target}
+        if self.constants:
+            device = next(iter(state.values()), inputs[0] if inputs else torch.empty(0)).device
+            data |= {name: value.to(device) for name, value in self.constants.items()}
         return [state[src] if kind in ("param", "buffer") else data[src] for _, kind, src in self.placeholders]
 
     def gm_on(self, device) -> fx.GraphModule:
-        """A copy of `gm` whose device constants (e.g. `arange(..., device=cpu)`) name `device`."""
+        """A copy of `gm` to run on `device`: device constants (e.g. `arange(..., device=cpu)`) name it, and
+        ops the CPU's dispatch chose (`*_for_cpu`) are replaced by device-neutral equivalents computing the
+        same outputs (SDPA's CPU flash attention: `sdpa_forward` / `sdpa_backward`); any other `*_for_cpu`
+        op, or SDPA with dropout, is refused with a CaptureError naming it."""
         gm = copy.deepcopy(self.gm)
         device = torch.device(device)
         for node in gm.graph.nodes:
             node.args, node.kwargs = fx.node.map_aggregate(
                 (node.args, node.kwargs), lambda a: device if isinstance(a, torch.device) else a
             )
+            if device.type != "cpu" and node.op == "call_function" and "_for_cpu" in str(node.target):
+                node.target = _device_neutral(node, device)
         gm.recompile()
         return gm
+
+
+_SDPA_CPU = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+
+
+def _device_neutral(node: fx.Node, device: torch.device):
+    """The replacement of a CPU-dispatch op for another device, or a CaptureError."""
+    target = str(node.target)
+    if target in (_SDPA_CPU, _SDPA_CPU.replace(".default", "_backward.default")):
+        dropout = node.args[3] if target == _SDPA_CPU else node.args[6]
+        if dropout:
+            raise CaptureError(f"op {node.name}: scaled_dot_product_attention with dropout {dropout} was traced with "
+                               f"the CPU's kernel and cannot be replayed on {device}; use dropout_p=0 in attention")
+        return sdpa_forward if target == _SDPA_CPU else sdpa_backward
+    raise CaptureError(f"op {node.name} ({target}) was traced with the CPU's dispatch and has no equivalent on "
+                       f"{device} here; rewrite the layer with ops that are not device-specific")
+
+
+def _attention_scores(query, key, is_causal, attn_mask, scale):
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    scores = (query @ key.transpose(-2, -1)) * scale
+    if is_causal:
+        keep = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    return scores, scale
+
+
+def sdpa_forward(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    """`_scaled_dot_product_flash_attention_for_cpu` on any device: (output, logsumexp), computed in float32
+    (the attention matrix is materialized: transient memory the graph does not count)."""
+    q, k, v = query.float(), key.float(), value.float()
+    scores, _ = _attention_scores(q, k, is_causal, attn_mask, scale)
+    logsumexp = torch.logsumexp(scores, dim=-1)
+    out = torch.exp(scores - logsumexp.unsqueeze(-1)) @ v
+    # laid out as the CPU kernel lays them out (the graph's views rely on it): the output like the query,
+    # the logsumexp as (batch, length, heads) transposed
+    return torch.empty_like(query).copy_(out), _heads_inner(logsumexp)
+
+
+def sdpa_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None,
+                  scale=None):
+    """`_scaled_dot_product_flash_attention_for_cpu_backward` on any device: (grad_query, grad_key, grad_value)."""
+    q, k, v, g, o = (t.float() for t in (query, key, value, grad_out, out))
+    scores, scale = _attention_scores(q, k, is_causal, attn_mask, scale)
+    p = torch.exp(scores - logsumexp.unsqueeze(-1))
+    grad_v = p.transpose(-2, -1) @ g
+    grad_p = g @ v.transpose(-2, -1)
+    grad_s = p * (grad_p - (g * o).sum(-1, keepdim=True))
+    grad_q = (grad_s @ k) * scale
+    grad_k = (grad_s.transpose(-2, -1) @ q) * scale
+    return _heads_inner(grad_q, query.dtype), _heads_inner(grad_k, key.dtype), _heads_inner(grad_v, value.dtype)
+
+
+def _heads_inner(t: torch.Tensor, dtype=None) -> torch.Tensor:
+    """A copy of a (batch, heads, length[, dim]) tensor stored as (batch, length, heads[, dim])."""
+    shape = (t.shape[0], t.shape[2], t.shape[1], *t.shape[3:])
+    return torch.empty(shape, dtype=dtype or t.dtype, device=t.device).transpose(1, 2).copy_(t)
 
 
 def capture(
@@ -132,9 +203,9 @@ def capture(
         raise ValueError(f"unknown autocast dtype {autocast!r}: expected one of {AUTOCAST} or None")
     start = time.perf_counter()
     inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-    gm, placeholders = _trace(model, inputs, target, loss, autocast)
+    gm, placeholders, constants = _trace(model, inputs, target, loss, autocast)
     g = _build_graph(gm, placeholders, optimizer, counted)
-    return Captured(g, gm, time.perf_counter() - start, placeholders)
+    return Captured(g, gm, time.perf_counter() - start, placeholders, constants)
 
 
 def make_inputs(
@@ -194,8 +265,8 @@ def _loss_fn(name: str, output: torch.Tensor, target: torch.Tensor) -> torch.Ten
     return output.sum()
 
 
-def _trace(model, inputs, target, loss, autocast) -> tuple[fx.GraphModule, list[tuple[str, str, str]]]:
-    """Trace the step on fake CPU tensors; return the GraphModule and its placeholders."""
+def _trace(model, inputs, target, loss, autocast):
+    """Trace the step on fake CPU tensors; return the GraphModule, its placeholders and its constants."""
     mode = FakeTensorMode()
     params = {k: _fake(p, mode) for k, p in model.named_parameters() if p.requires_grad}
     fixed = {k: _fake(p, mode) for k, p in model.named_parameters() if not p.requires_grad}
@@ -235,6 +306,7 @@ def _trace(model, inputs, target, loss, autocast) -> tuple[fx.GraphModule, list[
             last = _output_like(model, inputs, autocast, mode) if loss == "external" else target
             data = [_fake(x, mode) for x in (*inputs, last)]
             gm = make_fx(traced, tracing_mode="fake")(*params.values(), *fixed.values(), *data)
+        gm = eager_masks(gm)  # dropout masks as eager draws them, whatever the layout
     except CaptureError:
         raise
     except Exception as e:  # noqa: BLE001 - any tracing failure becomes one clear CaptureError
@@ -242,9 +314,10 @@ def _trace(model, inputs, target, loss, autocast) -> tuple[fx.GraphModule, list[
     sources = [("param", k) for k in params] + [("buffer", k) for k in fixed]
     sources += [("input", f"inputs.{i}") for i in range(len(inputs))]
     sources += [("grad_output", "grad_output")] if loss == "external" else [("input", "target")]
-    gm = _rename_placeholders(gm, [_placeholder_name(kind, src) for kind, src in sources])
+    gm, constants = _rename_placeholders(gm, [_placeholder_name(kind, src) for kind, src in sources])
+    sources += [("constant", name) for name in constants]
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]  # as uniquified by fx
-    return gm, [(name, kind, src) for name, (kind, src) in zip(names, sources)]
+    return gm, [(name, kind, src) for name, (kind, src) in zip(names, sources)], constants
 
 
 def _output_like(model, inputs, autocast, mode: FakeTensorMode) -> torch.Tensor:
@@ -400,18 +473,29 @@ def _placeholder_name(kind: str, source: str) -> str:
     return re.sub(r"\W", "_", prefix + source.removeprefix("inputs."))
 
 
-def _rename_placeholders(gm: fx.GraphModule, names: list[str]) -> fx.GraphModule:
-    """A copy of gm whose placeholders are named `names` (other nodes keep their names and meta)."""
+def _rename_placeholders(gm: fx.GraphModule, names: list[str]) -> tuple[fx.GraphModule, dict[str, torch.Tensor]]:
+    """A copy of gm whose placeholders are named `names` (other nodes keep their names and meta), and whose
+    tensor constants (`get_attr` nodes, e.g. a `torch.tensor([...])` made in forward) are lifted to
+    placeholders after them, keeping their names: returns the copy and {name: constant value}."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     todo = iter(names)
-    for node in gm.graph.nodes:
+    lifted = [n for n in gm.graph.nodes if n.op == "get_attr" and isinstance(getattr(gm, n.target, None), torch.Tensor)]
+    constants = {}
+    nodes = list(gm.graph.nodes)
+    last_placeholder = max((k for k, n in enumerate(nodes) if n.op == "placeholder"), default=-1)
+    for k, node in enumerate(nodes):
         if node.op == "placeholder":
             env[node] = g.placeholder(next(todo))
             env[node].meta = dict(node.meta)
-        else:
+        elif node not in env:
             env[node] = g.node_copy(node, env.__getitem__)
-    return fx.GraphModule(gm, g)
+        if k == last_placeholder:
+            for constant in lifted:
+                env[constant] = g.placeholder(constant.name)
+                env[constant].meta = dict(constant.meta)
+                constants[env[constant].name] = getattr(gm, constant.target).detach()
+    return fx.GraphModule(gm, g), constants
 
 
 # --- graph construction ----------------------------------------------------------------------------
@@ -431,7 +515,8 @@ def _build_graph(gm: fx.GraphModule, placeholders, optimizer: str, counted) -> G
         if node.op in ("placeholder", "get_attr"):
             t = node.meta["val"]
             storage[_key(t)] = node.name
-            tensors[node.name] = Tensor(node.name, _nbytes(t), kinds.get(node.name, "buffer"))
+            kind = kinds.get(node.name, "buffer")
+            tensors[node.name] = Tensor(node.name, _nbytes(t), "buffer" if kind == "constant" else kind)
         elif node.op == "call_function":
             op = _make_op(node, storage, tensors, node in forward, layer_of.get(node, ""))
             if op is not None:

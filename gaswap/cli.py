@@ -75,6 +75,24 @@ def main(argv=None) -> int:
     p.add_argument("--cache", default=None, help="cost cache folder")
     p.add_argument("--time-limit", type=_at_least(0.1, float), default=60.0, help="MILP time limit per budget, seconds")
     p.set_defaults(run=bench)
+    p = verbs.add_parser("compare", help="eager, torch.compile memory budgets and gaswap compiled policies, head to head")
+    p.add_argument("experiment", help="experiment YAML file, e.g. experiments/compare_densenet_cpu.yaml")
+    p.add_argument("--rounds", type=_at_least(1, int), default=5, help="rounds of all methods in rotated order (default 5)")
+    p.add_argument("--steps", type=_at_least(1, int), default=3, help="timed steps per method and round (default 3)")
+    p.add_argument("--below", default="0.8", help="also search gaswap policies at these fractions of the lowest "
+                                                  "simulated peak of torch's partitions (default 0.8)")
+    p.add_argument("--results", default="results", help="folder of result folders (default: results)")
+    p.add_argument("--cache", default=None, help="cost cache folder (default: $GASWAP_CACHE or ~/.cache/gaswap)")
+    p.set_defaults(run=compare)
+    p = verbs.add_parser("memory", help="GPU memory of policies: live, allocator allocated/reserved, arena plan")
+    p.add_argument("experiments", nargs="+", help="experiment files, e.g. experiments/alexnet_4gb.yaml")
+    p.add_argument("--results", default="results", help="folder of result folders with shipped policies")
+    p.set_defaults(run=memory)
+    p = verbs.add_parser("check-gpu", help="on a CUDA machine: CUDA tests, search + validate two experiments, "
+                                           "allocator model vs measured memory, one JSON report")
+    p.add_argument("--out", default="gpu_check.json", help="the JSON report (default: gpu_check.json)")
+    p.add_argument("--steps", type=_at_least(3, int), default=5, help="validation steps per experiment (default 5)")
+    p.set_defaults(run=check_gpu)
     try:
         args = parser.parse_args(argv)
     except SystemExit as stop:  # argparse printed the usage and one error line (or the help)
@@ -225,6 +243,35 @@ def speed(args) -> int:
     return 0
 
 
+def memory(args) -> int:
+    """Print the GPU-memory table of `gaswap.gpu_memory` for the experiments (estimated costs only)."""
+    from gaswap import gpu_memory, workflow
+
+    table = []
+    for path in args.experiments:
+        exp = config.load_experiment(path)
+        if exp.costs.source != "estimate":
+            print(f"error: {path}: costs.source must be 'estimate' here (no device is used)", file=sys.stderr)
+            return EXIT_CONFIG
+        table += gpu_memory.rows(workflow.prepare(exp), args.results)
+    print(gpu_memory.markdown(table))
+    return 0
+
+
+def check_gpu(args) -> int:
+    """Run the GPU check (gaswap.gpu_check) and write its report; 0 also when there is no GPU (it says so)."""
+    from gaswap import gpu_check
+
+    report = gpu_check.run(args.out, steps=args.steps)
+    if report.get("skipped"):
+        print(f"skipped: {report['skipped']}; wrote {args.out}")
+        return 0
+    for name, figures in report.get("experiments", {}).items():
+        print(f"{name}: {figures.get('goals', figures.get('error'))}")
+    print(f"{len(report['errors'])} error(s); wrote {args.out} in {report['seconds']} s")
+    return 0 if not report["errors"] else 1
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds < float("inf") else "-"
 
@@ -272,3 +319,10 @@ def bench(args) -> int:
                      cache_dir=args.cache, time_limit=args.time_limit)
     print(to_markdown(rows, config.load_experiment(args.experiment).name))
     return 0
+
+
+def compare(args) -> int:
+    """Eager, torch.compile at activation memory budgets and gaswap compiled policies, measured in one process."""
+    from gaswap import compare as head_to_head
+
+    return head_to_head.command(args)

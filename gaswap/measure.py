@@ -32,6 +32,7 @@ import torch
 from .costs import CostCache, Costs, HardwareProfile, load_profile, roofline
 from .encoding import Action, Encoding
 from .graph import Graph
+from .program import Verb
 from .runtime import StepRunner
 from .simulator import Simulator
 
@@ -141,13 +142,33 @@ def _by_signature(graph: Graph, op_time: dict[str, float]) -> dict[str, float]:
     return {signature: statistics.median(ts) for signature, ts in times.items()}
 
 
+class DeviceError(RuntimeError):
+    """The accelerator failed (e.g. a device-side assert): its context is unusable, so measuring stops."""
+
+
+def _is_device_error(e: Exception) -> bool:
+    """An error of the accelerator itself rather than of one op's arguments."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(e, accelerator_error):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and ("CUDA error" in text or "device-side assert" in text)
+
+
 def _measure_signature(signature: str, dev: torch.device, cache: CostCache, warmup: int, repeats: int) -> None:
     """Time one signature into the cache, or record why it cannot run standalone (out of memory is
-    not recorded: it may pass another time)."""
+    not recorded: it may pass another time). The device is synchronized inside the `try`, so an
+    asynchronous failure is charged to the op that caused it; an accelerator error is never cached and
+    stops the measurement (DeviceError): every later op would fail on the broken context."""
     try:
         cache.op_time[signature] = time_signature(signature, dev, warmup, repeats)
+        _sync(dev)
     except Exception as e:  # any failure of a standalone run: fall back to the roofline
         reason = f"{type(e).__name__}: {e}"[:500]
+        if _is_device_error(e):
+            cache.op_time.pop(signature, None)
+            raise DeviceError(f"the device failed while timing {signature[:200]} ({reason}); nothing was cached "
+                              f"for it, the figures measured before it were kept; run the measurement again") from e
         if not isinstance(e, torch.OutOfMemoryError):
             cache.failed[signature] = reason
         log.warning("cannot run %s standalone (%s); using a roofline estimate", signature[:200], reason)
@@ -291,11 +312,16 @@ def measure_link(device: str | torch.device = "auto", nbytes=LINK_BYTES, repeats
     return d2h, h2d
 
 
-def _copy_latency(dev: torch.device) -> float:
-    """Seconds one tiny host<->device copy takes: the fixed cost added to every copy."""
+def _copy_latency(dev: torch.device, warmup: int = 3, repeats: int = 21) -> float:
+    """Seconds one tiny host<->device copy takes, the fixed cost added to every copy: the median of copies
+    timed one at a time, each between two synchronizations (back-to-back copies would overlap their
+    latencies and measure throughput)."""
     host = torch.empty(1, pin_memory=dev.type == "cuda")
     on_device = torch.empty(1, device=dev)
-    return _median_time(lambda: host.copy_(on_device, non_blocking=True), dev, warmup=2, repeats=5)
+    copy = lambda: host.copy_(on_device, non_blocking=True)  # noqa: E731
+    for _ in range(warmup):
+        _timed(copy, 1, dev)
+    return statistics.median(_timed(copy, 1, dev) for _ in range(repeats))
 
 
 # --------------------------------------------------------------------------- timing ops in place
@@ -316,8 +342,10 @@ def profile_step(captured, make_args, device: str | torch.device = "cpu", warmup
     latency plus bytes over a bandwidth per direction); `make_args()` gives the arguments of one run.
 
     In place, an op finds its inputs where the op before left them (caches, allocator) and pays the
-    runtime's own overhead (arguments, views rebuilt, bookkeeping of copies), as it will in training: on a
-    CPU, an op timed alone on the same inputs over and over looks a third faster than in a real step.
+    runtime's own overhead (the views it reads rebuilt and dropped, waits for copies), as it will in
+    training: the clock is read around each instruction of the runner's generated code, so what the step
+    costs beyond its instructions is only the call itself. On a CPU, an op timed alone on the same inputs
+    over and over looks a third faster than in a real step.
     """
     graph = captured.graph
     encoding = Encoding(graph)
@@ -326,17 +354,32 @@ def profile_step(captured, make_args, device: str | torch.device = "cpu", warmup
     simulator = Simulator(graph, Costs(dict.fromkeys((op.name for op in graph.ops), 1.0), 1.0, 1.0, "any", "any"))
     dev = resolve_device(device)
 
-    def timed(actions) -> dict[tuple[str, str], list[float]]:
+    def timed(actions) -> _TimedRunner:
         runner = _TimedRunner(captured, simulator.run(order, actions, trace=True).program, dev)
         for run in range(warmup + repeats):
-            runner.times = {} if run == warmup else runner.times
+            if run == warmup:
+                runner.reset()
             runner(make_args())
-        return runner.times
+        return runner
 
-    ops = timed(keep.actions)
-    op_time = {op.name: statistics.median(ops[("run", op.name)]) for op in graph.ops}
-    link = _fit_link(graph, timed(swap.actions), dev) if int(Action.SWAP) in swap.actions else None
+    op_time = _op_times(timed(keep.actions))
+    link = _fit_link(graph, timed(swap.actions).times, dev) if int(Action.SWAP) in swap.actions else None
     return StepProfile(op_time, link)
+
+
+def _op_times(runner: "_TimedRunner") -> dict[str, float]:
+    """Median seconds of each op over the timed steps, the op charged with the frees that follow it: dropping
+    tensors takes time on the compute thread, and the simulator's frees take none."""
+    per_step: dict[str, list[float]] = {}
+    charged = None
+    for (verb, name), seconds in zip(runner.program, runner._times):
+        if verb == Verb.RUN:
+            charged = per_step[name] = list(seconds)
+        elif verb == Verb.FREE and charged is not None:
+            charged[:] = [a + b for a, b in zip(charged, seconds)]
+        else:
+            charged = None
+    return {name: statistics.median(seconds) for name, seconds in per_step.items()}
 
 
 def _fit_link(graph: Graph, times: dict[tuple[str, str], list[float]], dev: torch.device) -> dict[str, float]:
@@ -353,17 +396,19 @@ def _fit_link(graph: Graph, times: dict[tuple[str, str], list[float]], dev: torc
 
 
 class _TimedRunner(StepRunner):
-    """A StepRunner that records the seconds of each instruction by (verb, name), synchronizing the device
-    around each (so copies are timed whole, not overlapped)."""
+    """A StepRunner whose generated code reads a clock around each instruction (synchronizing the device
+    around each, so copies are timed whole, not overlapped): `times` are the seconds of each instruction
+    by (verb, name), over the steps run since it was made or `reset`."""
 
-    def __init__(self, captured, program, device):
-        super().__init__(captured, program, device)
-        self.times: dict[tuple[str, str], list[float]] = {}
+    timed = True
 
-    def _execute(self, program, state) -> None:
-        for instruction in program:
-            _sync(self.device)
-            start = time.perf_counter()
-            super()._execute([instruction], state)
-            _sync(self.device)
-            self.times.setdefault(tuple(instruction), []).append(time.perf_counter() - start)
+    @property
+    def times(self) -> dict[tuple[str, str], list[float]]:
+        times: dict[tuple[str, str], list[float]] = {}
+        for (verb, name), seconds in zip(self.program, self._times):
+            times.setdefault((verb.value, name), []).extend(seconds)
+        return times
+
+    def reset(self) -> None:
+        for seconds in self._times:
+            seconds.clear()

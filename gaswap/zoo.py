@@ -1,6 +1,6 @@
 """A small built-in model zoo (torch.nn only) and `resolve` for "module:callable" model paths.
 
-CNNs (alexnet, vgg16, resnet18/50, tiny_cnn, unet), an mlp and transformers (gpt, bert). Factories from
+CNNs (alexnet, vgg16, resnet18/50, tiny_cnn, unet), an mlp, an unrolled gru and transformers (gpt, bert). Factories from
 installed packages are named by path, e.g. "torchvision.models:resnet50"; `huggingface` builds a
 transformers model from its class name and config.
 """
@@ -157,6 +157,25 @@ def mlp(sizes: tuple[int, ...] = (32, 64, 64, 10), dropout: float = 0.0) -> nn.M
             if dropout:
                 layers.append(nn.Dropout(dropout))
     return nn.Sequential(*layers)
+
+
+class _UnrolledGRU(nn.Module):
+    def __init__(self, features: int, hidden: int, steps: int, num_classes: int):
+        super().__init__()
+        self.steps = steps
+        self.cell = nn.GRUCell(features, hidden)
+        self.head = nn.Linear(hidden, num_classes)
+
+    def forward(self, x):  # x: [batch, steps, features]
+        h = x.new_zeros(x.shape[0], self.cell.hidden_size)
+        for t in range(self.steps):
+            h = self.cell(x[:, t], h)
+        return self.head(h)
+
+
+def gru(features: int = 16, hidden: int = 32, steps: int = 24, num_classes: int = 10) -> nn.Module:
+    """A GRU cell unrolled over `steps` time steps (a graph of many small ops), then a linear head."""
+    return _UnrolledGRU(features, hidden, steps, num_classes)
 
 
 class _TinyCNN(nn.Module):
@@ -357,6 +376,59 @@ def unet(in_channels: int = 3, num_classes: int = 2, width: int = 64, depth: int
     `width`, up-convolutions (ConvTranspose2d 2x2) and skip connections by concatenation:
     forward(x [B, in_channels, H, W]) -> per-pixel logits [B, num_classes, H, W]; H, W multiples of 2**depth."""
     return _UNet(in_channels, num_classes, width, depth)
+
+
+# --- small models for the compiled head to head (gaswap compare): concatenation-heavy, unrolled recurrent ---
+
+class _DenseLayer(nn.Module):
+    def __init__(self, cin: int, growth: int):
+        super().__init__()
+        self.body = nn.Sequential(nn.BatchNorm2d(cin), nn.ReLU(), nn.Conv2d(cin, 4 * growth, 1, bias=False),
+                                  nn.BatchNorm2d(4 * growth), nn.ReLU(), nn.Conv2d(4 * growth, growth, 3, padding=1,
+                                                                                  bias=False))
+
+    def forward(self, x):
+        return torch.cat([x, self.body(x)], 1)
+
+
+def densenet(num_classes: int = 10, growth: int = 12, layers: int = 6, blocks: int = 2) -> nn.Module:
+    """A small DenseNet-BC: `blocks` dense blocks of `layers` BN-ReLU-conv1x1-BN-ReLU-conv3x3 layers, each
+    concatenating its `growth` new channels to its input; 1x1 conv + average-pool transitions halve the map."""
+    width = 2 * growth
+    parts: list[nn.Module] = [nn.Conv2d(3, width, 3, padding=1, bias=False)]
+    for b in range(blocks):
+        for _ in range(layers):
+            parts.append(_DenseLayer(width, growth))
+            width += growth
+        if b < blocks - 1:
+            parts += [nn.BatchNorm2d(width), nn.ReLU(), nn.Conv2d(width, width // 2, 1, bias=False), nn.AvgPool2d(2)]
+            width //= 2
+    parts += [nn.BatchNorm2d(width), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, num_classes)]
+    return nn.Sequential(*parts)
+
+
+class _UnrolledGRU(nn.Module):
+    def __init__(self, vocab: int, width: int, steps: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.cell = nn.GRUCell(width, width)
+        self.head = nn.Linear(width, vocab)
+        self.steps = steps
+
+    def forward(self, ids):  # [B, T] -> logits [B, T, vocab]; the cell unrolled over the T steps
+        x = self.embed(ids)
+        h = x.new_zeros(x.shape[0], self.cell.hidden_size)
+        outputs = []
+        for t in range(self.steps):
+            h = self.cell(x[:, t], h)
+            outputs.append(h)
+        return self.head(torch.stack(outputs, 1))
+
+
+def gru(vocab: int = 256, width: int = 128, steps: int = 24) -> nn.Module:
+    """A GRU language model with its cell unrolled over `steps` time steps (many small ops): forward(ids
+    [B, steps]) -> logits [B, steps, vocab]."""
+    return _UnrolledGRU(vocab, width, steps)
 
 
 def huggingface(architecture: str, **config) -> nn.Module:

@@ -102,7 +102,7 @@ def test_training_is_bitwise_equal_to_the_unchanged_graph(model_name):
     assert not all(torch.equal(a, b) for a, b in zip(reference, state.values()))  # it trained
     for name, (order, actions) in policies_for(cap).items():
         model.load_state_dict(state)
-        module = PolicyModule(model, cap, simulate(cap, order, actions).program, "cpu")
+        module = PolicyModule(model, cap, simulate(cap, order, actions).program)
 
         def step():
             loss = criterion(module(*[x.clone() for x in inputs]), target)  # the user's loop
@@ -118,7 +118,7 @@ def test_training_matches_eager_pytorch(model_name):
     model, inputs, target, cap = setup(model_name, dropout=False)  # eager draws dropout masks otherwise
     state = {k: v.clone() for k, v in model.state_dict().items()}
     order, actions = policies_for(cap)["mixed"]
-    module = PolicyModule(model, cap, simulate(cap, order, actions).program, "cpu")
+    module = PolicyModule(model, cap, simulate(cap, order, actions).program)
     ours = train(model, lambda: criterion(module(*inputs), target).backward())
     model.load_state_dict(state)
     eager = train(model, lambda: criterion(model(*inputs), target).backward())
@@ -142,7 +142,7 @@ def test_the_module_step_holds_the_predicted_peak(model_name):
     peaks = set()
     for name, (order, actions) in policies_for(cap).items():
         sim = simulate(cap, order, actions)
-        module = PolicyModule(model, cap, sim.program, "cpu")
+        module = PolicyModule(model, cap, sim.program)
         model.zero_grad(set_to_none=True)
         batch = [x.clone() for x in inputs]
         with DeviceMemory("cpu") as memory:
@@ -196,6 +196,26 @@ def test_a_policy_whose_step_includes_the_loss_is_refused_naming_apply_step(tmp_
         gaswap.apply_step(model, save_policy(tmp_path, external, "external"), inputs, target)
 
 
+def test_a_module_wrapped_before_its_model_moves_runs_where_the_parameters_are(tmp_path):
+    """Wrapped while the model is on the meta device (as `apply` then `.cuda()` would be), the module runs on
+    the CPU once the model is there, bit for bit as one wrapped there; a batch on another device is refused."""
+    model, inputs, target, cap = setup("cnn")
+    path = save_policy(tmp_path, cap, "external")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    here = gaswap.apply(model, path, inputs)
+    reference = train(model, lambda: criterion(here(*inputs), target).backward())
+    with torch.device("meta"):
+        moved = MODELS["cnn"][0]()
+    module = gaswap.apply(moved, path, [x.to("meta") for x in inputs])
+    moved.to_empty(device="cpu")
+    moved.load_state_dict(state)
+    trained = train(moved, lambda: criterion(module(*inputs), target).backward())
+    assert all(torch.equal(a, b) for a, b in zip(reference, trained, strict=True))
+    with pytest.raises(PolicyError, match=r"input 0 is on meta, but the model's parameters are on cpu: move the "
+                                          r"batch to cpu"):
+        module(inputs[0].to("meta"))
+
+
 def test_other_shapes_are_refused_saying_which(tmp_path):
     model, inputs, _, cap = setup("cnn")
     path = save_policy(tmp_path, cap, "external")
@@ -214,7 +234,7 @@ def test_other_shapes_are_refused_saying_which(tmp_path):
 def test_backward_twice_through_one_step_is_refused():
     model, inputs, target, cap = setup("cnn")
     order, actions = policies_for(cap)["keep"]
-    loss = criterion(PolicyModule(model, cap, simulate(cap, order, actions).program, "cpu")(*inputs), target)
+    loss = criterion(PolicyModule(model, cap, simulate(cap, order, actions).program)(*inputs), target)
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="a second time"):
         loss.backward()
@@ -246,7 +266,7 @@ def test_validate_runs_an_external_loss_policy(tmp_path, capsys):
 def test_an_output_dropped_without_backward_releases_the_step():
     model, inputs, _, cap = setup("cnn")
     order, actions = policies_for(cap)["keep"]
-    module = PolicyModule(model, cap, simulate(cap, order, actions).program, "cpu")
+    module = PolicyModule(model, cap, simulate(cap, order, actions).program)
     with DeviceMemory("cpu") as memory:
         memory.hold([*model.parameters(), *model.buffers(), *inputs])
         before = memory.current()

@@ -472,3 +472,81 @@ def test_make_inputs():
         make_inputs([{"shape": [2], "dtype": "int64"}], {"shape": [2]}, 1, "cpu")
     with pytest.raises(ValueError, match="dtype"):
         make_inputs([{"shape": [2], "dtype": "float33"}], {"shape": [2]}, 1)
+
+
+# --- traced with the CPU's dispatch, run elsewhere: constants and CPU-only kernels -------------------------
+
+class _AttentionWithConstant(nn.Module):
+    """SDPA (traced as the CPU's flash kernel) and a tensor made in forward (traced as a constant)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(2, 5, 3, 2, 4).permute(2, 0, 3, 1, 4)  # (batch 2, heads 2, length 5, 4)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return (y.transpose(1, 2).reshape(2, 5, 8) * torch.tensor([1.0, 2, 3, 4, 5, 6, 7, 8])).sum(-1)
+
+
+def test_tensor_constants_become_placeholders_and_the_step_runs_under_a_program():
+    from gaswap.costs import Costs
+    from gaswap.encoding import Action, Encoding
+    from gaswap.runtime import StepRunner
+    from gaswap.simulator import Simulator
+
+    torch.manual_seed(0)
+    model, x, y = _AttentionWithConstant(), torch.randn(2, 5, 8), torch.randn(2, 5)
+    captured = capture(model, (x,), y, "mse")
+    assert not [n for n in captured.gm.graph.nodes if n.op == "get_attr"]
+    (name,) = [name for name, kind, _ in captured.placeholders if kind == "constant"]
+    assert captured.graph.tensors[name].kind == "buffer" and captured.graph.tensors[name].size == 32
+    encoding = Encoding(captured.graph)
+    keep = encoding.uniform(Action.KEEP)
+    sim = Simulator(captured.graph, Costs({op.name: 1.0 for op in captured.graph.ops}, 1.0, 1.0, "t", "t"))
+    program = sim.run(encoding.decode(keep.keys), keep.actions, trace=True).program
+    loss, *grads = StepRunner(captured, program)(captured.arguments(model, (x,), y))  # a ProgramError before
+    ref = nn.functional.mse_loss(model(x), y)
+    torch.testing.assert_close(loss, ref)
+    for a, b in zip(grads, torch.autograd.grad(ref, list(model.parameters())), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_cpu_flash_attention_is_replaced_off_the_cpu_by_equal_math():
+    from gaswap.capture import sdpa_backward, sdpa_forward
+
+    torch.manual_seed(0)
+    model, x, y = _AttentionWithConstant(), torch.randn(2, 5, 8), torch.randn(2, 5)
+    captured = capture(model, (x,), y, "mse")
+    targets = [str(n.target) for n in captured.gm.graph.nodes]
+    assert any("_for_cpu" in t for t in targets)  # what the CPU's dispatch traced
+    moved = captured.gm_on("meta")  # any device but the CPU: the meta device stands in for CUDA
+    assert not any("_for_cpu" in str(n.target) for n in moved.graph.nodes)
+    loss, *_ = moved(*captured.arguments(copy.deepcopy(model).to("meta"), (x.to("meta"),), y.to("meta")))
+    assert loss.device.type == "meta"
+    q, k, v = torch.randn(3, 2, 2, 5, 4).unbind(0)
+    mask = torch.randn(5, 5)
+    cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    for causal, kwargs in [(False, {}), (True, {}), (False, {"attn_mask": mask, "scale": 0.3})]:
+        out, lse = cpu(q, k, v, 0.0, causal, **kwargs)
+        mine = sdpa_forward(q, k, v, 0.0, causal, **kwargs)
+        torch.testing.assert_close(mine, (out, lse))
+        grad = torch.randn_like(out)
+        grads = sdpa_backward(grad, q, k, v, out, lse, 0.0, causal, **kwargs)
+        expected = cpu_backward(grad, q, k, v, out, lse, 0.0, causal, **kwargs)
+        torch.testing.assert_close(grads, expected)
+        assert [t.stride() for t in (*mine, *grads)] == [t.stride() for t in (out, lse, *expected)]  # same layouts
+
+
+def test_other_cpu_only_ops_are_refused_by_name():
+    from torch import fx
+
+    def scale_for_cpu(x):
+        return x * 2
+
+    g = fx.Graph()
+    g.output(g.call_function(scale_for_cpu, (g.placeholder("x"),)))
+    captured = type("C", (), {"gm": fx.GraphModule({}, g)})()
+    with pytest.raises(CaptureError, match="scale_for_cpu.*CPU's dispatch"):
+        capture.__globals__["Captured"].gm_on(captured, "meta")

@@ -126,7 +126,7 @@ MALFORMED = [
     ({"costs": {"source": "measure", "device": "auto", "threads": 1}},
      "costs.threads: only used when measuring on the CPU (source 'measure', device 'cpu')"),
     ({"search_space": "hybird"}, "search_space: unknown search space 'hybird' (did you mean 'hybrid'?) "
-                                 "(known: hybrid, order_only, recompute_only, swap_only)"),
+                                 "(known: compiled, hybrid, order_only, recompute_only, swap_only)"),
     ({"search_space": "nowhere/x.yaml"}, "search_space: search space file"),
     ({"name": "a b"}, "name: must be a name of letters"),
 ]

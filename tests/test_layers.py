@@ -6,10 +6,11 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "gaswap"
-FLOOR = {"program", "files"}
+FLOOR = {"program", "files", "step"}
 CORE = {"graph", "costs", "encoding", "simulator", "problem", "parallel", "checkpoint", "search", "baselines",
-        "milp", "policy"}
-APPLICATION = {"config", "results", "workflow", "validate", "report", "bench", "speed", "cli", "__main__"}
+        "milp", "policy", "allocator"}
+APPLICATION = {"config", "results", "workflow", "validate", "report", "bench", "speed", "compare", "gpu_check",
+               "gpu_memory", "cli", "__main__"}
 
 
 def layer(module: str) -> int:

@@ -9,9 +9,11 @@ from gaswap import policy as policies
 from gaswap import zoo
 from gaswap.capture import capture, make_inputs
 from gaswap.costs import estimate, load_profile
+from gaswap.dropout import BERNOULLI_STRIDED
 from gaswap.encoding import Action, Encoding
 from gaswap.memory import DeviceMemory
-from gaswap.runtime import ProgramError, StepRunner
+from gaswap.runtime import HOST_ALIGNMENT, ProgramError, StepRunner, _Copies
+from gaswap.streams import LaggingStreams
 from gaswap.simulator import Simulator
 from tiny_models import MODELS, policy_set
 
@@ -117,6 +119,154 @@ def test_the_captured_step_matches_eager_pytorch():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_dropout_on_a_non_contiguous_tensor_draws_eagers_mask_under_every_policy():
+    """A pre-norm TransformerEncoderLayer's residual dropout reads attention's transposed (non-contiguous)
+    output: eager fills the mask in that layout. Loss and gradients under every policy equal eager's bit for bit."""
+    model, inputs, target, cap = setup("encoder")
+    assert any(n.target is BERNOULLI_STRIDED for n in cap.gm.graph.nodes)  # the draw that needs eager's layout
+    torch.manual_seed(5)
+    model.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(inputs[0]), target)
+    loss.backward()
+    eager = (loss, *[p.grad for p in model.parameters()])
+    costs = estimate(cap.graph, load_profile("v100-pcie-16gb"))
+    for name, (order, actions) in policies_for(cap.graph).items():
+        runner = StepRunner(cap, Simulator(cap.graph, costs).run(order, actions, trace=True).program)
+        torch.manual_seed(5)
+        got = runner(fresh_args(cap, model, inputs, target))
+        assert len(got) == len(eager) and all(torch.equal(a, b) for a, b in zip(eager, got)), name
+
+
+def program_for(cap, name):
+    """The program of one policy of `policies_for` (v100 estimates)."""
+    order, actions = policies_for(cap.graph)[name]
+    return Simulator(cap.graph, estimate(cap.graph, load_profile("v100-pcie-16gb"))).run(order, actions, trace=True).program
+
+
+def plain_step(cap, model, inputs, target):
+    torch.manual_seed(5)
+    with torch.no_grad():
+        return cap.gm(*fresh_args(cap, model, inputs, target))
+
+
+@pytest.mark.parametrize("model_name", ["cnn", "gpt"])
+def test_copies_that_lag_as_far_as_cuda_lets_them_give_the_same_values(model_name):
+    """Through the lagging stand-in for CUDA streams a copy runs only when a wait forces it: every wait the
+    runtime needs must be there for the values to come out right (two steps: the host arena is reused)."""
+    model, inputs, target, cap = setup(model_name)
+    expected = plain_step(cap, model, inputs, target)
+    for name in ("swap", "mixed"):
+        runner = StepRunner(cap, program_for(cap, name), streams=LaggingStreams())
+        for _ in range(2):
+            torch.manual_seed(5)
+            got = runner(fresh_args(cap, model, inputs, target))
+            assert all(torch.equal(a, b) for a, b in zip(expected, got)), name
+
+
+def _no_wait_on_h2d(monkeypatch):
+    wait_event = LaggingStreams.wait_event
+    monkeypatch.setattr(LaggingStreams, "wait_event",
+                        lambda self, stream, event: None if stream is self.h2d else wait_event(self, stream, event))
+
+
+MISSING_WAITS = {  # a defect of the runtime's stream logic -> how to plant it
+    "free while the copy to the host may read": lambda mp: mp.setattr(_Copies, "release", _Copies.wait_for),
+    "read before the copy to the device lands": lambda mp: mp.setattr(_Copies, "wait_for", lambda self, name: None),
+    "copy back before the host has the data": _no_wait_on_h2d,
+}
+
+
+@pytest.mark.parametrize("defect", sorted(MISSING_WAITS))
+def test_the_lagging_streams_catch_a_missing_wait(defect, monkeypatch):
+    model, inputs, target, cap = setup("cnn")
+    expected = plain_step(cap, model, inputs, target)
+    MISSING_WAITS[defect](monkeypatch)
+    runner = StepRunner(cap, program_for(cap, "swap"), streams=LaggingStreams())
+    torch.manual_seed(5)
+    try:
+        got = runner(fresh_args(cap, model, inputs, target))
+    except (RuntimeError, IndexError):  # a poisoned integer tensor (a target out of range) fails loudly: caught too
+        return
+    assert not all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def test_a_non_dense_input_is_swapped_and_comes_back_in_its_layout():
+    """`tokens[:, :-1]` as the input, swapped out and back: the host buffer is contiguous, the device copy
+    gets the input's strides again (the same code on every device)."""
+    make, _, _ = MODELS["gpt"]
+    torch.manual_seed(0)
+    model = make()
+    tokens = torch.randint(0, 50, (4, 9), generator=torch.Generator().manual_seed(1))
+    inputs, target = (tokens[:, :-1],), tokens[:, 1:]
+    cap = capture(model, inputs, target, "cross_entropy", optimizer="sgd_momentum")
+    program = program_for(cap, "swap")
+    assert ("swap_out", "input_0") in program and not inputs[0].is_contiguous()
+    expected = plain_step(cap, model, inputs, target)
+    for streams in (None, LaggingStreams()):
+        torch.manual_seed(5)
+        fresh = tokens.clone()
+        got = StepRunner(cap, program, streams=streams)(cap.arguments(model, [fresh[:, :-1]], fresh[:, 1:]))
+        assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def test_a_runner_copies_into_one_host_arena_sized_from_its_program():
+    model, inputs, target, cap = setup("cnn")
+    program = program_for(cap, "swap")
+    runner = StepRunner(cap, program)
+    swapped = {name for verb, name in program if verb == "swap_out"}
+    assert set(runner.host) == swapped
+    (arena,) = {b.untyped_storage().data_ptr() for b in runner.host.values()}
+    size = -(-max(b.data_ptr() - arena + b.nbytes for b in runner.host.values()) // HOST_ALIGNMENT) * HOST_ALIGNMENT
+    assert size == sum(-(-cap.graph.tensors[name].size // HOST_ALIGNMENT) * HOST_ALIGNMENT for name in swapped)
+    where = {name: b.data_ptr() for name, b in runner.host.items()}
+    for _ in range(2):
+        with DeviceMemory("cpu") as memory:
+            runner(fresh_args(cap, model, inputs, target))
+        assert memory.host_bytes() == next(iter(runner.host.values())).untyped_storage().nbytes()  # the arena alone
+    assert where == {name: b.data_ptr() for name, b in runner.host.items()}
+
+
+def test_apply_step_runs_with_autocast_off_and_refuses_another_autocast(tmp_path, monkeypatch):
+    """A policy's casts are ops of its graph: under torch.autocast of the policy's dtype the step runs with
+    autocast off and gives the values it gives outside; under another autocast it is refused. (On the CPU,
+    autocast applied again to a graph captured under it would change nothing, its ops having their dtypes
+    already; CUDA's op lists differ from the CPU's the graph was captured with, hence the check of the state.)"""
+    import gaswap
+
+    autocast_seen = []
+    call = StepRunner.__call__
+    monkeypatch.setattr(StepRunner, "__call__", lambda self, args: (
+        autocast_seen.append(torch.is_autocast_enabled("cpu")), call(self, args))[1])
+    model, inputs, target, cap = setup("cnn")
+    plain = gaswap.apply_step(model, save_policy(tmp_path / "plain", cap, None), inputs, target)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
+            policies.PolicyError, match=r"called under torch.autocast\(bfloat16\), but the policy was searched without"):
+        plain(inputs[0].clone(), target.clone())
+    mixed_cap = capture(model, inputs, target, "cross_entropy", optimizer="sgd_momentum", autocast="bfloat16")
+    step = gaswap.apply_step(model, save_policy(tmp_path / "mixed", mixed_cap, "bfloat16"), inputs, target)
+    results = []
+    for context in (torch.autocast("cpu", dtype=torch.bfloat16), torch.autocast("cpu", enabled=False)):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        with context:
+            loss = step(inputs[0].clone(), target.clone())
+        results.append([loss, *(p.grad for p in model.parameters())])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    assert autocast_seen == [False, False]
+
+
+def save_policy(directory, cap, autocast):
+    """The mixed policy of `cap` (loss cross-entropy) as a policy file in `directory`."""
+    enc = Encoding(cap.graph)
+    order, actions = policies_for(cap.graph)["mixed"]
+    sim = Simulator(cap.graph, estimate(cap.graph, load_profile("v100-pcie-16gb"))).run(order, actions, trace=True)
+    directory.mkdir(parents=True, exist_ok=True)
+    policies.save(policies.from_result(cap.graph, enc.candidates, order, actions, {"peak_bytes": sim.peak_bytes},
+                                       {"loss": "cross_entropy", "optimizer": "sgd_momentum", "autocast": autocast},
+                                       sim.program), directory / "policy.yaml")
+    return directory / "policy.yaml"
+
+
 def test_a_policy_for_other_shapes_is_refused_saying_what_differs():
     _, _, _, small = setup("cnn", batch=4)
     _, _, _, big = setup("cnn", batch=8)
@@ -135,9 +285,18 @@ def test_a_program_that_misses_an_op_is_refused():
         StepRunner(cap, program)
 
 
+@pytest.fixture
+def deterministic():
+    """Deterministic algorithms for a bitwise CUDA test (cuBLAS's workspace is set in conftest.py); ops with
+    no deterministic CUDA kernel (adaptive average pooling's backward) warn instead of failing."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_swaps_give_the_same_values_and_the_allocator_sees_the_predicted_peak():
+def test_cuda_swaps_give_the_same_values_and_the_allocator_sees_the_predicted_peak(deterministic):
     model, inputs, target, cap = setup("cnn", batch=64)
     model = model.cuda()
     inputs, target = [x.cuda() for x in inputs], target.cuda()
@@ -156,6 +315,25 @@ def test_cuda_swaps_give_the_same_values_and_the_allocator_sees_the_predicted_pe
         assert all(torch.equal(a, b) for a, b in zip(expected, got)), name
         # the allocator rounds blocks up (512 B) and convolutions take workspace: allow 5 %
         assert memory.peak <= 1.05 * sim.peak_bytes, name
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_runner_makes_its_copy_streams_once_on_its_device_and_pins_one_arena(deterministic):
+    model, inputs, target, cap = setup("cnn")
+    model = model.cuda()
+    inputs, target = [x.cuda() for x in inputs], target.cuda()
+    runner = StepRunner(cap, program_for(cap, "swap"), "cuda")
+    streams = (runner.streams.d2h, runner.streams.h2d)
+    expected = None
+    for _ in range(2):
+        torch.manual_seed(5)
+        got = runner(fresh_args(cap, model, inputs, target))
+        assert expected is None or all(torch.equal(a, b) for a, b in zip(expected, got))
+        expected = got
+    assert (runner.streams.d2h, runner.streams.h2d) == streams
+    assert all(s.device == runner.device for s in streams)
+    assert all(b.is_pinned() for b in runner.host.values())
 
 
 def test_apply_trains_like_the_unchanged_step(tmp_path):

@@ -1,14 +1,31 @@
 """Tiny models and the set of policies the runtime tests run them under (CPU, seconds)."""
+from torch import nn
+
 from gaswap import zoo
 from gaswap.encoding import Action
 
-MODELS = {  # name -> (factory, input specs, target spec): BatchNorm, residual and dropout; a GPT; an MLP
+
+class PreNormEncoder(nn.Module):
+    """A ViT-style block: pre-norm `nn.TransformerEncoderLayer` with dropout (its residual dropout after
+    attention reads a non-contiguous tensor), mean over the tokens, a linear head."""
+
+    def __init__(self, width: int = 16, classes: int = 5):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(width, 2, 2 * width, dropout=0.3, batch_first=True, norm_first=True)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):
+        return self.head(self.layer(x).mean(1))
+
+
+MODELS = {  # name -> (factory, input specs, target spec): BatchNorm, residual and dropout; a GPT; an MLP; a ViT block
     "cnn": (lambda: zoo.tiny_cnn(num_classes=10, width=8), [{"shape": ["batch", 3, 16, 16]}],
             {"shape": ["batch"], "dtype": "int64", "high": 10}),
     "gpt": (lambda: zoo.gpt(vocab=50, layers=2, width=32, heads=4, seq=8, dropout=0.1),
             [{"shape": ["batch", 8], "dtype": "int64", "high": 50}], {"shape": ["batch", 8], "dtype": "int64", "high": 50}),
     "mlp": (lambda: zoo.mlp(sizes=(12, 32, 32, 5), dropout=0.2), [{"shape": ["batch", 12]}],
             {"shape": ["batch"], "dtype": "int64", "high": 5}),
+    "encoder": (PreNormEncoder, [{"shape": ["batch", 6, 16]}], {"shape": ["batch"], "dtype": "int64", "high": 5}),
 }
 
 

@@ -1,0 +1,308 @@
+"""`gaswap compare EXPERIMENT`: eager, torch.compile's memory budgets and gaswap compiled policies, head to head.
+
+For one experiment, in one process: the model trained eagerly; compiled by torch.compile (inductor) with
+`torch._functorch.config.activation_memory_budget` at 1.0, 0.5 and 0.2; and compiled under gaswap policies
+(`gaswap.compiled`) searched at the peaks torch's partitions reach and below. The gaswap budgets are the
+simulated peaks of torch's own partitions (each partition read back as keep/recompute actions and
+simulated on the same graph and costs), plus `--below` fractions of the lowest of them; the GA
+(search space `compiled`: keep / recompute, the compiler's order) is seeded with torch's partitions.
+
+Each method trains its own copy of the model from the same weights. After warm-up (the compile), rounds
+run the methods in rotated order: a few timed steps each (forward, loss, backward, optimizer step; the
+figure compared is the process's CPU time per step, steadier than wall time on a shared machine, with the
+experiment's `costs.threads` intra-op threads; wall time is in the CSV), then one step under the peak meter. The meter is independent of gaswap: on
+CUDA the caching allocator's peak; on a CPU the process's resident-set high-water mark (`VmHWM`, reset
+through /proc/self/clear_refs after glibc's `malloc_trim` hands freed memory back), less what was resident
+before the step. Both count gradients and every temporary. The predicted peak beside it is the simulated
+peak less the bytes resident before a step (parameters, buffers, inputs, optimizer state). On a CPU, a
+swap would not lower this figure (the host store is the same RAM), so the compared policies keep or
+recompute only.
+
+Writes `results/<experiment>/compare.csv`, `compare.md` and the gaswap policies (`compiled/pNN.yaml`).
+"""
+from __future__ import annotations
+
+import copy
+import csv
+import ctypes
+import ctypes.util
+import io
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gaswap import compiled, config, policy as policies, workflow
+from gaswap.capture import _loss_fn, _output_tensor
+from gaswap.config import format_size
+from gaswap.encoding import Action, Chromosome, Encoding
+from gaswap.files import write_atomic
+from gaswap.measure import device_name, measure, resolve_device, use_cpu
+from gaswap.problem import Problem
+from gaswap.search import search
+
+TORCH_BUDGETS = (1.0, 0.5, 0.2)
+COLUMNS = ("method", "knob", "predicted_peak_bytes", "predicted_step_s", "peak_bytes", "peak_min", "peak_max",
+           "step_s", "step_min", "step_max", "wall_step_s", "compile_s", "recomputed")  # step_*: CPU seconds
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.01),
+    "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-3),
+}
+
+
+@dataclass
+class Method:
+    """One way to train the model: a callable model (eager or compiled), its own weights and optimizer."""
+
+    name: str
+    knob: str  # torch's budget or gaswap's simulated budget
+    model: torch.nn.Module
+    run: object
+    optimizer: object
+    predicted: tuple = (None, None)  # simulated (peak bytes above resident, step seconds), where there is a policy
+    recomputed: int | None = None
+    compile_s: float = 0.0
+
+
+def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), results_root="results", cache_dir=None,
+        progress=print) -> list[dict]:
+    """Compare the methods on one experiment; write compare.csv / compare.md; return the rows (COLUMNS)."""
+    exp = config.load_experiment(experiment_path)
+    if exp.loss == "external":
+        raise config.ConfigError(f"{exp.path}: loss: compare computes the loss outside the compiled model; give a "
+                                 f"loss (cross_entropy, mse or sum) and its target")
+    device = resolve_device("auto")
+    if device.type == "cpu":
+        use_cpu(exp.costs.threads)
+    torch.manual_seed(exp.seed)
+    model = workflow.build_model(exp, device=str(device))
+    inputs, target = workflow.make_inputs(exp, str(device), torch.Generator(device).manual_seed(exp.seed))
+    progress(f"{exp.name} on {device_name(device)}: capturing torch.compile's joint graph")
+    graph = compiled.capture(model, *inputs, optimizer=exp.optimizer, counted=exp.counts)
+    costs = measure(graph, device, cache_dir, threads=exp.costs.threads)
+    unbudgeted = Problem(graph, costs, None, actions=(Action.KEEP, Action.RECOMPUTE))
+    encoding = unbudgeted.encoding
+    torch_points = {}
+    for budget in TORCH_BUDGETS:
+        _, actions = compiled.torch_partition(model, *inputs, budget=budget, optimizer=exp.optimizer, counted=exp.counts)
+        chromosome = Chromosome(encoding.captured_keys(), _actions(encoding, actions))
+        torch_points[budget] = (chromosome, unbudgeted.simulate(chromosome))
+    ours = _search(exp, graph, costs, encoding, torch_points, below, progress)
+    folder = Path(results_root) / exp.name
+    resident = graph.resident_bytes()  # the meter measures above what is resident before a step
+    eager, opt = _fresh(model, exp)
+    methods = [Method("eager", "-", eager, eager, opt)]
+    for budget, (chromosome, r) in torch_points.items():
+        m, opt = _fresh(model, exp)
+        methods.append(Method("torch.compile", f"{budget:g}", m, _torch_compiled(m, budget), opt,
+                              (r.peak_bytes - resident, r.step_time), _count(chromosome)))
+    for k, (label, evaluated) in enumerate(ours):
+        policy = compiled.make_policy(graph, dict(zip(encoding.candidates, (Action(a).name.lower() for a in
+                                                                               evaluated.chromosome.actions))),
+                                      {"peak_bytes": evaluated.peak_bytes, "step_time_s": evaluated.step_time},
+                                      {"experiment": exp.name, "experiment_file": str(exp.path), "budget": label,
+                                       "optimizer": exp.optimizer, "counts": sorted(exp.counts),
+                                       "cost_source": costs.source, "torch_version": str(torch.__version__)})
+        policies.save(policy, folder / "compiled" / f"p{k:02d}.yaml")
+        m, opt = _fresh(model, exp)
+        methods.append(Method("gaswap", label, m, compiled.compile(m, policy), opt,
+                              (evaluated.peak_bytes - resident, evaluated.step_time), _count(evaluated.chromosome)))
+    rows = _measure(methods, inputs, target, exp, device, rounds, steps, progress)
+    write_atomic(folder / "compare.csv", to_csv(rows))
+    write_atomic(folder / "compare.md", to_markdown(rows, exp.name, device_name(device)))
+    return rows
+
+
+def _actions(encoding: Encoding, actions: dict[str, str]) -> tuple[int, ...]:
+    """`actions` (a partition's) as a chromosome's, KEEP where gaswap cannot recompute a tensor (e.g. a dropout
+    mask whose seed torch saved instead: the seed is not a candidate)."""
+    out = []
+    for t, allowed in zip(encoding.candidates, encoding.allowed):
+        action = Action.parse(actions[t])
+        out.append(int(action if action in allowed else Action.KEEP))
+    return tuple(out)
+
+
+def _search(exp, graph, costs, encoding, torch_points, below, progress) -> list[tuple[str, object]]:
+    """gaswap's fastest policy at each distinct simulated peak of torch's partitions, and at `below` times
+    the lowest of them: (label, Evaluated) pairs, skipping budgets where nothing fits."""
+    space = config.load_search_space(compiled.SPACE)
+    seeds = {f"torch_{b:g}": c for b, (c, _) in torch_points.items()}
+    peaks = sorted({r.peak_bytes for _, r in torch_points.values()}, reverse=True)
+    budgets = [(format_size(p), p) for p in peaks] + [(f"{f:g}x {format_size(peaks[-1])}", int(f * peaks[-1]))
+                                                      for f in below]
+    out = []
+    for label, budget in budgets:
+        result = search(Problem(graph, costs, budget, space), exp.ga, exp.seed, seeds=seeds)
+        progress(f"  gaswap search at {label}: " + ("nothing fits" if result.best is None else
+                 f"{format_size(result.best.peak_bytes)}, {result.best.step_time * 1e3:.2f} ms predicted"))
+        if result.best is not None:
+            out.append((label, result.best))
+    return out
+
+
+def _fresh(model, exp) -> tuple[torch.nn.Module, object]:
+    m = copy.deepcopy(model)
+    return m, OPTIMIZERS[exp.optimizer]([p for p in m.parameters() if p.requires_grad])
+
+
+def _torch_compiled(model, budget: float):
+    """torch.compile with inductor, its partitioner at `activation_memory_budget = budget`."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor.compile_fx import compile_fx
+
+    def inductor_at_budget(gm, example_inputs):
+        with functorch_config.patch(activation_memory_budget=budget):
+            return compile_fx(gm, example_inputs)
+
+    return torch.compile(model, backend=inductor_at_budget, fullgraph=True, dynamic=False)
+
+
+def _count(chromosome) -> int:
+    return sum(1 for a in chromosome.actions if a == Action.RECOMPUTE)
+
+
+def _measure(methods, inputs, target, exp, device, rounds, steps, progress) -> list[dict]:
+    """Warm up (compile) each method, then `rounds` rounds in rotated order: `steps` timed steps each, then one
+    step under the peak meter."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(methods))
+    times = {m.name + m.knob: [] for m in methods}
+    cpu_times = {k: [] for k in times}
+    peaks = {k: [] for k in times}
+    for m in methods:
+        started = time.perf_counter()
+        for _ in range(2):
+            _step(m, inputs, target, exp.loss, device)
+        m.compile_s = time.perf_counter() - started
+        progress(f"  warmed up {m.name} {m.knob} ({m.compile_s:.0f} s)")
+    for r in range(rounds):
+        for m in methods[r % len(methods):] + methods[:r % len(methods)]:
+            for _ in range(steps):
+                wall, cpu = _step(m, inputs, target, exp.loss, device)
+                times[m.name + m.knob].append(wall)
+                cpu_times[m.name + m.knob].append(cpu)
+            with PeakMeter(device) as meter:
+                _step(m, inputs, target, exp.loss, device)
+            peaks[m.name + m.knob].append(meter.peak)
+    rows = []
+    for m in methods:
+        t, c, p = times[m.name + m.knob], cpu_times[m.name + m.knob], peaks[m.name + m.knob]
+        rows.append({"method": m.name, "knob": m.knob, "predicted_peak_bytes": m.predicted[0],
+                     "predicted_step_s": m.predicted[1], "peak_bytes": int(statistics.median(p)), "peak_min": min(p),
+                     "peak_max": max(p), "step_s": statistics.median(c), "step_min": min(c), "step_max": max(c),
+                     "wall_step_s": statistics.median(t), "compile_s": m.compile_s, "recomputed": m.recomputed})
+    return rows
+
+
+def _step(m: Method, inputs, target, loss: str, device) -> tuple[float, float]:
+    """One training step; (wall seconds, CPU seconds)."""
+    _sync(device)
+    wall, cpu = time.perf_counter(), time.process_time()
+    _loss_fn(loss, _output_tensor(m.run(*inputs)), target).backward()
+    m.optimizer.step()
+    m.optimizer.zero_grad(set_to_none=True)
+    _sync(device)
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class PeakMeter:
+    """Peak bytes a block adds to what is resident when it starts. CUDA: the caching allocator's peak. CPU: the
+    process's resident-set high-water mark (Linux), after glibc's malloc_trim returns freed memory to the OS."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.peak = 0
+
+    def __enter__(self) -> "PeakMeter":
+        _sync(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            _libc().malloc_trim(0)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM to the current resident set
+            self._base = _status("VmRSS")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _sync(self.device)
+        top = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else _status("VmHWM")
+        self.peak = top - self._base
+
+
+def _libc():
+    return ctypes.CDLL(ctypes.util.find_library("c"))
+
+
+def _status(key: str) -> int:
+    """A figure of /proc/self/status, in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/self/status has no {key}")
+
+
+# --- output ----------------------------------------------------------------------------------------------
+
+def to_csv(rows: list[dict]) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows({k: ("" if v is None else v) for k, v in row.items()} for row in rows)
+    return out.getvalue()
+
+
+def to_markdown(rows: list[dict], name: str, device: str) -> str:
+    """The table, and per torch.compile point the fastest gaswap policy at an equal or lower measured peak."""
+    lines = [f"# gaswap compare: {name} ({device})", "",
+             "| method | budget | recomputed | predicted peak | measured peak | CPU time per step (median, range) "
+             "| vs torch 1.0 |",
+             "|---|---|---:|---:|---:|---|---:|"]
+    reference = next(r["step_s"] for r in rows if r["method"] == "torch.compile" and r["knob"] == "1")
+    for r in rows:
+        predicted = "-" if r["predicted_peak_bytes"] is None else format_size(r["predicted_peak_bytes"])
+        lines.append(f"| {r['method']} | {r['knob']} | {'-' if r['recomputed'] is None else r['recomputed']} | "
+                     f"{predicted} | {format_size(r['peak_bytes'])} | {r['step_s'] * 1e3:.2f} ms "
+                     f"({r['step_min'] * 1e3:.2f}-{r['step_max'] * 1e3:.2f}) | {r['step_s'] / reference - 1:+.1%} |")
+    lines += ["", *goal_lines(rows)]
+    return "\n".join(lines) + "\n"
+
+
+def goal_lines(rows: list[dict]) -> list[str]:
+    """Per torch.compile point: the fastest gaswap policy whose measured peak is at or below it, and whether it
+    is at least as fast."""
+    ours = [r for r in rows if r["method"] == "gaswap"]
+    out = []
+    for t in (r for r in rows if r["method"] == "torch.compile"):
+        fits = [r for r in ours if r["peak_bytes"] <= t["peak_bytes"]]
+        if not fits:
+            out.append(f"- torch.compile {t['knob']} ({format_size(t['peak_bytes'])}): no gaswap policy at or below "
+                       f"its peak")
+            continue
+        best = min(fits, key=lambda r: r["step_s"])
+        verdict = "met" if best["step_s"] <= t["step_s"] else "not met"
+        out.append(f"- torch.compile {t['knob']} ({format_size(t['peak_bytes'])}, {t['step_s'] * 1e3:.2f} ms): "
+                   f"gaswap {best['knob']} {format_size(best['peak_bytes'])}, {best['step_s'] * 1e3:.2f} ms "
+                   f"({best['step_s'] / t['step_s'] - 1:+.1%}): {verdict}")
+    return out
+
+
+def command(args) -> int:
+    """Run the comparison from parsed arguments and print the table."""
+    below = tuple(float(b) for b in args.below.split(",") if b.strip())
+    rows = run(args.experiment, rounds=args.rounds, steps=args.steps, below=below, results_root=args.results,
+               cache_dir=args.cache)
+    name = config.load_experiment(args.experiment).name
+    print(to_markdown(rows, name, device_name(resolve_device("auto"))))
+    print(f"wrote {Path(args.results) / name}/ (compare.csv, compare.md, compiled/)")
+    return 0

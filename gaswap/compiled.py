@@ -1,0 +1,363 @@
+"""Policies that run inside torch.compile: keep / recompute decisions on the joint graph inductor partitions.
+
+torch.compile (AOTAutograd) traces a model's forward and backward pass into one *joint graph*, then a
+partitioner splits it into a forward and a backward graph: what the forward saves for the backward is kept,
+everything else the backward needs is recomputed inside it. Inductor then compiles both and fuses their ops.
+The partitioner is pluggable (`torch._inductor.config.custom_partitioner_fn`), and it honours SAC tags
+(`node.meta["recompute"] = CheckpointPolicy.MUST_SAVE / MUST_RECOMPUTE`).
+
+gaswap uses that graph itself, so the graph searched is the graph compiled:
+
+- `capture(fn, *args)` compiles `fn` (a module or a step function) up to the partitioner, takes the joint
+  graph inductor is about to partition (after its joint-graph passes, dead code removed, common
+  subexpressions merged, as the partitioner does) and turns it into a gaswap `Graph`: op names are the
+  joint graph's node names, stable for a given model, shapes and torch version. Forward ops are those the
+  forward must run (what the output needs, and the buffer updates); the rest is backward.
+  The gradient of the output is a `grad_output` tensor (torch.compile's caller runs the loss, or the step
+  returns it), so inputs are not candidates: the caller holds them.
+- Policies for it are searched in the `compiled` search space (keep / recompute per activation). The
+  operator order is not searched: the compiler orders and fuses the ops (forward graph, then backward
+  graph in the order AOTAutograd mimics of the autograd engine), and the simulator replays the captured
+  order. Swaps are refused (see below).
+- `backend(policy)` is a torch.compile backend (inductor with `PolicyPartitioner`): the partitioner checks
+  that the joint graph is the one the policy was made for, tags every forward op (kept or not
+  recomputable: MUST_SAVE; recomputed, and forward intermediates a recompute may need: MUST_RECOMPUTE),
+  partitions with the min-cut partitioner at memory budget 1.0, and checks that the forward saves no
+  tensor the policy recomputes. Backward ops that need no gradient (e.g. ReLU's mask `le = relu <= 0`)
+  are left to the min-cut partitioner, which may run them in the forward and save their (smaller)
+  result instead of recomputing what they read: that saves at most what the policy's plan holds, and the
+  simulator does not model it (it recomputes the chain), so a compiled step may hold less and run faster
+  than predicted. `compile(model, policy)` is `torch.compile(model, backend=backend(policy),
+  fullgraph=True, dynamic=False)`.
+
+Behaviour to know: a graph break (fullgraph=True) and dynamic shapes (dynamic=False) are refused by
+torch.compile; a recompilation (new shapes, dtypes, or a changed model) gives another joint graph, which the
+partitioner refuses naming both fingerprints. Eval mode and `torch.no_grad()` compile an inference graph,
+which is not partitioned: the policy does not apply there. Swapping (offloading) is refused: torch 2.13's
+compiled offloading (`torch/_functorch/_activation_offloading/`) is CUDA-only, and on a CPU a host copy
+lowers no memory.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch._functorch import config as functorch_config
+from torch._functorch.compile_utils import fx_graph_cse
+from torch._functorch.partitioners import _must_be_in_forward, min_cut_rematerialization_partition
+from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
+from torch.utils._pytree import arg_tree_leaves
+from torch.utils.checkpoint import CheckpointPolicy
+
+from gaswap import graph as graphs
+from gaswap import policy as policies
+from gaswap.capture import _key, _make_op, _nbytes
+from gaswap.graph import Graph, Tensor
+from gaswap.policy import Policy, PolicyError
+from gaswap.step import OPTIMIZER_STATE
+
+SPACE = "compiled"  # the search space of compiled policies: keep / recompute, captured order
+
+
+class CompiledCaptureError(RuntimeError):
+    """torch.compile could not trace the model up to its partitioner; the message says why."""
+
+
+@dataclass(frozen=True)
+class Joint:
+    """A joint graph as gaswap sees it: the `Graph`, and each fx node's storage (tensor name)."""
+
+    graph: Graph
+    storage_of: dict[str, str]  # fx node name -> name of the storage its value lives in
+
+
+def capture(fn: Callable, *example_args, optimizer: str = "sgd_momentum", counted=graphs.COUNTABLE) -> Graph:
+    """The `Graph` of the joint forward+backward graph that torch.compile's partitioner gets for `fn`.
+
+    `fn` is a module (its output is differentiated by the caller's loss) or a step function returning the
+    loss; `example_args` are real tensors of the shapes it will train with (torch.compile traces them as
+    fake tensors; nothing runs). Compiles with fullgraph=True and dynamic=False, up to the partitioner only
+    (inductor generates no code: a few seconds). `optimizer` and `counted` are as in `gaswap.capture`.
+    """
+    return _record(_Recorder(optimizer, counted), fn, example_args).joint.graph
+
+
+def torch_partition(fn: Callable, *example_args, budget: float = 1.0, optimizer: str = "sgd_momentum",
+                    counted=graphs.COUNTABLE) -> tuple[Graph, dict[str, str]]:
+    """The graph of `capture` and what torch.compile's own partitioner does with it at
+    `torch._functorch.config.activation_memory_budget = budget`, as keep/recompute actions per candidate."""
+    recorder = _record(_Recorder(optimizer, counted, budget), fn, example_args)
+    return recorder.joint.graph, policy_of_partition(recorder.joint, recorder.saved)
+
+
+def saved_by(fn: Callable, policy: Policy, *example_args) -> list[str]:
+    """The activations the forward saves for the backward when `fn` is compiled under `policy` (partitioned
+    as `backend(policy)` does, then stopped before inductor generates code)."""
+    partitioner = PolicyPartitioner(policy)
+
+    class _Stop(_Recorder):
+        def __call__(self, gm, joint_inputs, **kwargs):
+            self.joint = True
+            partitioner(gm, joint_inputs, **kwargs)
+            raise _Captured()
+
+    _record(_Stop("sgd_momentum", ()), fn, example_args)
+    return partitioner.saved
+
+
+def _record(recorder: "_Recorder", fn: Callable, example_args) -> "_Recorder":
+    compiled = torch.compile(fn, backend=_inductor_with(recorder), fullgraph=True, dynamic=False)
+    try:
+        compiled(*example_args)
+    except Exception as e:  # noqa: BLE001 - dynamo wraps what the backend raises
+        if recorder.joint is None:
+            raise CompiledCaptureError(f"torch.compile could not trace {_name(fn)} (fullgraph=True, dynamic=False): "
+                                       f"{str(e).strip().splitlines()[0]}") from e
+    if recorder.joint is None:
+        raise CompiledCaptureError(f"torch.compile of {_name(fn)} made no training graph: call it with inputs that "
+                                   f"require a backward pass (parameters requiring grad, grad mode on)")
+    return recorder
+
+
+def backend(policy: Policy | str, **inductor_options) -> Callable:
+    """A torch.compile backend that trains under `policy` (a compiled policy or its file):
+    `torch.compile(model, backend=gaswap.compiled.backend(policy), fullgraph=True, dynamic=False)`."""
+    policy = policies.load(policy) if not isinstance(policy, Policy) else policy
+    check_compiled(policy)
+    return _inductor_with(PolicyPartitioner(policy), **inductor_options)
+
+
+def compile(model: Callable, policy: Policy | str, **inductor_options) -> Callable:  # noqa: A001 - torch's name
+    """`model` (or a step function) compiled by torch.compile with inductor, training under `policy`."""
+    return torch.compile(model, backend=backend(policy, **inductor_options), fullgraph=True, dynamic=False)
+
+
+def check_compiled(policy: Policy) -> None:
+    """Refuse a policy that was not made for a compiled graph, or that swaps."""
+    if policy.provenance.get("form") != "compiled":
+        raise PolicyError("the policy was searched on gaswap's own captured graph, not on torch.compile's joint graph: "
+                          "`gaswap compare EXPERIMENT` searches compiled policies (results/<experiment>/compiled/), "
+                          "or use gaswap.apply / apply_step for this one")
+    swapped = [t for t, a in policy.actions.items() if a == "swap"]
+    if swapped:
+        raise PolicyError(f"the policy swaps {len(swapped)} tensors (e.g. {swapped[0]}): compiled policies keep or "
+                          f"recompute only (torch 2.13 offloads in compiled graphs on CUDA only, and on a CPU a host "
+                          f"copy lowers no memory)")
+
+
+class PolicyPartitioner(CustomPartitionerFn):
+    """Inductor's partitioner under a policy: tags the joint graph's nodes, then min-cut partitions it."""
+
+    def __init__(self, policy: Policy):
+        self.policy = policy
+        self.saved: list[str] = []  # storages the forward saved in the last partition (for tests and reports)
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs) -> tuple[fx.GraphModule, fx.GraphModule]:
+        joint = _joint(gm, kwargs["num_fwd_outputs"], kwargs.get("static_lifetime_input_indices") or [],
+                       self.policy.provenance.get("optimizer", "sgd_momentum"),
+                       self.policy.provenance.get("counts", graphs.COUNTABLE))
+        policies.check_matches(self.policy, joint.graph, "policy")
+        _tag(gm, joint, self.policy.actions)
+        with functorch_config.patch(activation_memory_budget=1.0):
+            fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        self.saved = saved_storages(fw, kwargs["num_fwd_outputs"], joint)
+        _check_saved(self.saved, normalize(joint.graph, self.policy.actions))
+        return fw, bw
+
+    def uuid(self) -> str:
+        """Inductor's cache key: the policy's content and this module's code."""
+        body = json.dumps([self.policy.fingerprint, sorted(self.policy.actions.items())])
+        return hashlib.sha256(body.encode() + get_hash_for_files((__file__,))).hexdigest()
+
+
+def saved_storages(fw: fx.GraphModule, num_fwd_outputs: int, joint: Joint) -> list[str]:
+    """The activations (storage names) a partitioned forward graph saves for the backward."""
+    outputs = arg_tree_leaves(*fw.graph.output_node().args)[num_fwd_outputs:]
+    names = {joint.storage_of.get(n.name) for n in outputs if isinstance(n, fx.Node)}
+    return sorted(t for t in names if t is not None and joint.graph.tensors[t].kind == "activation")
+
+
+def policy_of_partition(joint: Joint, saved: list[str]) -> dict[str, str]:
+    """The keep/recompute actions of a partition: a candidate is kept if the forward saved it, or if its op may
+    not run twice (the partition saved something computed from it instead, e.g. a dropout mask from its seed).
+    Tensors the partition saves that are not candidates (a backward op hoisted into the forward, such as
+    ReLU's mask) have no action: the projection is approximate there."""
+    kept = set(saved)
+    ops = {op.name: op for op in joint.graph.ops}
+    return {t: "keep" if t in kept or not ops[joint.graph.tensors[t].producer].recomputable else "recompute"
+            for t in joint.graph.candidates()}
+
+
+# --- the joint graph as a gaswap Graph ------------------------------------------------------------------
+
+def _joint(gm: fx.GraphModule, num_fwd_outputs: int, static_indices, optimizer: str, counted) -> Joint:
+    """Prepare `gm` as the min-cut partitioner does (dead code out, common subexpressions merged; in place)
+    and describe it as a `Graph`."""
+    gm.graph.eliminate_dead_code()
+    if functorch_config.cse:
+        gm.graph = fx_graph_cse(gm.graph)
+    gm.recompile()
+    nodes = list(gm.graph.nodes)
+    outputs = arg_tree_leaves(*gm.graph.output_node().args)
+    fwd_outputs, grads = outputs[:num_fwd_outputs], outputs[num_fwd_outputs:]
+    if num_fwd_outputs != 1:
+        raise PolicyError(f"the compiled step returns {num_fwd_outputs} tensors; gaswap's compiled policies need one "
+                          f"(the model's output, or the loss)")
+    primals = [n for n in nodes if n.op == "placeholder" and not n.target.startswith("tangents")]
+    forward = _ancestors([*fwd_outputs, *(n for n in nodes if n.op == "call_function" and _must_be_in_forward(n))])
+    storage: dict = {}
+    tensors: dict[str, Tensor] = {}
+    storage_of: dict[str, str] = {}
+    ops = []
+    for node in nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder":
+            if not isinstance(val, torch.Tensor):
+                continue
+            kind = _placeholder_kind(node, primals, grads, static_indices)
+            storage.setdefault(_key(val), node.name)
+            tensors[node.name] = Tensor(node.name, _nbytes(val), kind)
+        elif node.op == "call_function":
+            layer = _layer(node)
+            op = _make_op(node, storage, tensors, node in forward, layer)
+            if op is not None:
+                ops.append(op)
+        if isinstance(val, torch.Tensor) and _key(val) in storage:
+            storage_of[node.name] = storage[_key(val)]
+    for node in grads:
+        if isinstance(node, fx.Node) and storage_of.get(node.name) in tensors:
+            name = storage_of[node.name]
+            if tensors[name].producer is not None:
+                tensors[name] = Tensor(name, tensors[name].size, "grad", tensors[name].producer)
+    param_bytes = sum(t.size for t in tensors.values() if t.kind == "param")
+    ops.sort(key=lambda op: op.phase != "fwd")
+    g = Graph(tuple(ops), tensors, resident={"optimizer_state": OPTIMIZER_STATE[optimizer] * param_bytes},
+              counted=frozenset(counted), loss=storage_of[fwd_outputs[0].name])
+    return Joint(g, storage_of)
+
+
+def _placeholder_kind(node: fx.Node, primals: list, grads: list, static_indices) -> str:
+    if node.target.startswith("tangents"):
+        return "grad_output"
+    i = primals.index(node)
+    if i < len(grads) and grads[i] is not None:
+        return "param"
+    return "buffer" if i in static_indices else "input"
+
+
+def _layer(node: fx.Node) -> str:
+    """The module path of a node (forward ops; backward ops carry their forward op's), as dynamo records it."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return path.replace("L['self'].", "").replace("L['self']", "").replace("['", ".").replace("']", "")
+
+
+def _ancestors(roots) -> set[fx.Node]:
+    seen, todo = set(), [r for r in roots if isinstance(r, fx.Node)]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo += n.all_input_nodes
+    return seen
+
+
+# --- tagging and checking ---------------------------------------------------------------------------------
+
+def _tag(gm: fx.GraphModule, joint: Joint, actions: dict[str, str]) -> None:
+    """Set `meta["recompute"]` on every forward call_function node: a node whose storage is kept (or whose op may
+    not run twice) MUST_SAVE, every other MUST_RECOMPUTE. Views and getitems follow the op that made their
+    storage; an op of several outputs is saved whole if one of them is kept (see `normalize`)."""
+    ops = {op.name: op for op in joint.graph.ops}
+    actions = normalize(joint.graph, actions)
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = joint.storage_of.get(node.name)
+        op = ops.get(joint.graph.tensors[name].producer) if name in joint.graph.tensors else None
+        op = op or ops.get(node.name)  # an op of several outputs (its value is a tuple)
+        if op is None or op.phase != "fwd":
+            continue  # backward ops: computed in the backward, or hoisted by the partitioner (see the module doc)
+        if not op.recomputable or any(actions.get(t) == "keep" for t in op.outputs):
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+        else:
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+
+
+def normalize(graph: Graph, actions: dict[str, str]) -> dict[str, str]:
+    """`actions` as a compiled graph can run them: the outputs of one op (e.g. var_mean's variance and mean) are
+    kept together if one of them is kept, since the partitioner saves or recomputes an fx node as a whole."""
+    out = dict(actions)
+    for op in graph.ops:
+        if len(op.outputs) > 1 and any(out.get(t) == "keep" for t in op.outputs):
+            out.update({t: "keep" for t in op.outputs if t in out})
+    return out
+
+
+def _check_saved(saved: list[str], actions: dict[str, str]) -> None:
+    """Refuse a partition that saves an activation the policy recomputes (the tags were not honoured)."""
+    wrong = [t for t in saved if actions.get(t) == "recompute"]
+    if wrong:
+        raise PolicyError(f"torch's partitioner saved {len(wrong)} tensors the policy recomputes (e.g. {wrong[0]}); "
+                          f"this torch version does not honour the tags as gaswap expects")
+
+
+# --- plumbing ---------------------------------------------------------------------------------------------
+
+class _Recorder(CustomPartitionerFn):
+    """A partitioner that records the joint graph it is given (and, with a `budget`, what torch's min-cut
+    partitioner at that activation memory budget saves), then stops the compilation there."""
+
+    def __init__(self, optimizer: str, counted, budget: float | None = None):
+        self.optimizer, self.counted, self.budget = optimizer, counted, budget
+        self.joint: Joint | None = None
+        self.saved: list[str] = []
+
+    def __call__(self, gm, joint_inputs, **kwargs):
+        self.joint = _joint(gm, kwargs["num_fwd_outputs"], kwargs.get("static_lifetime_input_indices") or [],
+                            self.optimizer, self.counted)
+        if self.budget is not None:
+            with functorch_config.patch(activation_memory_budget=self.budget):
+                fw, _ = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+            self.saved = saved_storages(fw, kwargs["num_fwd_outputs"], self.joint)
+        raise _Captured()
+
+    def uuid(self):
+        return None  # never cached
+
+
+class _Captured(Exception):
+    """Raised by `_Recorder` once it has the joint graph: nothing more to compile."""
+
+
+def _inductor_with(partitioner: CustomPartitionerFn, **options) -> Callable:
+    """Inductor as a torch.compile backend, with `partitioner` in place of its min-cut partitioner."""
+    from torch._inductor.compile_fx import compile_fx
+
+    def gaswap_inductor(gm, example_inputs):
+        return compile_fx(gm, example_inputs, config_patches={**options, "custom_partitioner_fn": partitioner})
+
+    gaswap_inductor.partitioner = partitioner
+    return gaswap_inductor
+
+
+def _name(fn) -> str:
+    return type(fn).__name__ if isinstance(fn, torch.nn.Module) else getattr(fn, "__name__", repr(fn))
+
+
+def make_policy(graph: Graph, actions: dict[str, str], predicted: dict | None = None, provenance: dict | None = None,
+                program=()) -> Policy:
+    """A compiled policy for `graph` (from `capture`): `actions` maps candidates to "keep" or "recompute"
+    (candidates not named are kept); the order is the captured one."""
+    unknown = sorted(set(actions) - set(graph.candidates()))
+    if unknown:
+        raise PolicyError(f"not candidates of this graph: {', '.join(unknown[:3])}")
+    full = {t: actions.get(t, "keep") for t in graph.candidates()}
+    return Policy(graph.fingerprint(), tuple(op.name for op in graph.ops), full, dict(predicted or {}),
+                  {"form": "compiled"} | dict(provenance or {}), tuple(program))

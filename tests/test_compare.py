@@ -1,0 +1,45 @@
+"""gaswap compare: its peak meter and its verdicts (the whole comparison compiles seven times: not a unit test;
+`python -m gaswap compare experiments/compare_cnn_cpu.yaml` runs it)."""
+import pytest
+import torch
+
+from gaswap import compare
+
+
+def test_cpu_peak_meter_sees_what_a_block_holds_at_once():
+    keep = torch.ones(8 << 20)  # resident before: not counted
+    with compare.PeakMeter("cpu") as meter:
+        a = torch.ones(16 << 20)  # 64 MiB
+        b = a * 2  # another 64 MiB while a lives
+        del a, b
+    assert 128 << 20 <= meter.peak < 140 << 20
+    with compare.PeakMeter("cpu") as meter:
+        torch.ones(16 << 20).sum()
+    assert 64 << 20 <= meter.peak < 76 << 20  # memory freed and kept by malloc before is handed back first
+    del keep
+
+
+def _row(method, knob, peak, step):
+    return {"method": method, "knob": knob, "predicted_peak_bytes": None, "predicted_step_s": None, "peak_bytes": peak,
+            "peak_min": peak, "peak_max": peak, "step_s": step, "step_min": step, "step_max": step, "wall_step_s": step,
+            "compile_s": 0.0, "recomputed": None}
+
+
+def test_goal_compares_each_torch_point_with_the_fastest_gaswap_policy_at_or_below_its_peak():
+    rows = [_row("eager", "-", 300, 1.0), _row("torch.compile", "1", 200, 1.0), _row("torch.compile", "0.2", 100, 1.3),
+            _row("gaswap", "a", 190, 0.9), _row("gaswap", "b", 120, 1.1), _row("gaswap", "c", 90, 1.4)]
+    lines = compare.goal_lines(rows)
+    assert "gaswap a" in lines[0] and lines[0].endswith(": met")
+    assert "gaswap c" in lines[1] and lines[1].endswith(": not met")  # only c is at or below 100
+    table = compare.to_markdown(rows, "x", "cpu")
+    assert "| gaswap | b | - | - |" in table and "+10.0%" in table
+
+
+def test_compare_refuses_an_experiment_without_a_loss(tmp_path):
+    from gaswap import config
+
+    path = tmp_path / "e.yaml"
+    path.write_text("model: {factory: gaswap.zoo:mlp}\ninputs: [{shape: [batch, 32]}]\nloss: external\n"
+                    "batch_size: 4\nbudget: 0.5x\n")
+    with pytest.raises(config.ConfigError, match="loss"):
+        compare.run(path, results_root=tmp_path)
