@@ -8,9 +8,10 @@ simulated on the same graph and costs), plus `--below` fractions of the lowest o
 (search space `compiled`: keep / recompute, the compiler's order) is seeded with torch's partitions.
 
 Each method trains its own copy of the model from the same weights. After warm-up (the compile), rounds
-run the methods in rotated order: a few timed steps each (forward, loss, backward, optimizer step; the
-figure compared is the process's CPU time per step, steadier than wall time on a shared machine, with the
-experiment's `costs.threads` intra-op threads; wall time is in the CSV), then one step under the peak meter. The meter is independent of gaswap: on
+run the methods in rotated order: for each, one step under the peak meter, one untimed step (the meter
+handed freed memory back to the OS; malloc takes it again), then a few timed steps (forward, loss,
+backward, optimizer step; the figure compared is the process's CPU time per step, steadier than wall
+time on a shared machine, with the experiment's `costs.threads` intra-op threads; wall time is in the CSV). The meter is independent of gaswap: on
 CUDA the caching allocator's peak; on a CPU the process's resident-set high-water mark (`VmHWM`, reset
 through /proc/self/clear_refs after glibc's `malloc_trim` hands freed memory back), less what was resident
 before the step. Both count gradients and every temporary. The predicted peak beside it is the simulated
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from gaswap import compiled, config, policy as policies, workflow
+from gaswap import compiled, config, experiment, policy as policies
 from gaswap.capture import _loss_fn, _output_tensor
 from gaswap.config import format_size
 from gaswap.encoding import Action, Chromosome, Encoding
@@ -78,19 +79,20 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), resul
     if device.type == "cpu":
         use_cpu(exp.costs.threads)
     torch.manual_seed(exp.seed)
-    model = workflow.build_model(exp, device=str(device))
-    inputs, target = workflow.make_inputs(exp, str(device), torch.Generator(device).manual_seed(exp.seed))
+    model = experiment.build_model(exp, device=str(device))
+    inputs, target = experiment.make_inputs(exp, str(device), torch.Generator(device).manual_seed(exp.seed))
     progress(f"{exp.name} on {device_name(device)}: capturing torch.compile's joint graph")
     graph = compiled.capture(model, *inputs, optimizer=exp.optimizer, counted=exp.counts)
     costs = measure(graph, device, cache_dir, threads=exp.costs.threads)
-    unbudgeted = Problem(graph, costs, None, actions=(Action.KEEP, Action.RECOMPUTE))
-    encoding = unbudgeted.encoding
+    space = config.load_search_space(compiled.SPACE)
+    unbounded = Problem(graph, costs, None, space)
+    encoding = unbounded.encoding
     torch_points = {}
     for budget in TORCH_BUDGETS:
         _, actions = compiled.torch_partition(model, *inputs, budget=budget, optimizer=exp.optimizer, counted=exp.counts)
         chromosome = Chromosome(encoding.captured_keys(), _actions(encoding, actions))
-        torch_points[budget] = (chromosome, unbudgeted.simulate(chromosome))
-    ours = _search(exp, graph, costs, encoding, torch_points, below, progress)
+        torch_points[budget] = (chromosome, unbounded.simulate(chromosome))
+    ours = _search(exp, graph, costs, space, torch_points, below, progress)
     folder = Path(results_root) / exp.name
     resident = graph.resident_bytes()  # the meter measures above what is resident before a step
     eager, opt = _fresh(model, exp)
@@ -126,10 +128,9 @@ def _actions(encoding: Encoding, actions: dict[str, str]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _search(exp, graph, costs, encoding, torch_points, below, progress) -> list[tuple[str, object]]:
+def _search(exp, graph, costs, space, torch_points, below, progress) -> list[tuple[str, object]]:
     """gaswap's fastest policy at each distinct simulated peak of torch's partitions, and at `below` times
     the lowest of them: (label, Evaluated) pairs, skipping budgets where nothing fits."""
-    space = config.load_search_space(compiled.SPACE)
     seeds = {f"torch_{b:g}": c for b, (c, _) in torch_points.items()}
     peaks = sorted({r.peak_bytes for _, r in torch_points.values()}, reverse=True)
     budgets = [(format_size(p), p) for p in peaks] + [(f"{f:g}x {format_size(peaks[-1])}", int(f * peaks[-1]))
@@ -166,8 +167,8 @@ def _count(chromosome) -> int:
 
 
 def _measure(methods, inputs, target, exp, device, rounds, steps, progress) -> list[dict]:
-    """Warm up (compile) each method, then `rounds` rounds in rotated order: `steps` timed steps each, then one
-    step under the peak meter."""
+    """Warm up (compile) each method, then `rounds` rounds in rotated order: one step under the peak meter, one
+    untimed step, then `steps` timed steps each."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(methods))
     times = {m.name + m.knob: [] for m in methods}
     cpu_times = {k: [] for k in times}
@@ -180,13 +181,14 @@ def _measure(methods, inputs, target, exp, device, rounds, steps, progress) -> l
         progress(f"  warmed up {m.name} {m.knob} ({m.compile_s:.0f} s)")
     for r in range(rounds):
         for m in methods[r % len(methods):] + methods[:r % len(methods)]:
+            with PeakMeter(device) as meter:
+                _step(m, inputs, target, exp.loss, device)
+            peaks[m.name + m.knob].append(meter.peak)
+            _step(m, inputs, target, exp.loss, device)  # untimed: the meter handed memory back, malloc takes it again
             for _ in range(steps):
                 wall, cpu = _step(m, inputs, target, exp.loss, device)
                 times[m.name + m.knob].append(wall)
                 cpu_times[m.name + m.knob].append(cpu)
-            with PeakMeter(device) as meter:
-                _step(m, inputs, target, exp.loss, device)
-            peaks[m.name + m.knob].append(meter.peak)
     rows = []
     for m in methods:
         t, c, p = times[m.name + m.knob], cpu_times[m.name + m.knob], peaks[m.name + m.knob]

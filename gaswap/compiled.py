@@ -56,9 +56,9 @@ from torch.utils.checkpoint import CheckpointPolicy
 from gaswap import graph as graphs
 from gaswap import policy as policies
 from gaswap.capture import _key, _make_op, _nbytes
+from gaswap.step import OPTIMIZER_STATE
 from gaswap.graph import Graph, Tensor
 from gaswap.policy import Policy, PolicyError
-from gaswap.step import OPTIMIZER_STATE
 
 SPACE = "compiled"  # the search space of compiled policies: keep / recompute, captured order
 

@@ -451,7 +451,8 @@ def load_experiment(path: str | Path) -> Experiment:
         where["target"].fail(f"required for loss {experiment.loss!r}")
     tensors = [("inputs", i, spec) for i, spec in enumerate(experiment.inputs)] + [("target", None, experiment.target)]
     for key, i, spec in tensors:
-        if spec is not None and math.prod(experiment.batch_size if d == BATCH else d for d in spec.shape) > MAX_ELEMENTS:
+        elements = math.prod(experiment.batch_size if d == BATCH else d for d in spec.shape) if spec else 0
+        if elements > MAX_ELEMENTS:
             place = where[key] if i is None else where[key][i]
             place["shape"].fail(f"more than {MAX_ELEMENTS} elements with batch size {experiment.batch_size}")
     return experiment

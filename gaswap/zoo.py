@@ -447,7 +447,8 @@ def huggingface(architecture: str, **config) -> nn.Module:
 NOT_FACTORIES = ("torch", "numpy", "yaml", "pickle", "dill", "cloudpickle", "joblib", "pandas", "scipy")
 # The zoo's factories: the only functions of gaswap a factory may name, and the only factories a policy file
 # may have validate and plot build without the user naming the experiment (see `shipped`).
-MODELS = ("alexnet", "vgg16", "resnet18", "resnet50", "mlp", "tiny_cnn", "gpt", "bert", "unet", "huggingface")
+MODELS = ("alexnet", "vgg16", "resnet18", "resnet50", "mlp", "tiny_cnn", "gpt", "bert", "unet", "densenet", "gru",
+          "huggingface")
 
 
 def resolve(path: str):
