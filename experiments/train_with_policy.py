@@ -12,12 +12,13 @@ The peaks are measured on one step of each (CUDA: the allocator; CPU: gaswap's s
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 import torch.nn.functional as F
 
 import gaswap
-from gaswap import config, policy as policies, workflow
+from gaswap import config, experiment, policy as policies, zoo
 from gaswap.measure import resolve_device
 from gaswap.memory import DeviceMemory
 from gaswap.validate import OPTIMIZERS
@@ -33,9 +34,9 @@ LOSSES = {
 def batches(exp, device, count: int):
     """`count` fixed synthetic batches (inputs, target), cycled through by both runs."""
     gen = torch.Generator(device).manual_seed(exp.seed)
-    data = [workflow.make_inputs(exp, str(device), gen) for _ in range(count)]
+    data = [experiment.make_inputs(exp, str(device), gen) for _ in range(count)]
     if exp.loss == "external":
-        shape = workflow.build_model(exp)(*workflow.make_inputs(exp)[0]).shape  # on the meta device
+        shape = experiment.build_model(exp)(*experiment.make_inputs(exp)[0]).shape  # on the meta device
         data = [(inputs, torch.randn(shape, device=device, generator=gen)) for inputs, _ in data]
     return data
 
@@ -43,7 +44,7 @@ def batches(exp, device, count: int):
 def train(exp, device, data, steps, step_fn):
     """Train a fresh copy of the model (same seed) for `steps`; return (losses, peak bytes of step 2)."""
     torch.manual_seed(exp.seed)
-    model = workflow.build_model(exp, device=str(device))
+    model = experiment.build_model(exp, device=str(device))
     optimizer = OPTIMIZERS[exp.optimizer]([p for p in model.parameters() if p.requires_grad])
     run = step_fn(model, data[0])
     losses, peak = [], None
@@ -88,9 +89,14 @@ def main() -> None:
     parser.add_argument("policy", help="a policy file, e.g. results/tiny_cnn_cpu/policy.yaml")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--every", type=int, default=25, help="print the losses every this many steps")
+    parser.add_argument("--trust-factory", action="store_true",
+                        help="build the model the policy's experiment names even when it is not one of gaswap's zoo")
     args = parser.parse_args()
     policy = policies.load(args.policy)
     exp = config.load_experiment(policy.provenance["experiment_file"])
+    if not zoo.shipped(exp.model.factory) and not args.trust_factory:  # a shared policy must not pick code to run
+        sys.exit(f"error: {args.policy}: its experiment builds the model with {exp.model.factory}, code named only "
+                 f"by the policy file; pass --trust-factory if you trust it")
     device = resolve_device("auto")
     data = batches(exp, device, 4)
     plain, plain_peak = train(exp, device, data, args.steps, eager(exp))

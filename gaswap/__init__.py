@@ -3,11 +3,13 @@
 One flat package in three layers; a module imports only from its own layer or those below
 (tests/test_layers.py checks it, and that the floors below the torch side never import torch):
 
-- the floor: `program` (Action, Verb, Instruction: the vocabulary every module speaks) and `files`;
+- the floor: `program` (Action, Verb, Instruction: the vocabulary every module speaks), `step` (losses,
+  optimizers, autocast dtypes and their defaults) and `files` (bounded reading, atomic writing);
 - the torch-free planning core: `graph`, `costs`, `encoding`, `simulator`, `problem` (Problem, Evaluated,
   SearchResult), `parallel`, `checkpoint`, `search`, `baselines`, `milp`, `policy`;
 - the torch side: `capture`, `measure`, `memory`, `runtime`, `zoo` (and any module not named here);
-- the application: `config`, `results`, `workflow`, `validate`, `report`, `bench`, `speed`, `cli`.
+- the application: `config`, `experiment` (an experiment's model and inputs), `results`, `signals`, `workflow`,
+  `validate`, `report`, `bench`, `speed`, `cli`.
 
 A flat package rather than sub-packages: every import path users and notebooks know (`gaswap.search`,
 `gaswap.policy`, ...) stays, and the layers are enforced by a test instead of by folders.

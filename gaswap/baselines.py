@@ -57,7 +57,8 @@ def chen_greedy(graph: Graph, costs: Costs, budget: int) -> Chromosome:
     encoding = Encoding(graph)
     groups = _groups(encoding)
     sizes = [sum(graph.tensors[encoding.candidates[k]].size for k in group) for group in groups]
-    policies = [_policy(encoding, _segment(encoding, groups, sizes, b)) for b in sorted({0, *itertools.accumulate(sizes)})]
+    policies = dict.fromkeys(_policy(encoding, _segment(encoding, groups, sizes, b))
+                             for b in sorted({0, *itertools.accumulate(sizes)}))  # distinct, in order
     problem = Problem(graph, costs, budget)
     return min(policies, key=lambda c: _rank(problem.simulate(c), budget))
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from gaswap import config, milp, results
 from gaswap.baselines import BASELINES
 from gaswap.config import format_size
-from gaswap.encoding import Action, Chromosome, Encoding
+from gaswap.encoding import Action
 from gaswap.files import write_atomic
 from gaswap.problem import Problem
 from gaswap.search import search
@@ -95,7 +95,7 @@ def _ga_rows(prepared, budget: int, keep_time: float, seeds: dict):
     found, spent = {}, 0.0
     for name in SPACES:
         problem = Problem(graph, costs, budget, config.load_search_space(name))
-        extra = {k: _restrict(c, problem.encoding) for k, c in (seeds | found if name == "hybrid" else seeds).items()}
+        extra = {k: problem.restrict(c) for k, c in (seeds | found if name == "hybrid" else seeds).items()}
         result = search(problem, experiment.ga, experiment.seed, seeds=extra)
         spent += result.seconds
         seconds = spent if name == "hybrid" else result.seconds
@@ -110,12 +110,6 @@ def _ga_rows(prepared, budget: int, keep_time: float, seeds: dict):
             found[f"ga_{name}"] = best.chromosome
             yield _row(f"ga:{name}", True, best.peak_bytes, best.step_time, keep_time, seconds,
                        note + f"; {_counts(best.chromosome.actions)}")
-
-
-def _restrict(c: Chromosome, encoding: Encoding) -> Chromosome:
-    """`c` with every action the encoding does not allow for a candidate replaced by KEEP."""
-    actions = tuple(a if a in allowed else int(Action.KEEP) for a, allowed in zip(c.actions, encoding.allowed))
-    return Chromosome(c.keys, actions)
 
 
 def _simulated_row(method, r, budget: int, keep_time: float, seconds: float, note: str) -> dict:

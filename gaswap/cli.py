@@ -54,7 +54,8 @@ def main(argv=None) -> int:
     p = verbs.add_parser("validate", help="run real training steps under a policy: measured vs predicted")
     p.add_argument("policy", help="policy file, e.g. results/tiny_cnn_cpu/policy.yaml")
     p.add_argument("--steps", type=_at_least(3), default=5, help="training steps (at least 3; default 5)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto (cuda if present), cpu or cuda")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto (cuda if present), cpu or cuda")
     p.add_argument("--experiment", default=None,
                    help="the experiment file to build the model from (default: the one the policy names; its "
                         "factory must then be one of gaswap's own models unless --trust-factory)")
@@ -100,30 +101,34 @@ def main(argv=None) -> int:
     return run(args)
 
 
+# Errors a user can act on, by exit code: (module, class). Looked up among the modules already imported, so that
+# a bad experiment file is refused without importing torch.
+KNOWN_ERRORS = {
+    EXIT_CONFIG: (("gaswap.config", "ConfigError"), ("gaswap.capture", "CaptureError"),
+                  ("gaswap.results", "ResultsError")),
+    EXIT_REFUSED: (("gaswap.policy", "PolicyError"), ("gaswap.results", "Refused"),
+                   ("gaswap.checkpoint", "CheckpointError")),
+}
+
+
 def run(args) -> int:
     """Run a verb; every failure a user can meet is one `error:` line and its exit code, never a traceback."""
-    from gaswap.capture import CaptureError
-    from gaswap.checkpoint import CheckpointError
-    from gaswap.policy import PolicyError
-    from gaswap.results import Refused, ResultsError
-
     try:
         return args.run(args)
-    except (config.ConfigError, CaptureError, ResultsError) as err:
-        return _error(err, EXIT_CONFIG)
-    except (PolicyError, Refused, CheckpointError) as err:
-        return _error(err, EXIT_REFUSED)
+    except KeyboardInterrupt as err:  # Ctrl-C outside a search, or a second signal during one
+        signum = getattr(err, "signum", signal.SIGINT)
+        print(f"\ninterrupted ({signal.Signals(signum).name})", file=sys.stderr)
+        return 128 + signum
     except OSError as err:
         where = f"{err.filename}: " if err.filename else ""
         return _error(f"{where}cannot read or write ({err.strerror or err})", EXIT_IO)
     except MemoryError:
         return _error("out of host memory", EXIT_IO)
-    except KeyboardInterrupt as err:  # Ctrl-C outside a search, or a second signal during one
-        signum = getattr(err, "signum", signal.SIGINT)
-        print(f"\ninterrupted ({signal.Signals(signum).name})", file=sys.stderr)
-        return 128 + signum
-    except Exception as err:  # a bug: say so in one line
-        if os.environ.get("GASWAP_DEBUG"):
+    except Exception as err:
+        for code, kinds in KNOWN_ERRORS.items():
+            if any(isinstance(err, getattr(sys.modules.get(module), name, ())) for module, name in kinds):
+                return _error(err, code)
+        if os.environ.get("GASWAP_DEBUG"):  # a bug: say so in one line
             raise
         return _error(f"internal error, please report it: {type(err).__name__}: {err} "
                       f"(GASWAP_DEBUG=1 shows the traceback)", EXIT_INTERNAL)
@@ -137,9 +142,9 @@ def _error(err, code: int) -> int:
 
 def search(args) -> int:
     """Capture, cost, search and write `results/<experiment>/`; print a short table."""
+    exp = config.load_experiment(args.experiment)  # a bad file is refused before torch is imported
     from gaswap import results, workflow
 
-    exp = config.load_experiment(args.experiment)
     out = workflow.results_folder(args.results, exp)
     with results.locked(out):  # one search per results folder, from the first check to the last file
         note = results.recover(out)
@@ -152,6 +157,7 @@ def search(args) -> int:
 def _search(args, exp, out) -> int:
     from gaswap import workflow
     from gaswap.checkpoint import NAME as CHECKPOINT
+    from gaswap.signals import stop_on_signals
 
     if not args.resume and (out / CHECKPOINT).is_file():
         print(f"note: {out / CHECKPOINT} holds an interrupted search; this new search replaces it "
@@ -166,7 +172,7 @@ def _search(args, exp, out) -> int:
           f"({prepared.costs_seconds:.1f} s)")
     try:
         with tqdm(total=exp.ga.generations, desc="search", unit="gen") as gens, \
-                workflow.stop_on_signals(lambda message: gens.write(message, file=sys.stderr)) as stop:
+                stop_on_signals(lambda message: gens.write(message, file=sys.stderr)) as stop:
 
             def on_generation(record):
                 gens.n = record.generation
@@ -313,11 +319,14 @@ def plot(args) -> int:
 
 def bench(args) -> int:
     """Compare baselines, the GA in each search space and the MILP at several budgets."""
+    exp = config.load_experiment(args.experiment)
+    from gaswap import results
     from gaswap.bench import run as run_bench, to_markdown
 
-    rows = run_bench(args.experiment, args.budgets.split(","), results_root=args.results,
-                     cache_dir=args.cache, time_limit=args.time_limit)
-    print(to_markdown(rows, config.load_experiment(args.experiment).name))
+    with results.locked(results.folder_of(args.results, exp.name)):  # refused at once while a search writes there
+        rows = run_bench(args.experiment, args.budgets.split(","), results_root=args.results,
+                         cache_dir=args.cache, time_limit=args.time_limit)
+    print(to_markdown(rows, exp.name))
     return 0
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from gaswap import compiled, config, policy as policies, workflow
+from gaswap import compiled, config, experiment, policy as policies
 from gaswap.capture import _loss_fn, _output_tensor
 from gaswap.config import format_size
 from gaswap.encoding import Action, Chromosome, Encoding
@@ -79,8 +79,8 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), resul
     if device.type == "cpu":
         use_cpu(exp.costs.threads)
     torch.manual_seed(exp.seed)
-    model = workflow.build_model(exp, device=str(device))
-    inputs, target = workflow.make_inputs(exp, str(device), torch.Generator(device).manual_seed(exp.seed))
+    model = experiment.build_model(exp, device=str(device))
+    inputs, target = experiment.make_inputs(exp, str(device), torch.Generator(device).manual_seed(exp.seed))
     progress(f"{exp.name} on {device_name(device)}: capturing torch.compile's joint graph")
     graph = compiled.capture(model, *inputs, optimizer=exp.optimizer, counted=exp.counts)
     costs = measure(graph, device, cache_dir, threads=exp.costs.threads)

@@ -25,6 +25,7 @@ from gaswap.step import AUTOCAST, DEFAULT_LOSS, DEFAULT_OPTIMIZER, LOSSES, NO_TA
 DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "bool")
 INT_DTYPES = ("int64", "int32")  # dtypes whose random values need an exclusive upper bound `high`
 COST_SOURCES = ("estimate", "measure")
+EXECUTORS = ("processes", "dask")  # where a search's evaluations run (gaswap.parallel.executor)
 DEVICES = ("auto", "cpu", "cuda")
 ACTIONS = ("keep", "swap", "recompute")
 CROSSOVERS = ("uniform", "two_point")
@@ -338,14 +339,18 @@ class GASettings:
     workers: int = key(_WORKERS, f"processes evaluating individuals (1 to {MAX_WORKERS})", 1)
     cx_prob: float = key(_PROBABILITY, "probability that a pair of parents is crossed over", 0.9)
     mut_prob: float = key(_PROBABILITY, "probability that a child is mutated", 0.5)
-    patience: int | None = key(_optional(_POSITIVE), "converged: stop when for this many generations neither the "
-                               "best feasible time nor the front's hypervolume improved by more than `tolerance` "
-                               "(none: run every generation)", None)
+    patience: int | None = key(_optional(_POSITIVE), "converged: stop when a policy fits and for this many "
+                               "generations neither the best feasible time nor the front's hypervolume improved by "
+                               "more than `tolerance` (none: run every generation)", None)
     tolerance: float = key(_number(0, 1, "a relative improvement in [0, 1]"),
                            "relative improvement that counts for `patience` (0.001 = 0.1 %)", 0.0)
     max_evaluations: int | None = key(_optional(_POSITIVE), "stop once this many policies were evaluated", None)
     max_seconds: float | None = key(_optional(_number(0, math.inf, "a non-negative number of seconds")),
                                     "stop once the search ran this long (resumed runs included)", None)
+    executor: str = key(_choice(EXECUTORS), "where evaluations run: `processes` (`workers` on this machine) or "
+                        "`dask` (a Dask distributed cluster; needs `pip install 'dask[distributed]'`)", "processes")
+    address: str | None = key(_optional(_string), "with `executor: dask`, the scheduler's address "
+                              "(tcp://host:8786); none: a local cluster of `workers` processes", None)
 
 
 @dataclass(frozen=True)
@@ -446,7 +451,8 @@ def load_experiment(path: str | Path) -> Experiment:
         where["target"].fail(f"required for loss {experiment.loss!r}")
     tensors = [("inputs", i, spec) for i, spec in enumerate(experiment.inputs)] + [("target", None, experiment.target)]
     for key, i, spec in tensors:
-        if spec is not None and math.prod(experiment.batch_size if d == BATCH else d for d in spec.shape) > MAX_ELEMENTS:
+        elements = math.prod(experiment.batch_size if d == BATCH else d for d in spec.shape) if spec else 0
+        if elements > MAX_ELEMENTS:
             place = where[key] if i is None else where[key][i]
             place["shape"].fail(f"more than {MAX_ELEMENTS} elements with batch size {experiment.batch_size}")
     return experiment

@@ -236,7 +236,8 @@ def _link(key: str, value) -> float:
 
 def _within(value, low: float, high: float, what: str) -> float:
     """`value` as a float if it is a finite number in [low, high], else ValueError naming `what`."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not low <= value <= high:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (number and math.isfinite(value) and low <= value <= high):
         raise ValueError(f"{what} is {value!r}, not a number in [{low:g}, {high:g}]")
     return float(value)
 

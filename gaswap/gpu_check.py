@@ -135,7 +135,7 @@ def memory_run(policy_path: str | Path, steps: int = 3, device: str = "cuda") ->
     allocator model's predictions for the same policy. On a CPU only the storage tracker's peak is measured."""
     import torch
 
-    from gaswap import allocator, config, policy as policies, workflow
+    from gaswap import allocator, config, experiment, policy as policies
     from gaswap.capture import capture
     from gaswap.memory import DeviceMemory
     from gaswap.runtime import StepRunner
@@ -150,8 +150,8 @@ def memory_run(policy_path: str | Path, steps: int = 3, device: str = "cuda") ->
         torch.cuda.empty_cache()
         _record_history(True)
     torch.manual_seed(exp.seed)
-    model = workflow.build_model(exp, device=str(dev))
-    spec_inputs, spec_target = workflow.make_inputs(exp, "meta")
+    model = experiment.build_model(exp, device=str(dev))
+    spec_inputs, spec_target = experiment.make_inputs(exp, "meta")
     captured = capture(model, spec_inputs, spec_target, exp.loss, optimizer=exp.optimizer, counted=exp.counts,
                        autocast=exp.autocast)
     runner = StepRunner(captured, policy.program, dev)
@@ -160,9 +160,9 @@ def memory_run(policy_path: str | Path, steps: int = 3, device: str = "cuda") ->
     generator = torch.Generator(dev).manual_seed(exp.seed)
     figures = {}
     for _ in range(steps):
-        inputs, target = workflow.make_inputs(exp, str(dev), generator)
+        inputs, target = experiment.make_inputs(exp, str(dev), generator)
         if exp.loss == "external":
-            target = workflow.output_gradient(captured, dev, exp.seed)
+            target = experiment.output_gradient(captured, dev, exp.seed)
         args = captured.arguments(model, inputs, target)
         del inputs, target
         held = [a for (_, kind, _), a in zip(captured.placeholders, args) if kind != "param" or "parameters" in exp.counts]

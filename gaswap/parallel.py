@@ -1,5 +1,8 @@
 """Parallel maps for the search: `map(func, items) -> list`, in order, as DEAP's `toolbox.map`. No torch here.
 
+`executor(ga)` picks the map an experiment's `ga` settings ask for: one process, `ProcessMap` (`workers` > 1),
+or `DaskMap` (`executor: dask`, on the cluster at `address`, or a local one of `workers` processes).
+
 `ProcessMap(n)` runs `func` in n worker processes of this machine. Each worker is sent a function once (with
 what it holds: a `Problem`'s graph and costs) and then only batches of items: one batch per worker per call,
 so a generation costs one message each way per worker. Workers ignore SIGINT and SIGTERM sent to the process
@@ -16,6 +19,26 @@ import signal
 def serial_map(func, items) -> list:
     """The map of a search in this process."""
     return [func(x) for x in items]
+
+
+def executor(ga):
+    """The map `ga` asks for, as a context manager: DaskMap, ProcessMap, or the serial map."""
+    if ga.executor == "dask":
+        return DaskMap(ga.address, ga.workers)
+    return ProcessMap(ga.workers) if ga.workers > 1 else _Serial()
+
+
+class _Serial:
+    """`serial_map` as a context manager, like the others."""
+
+    def __call__(self, func, items) -> list:
+        return serial_map(func, items)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
 
 
 class ProcessMap:
@@ -117,3 +140,50 @@ def _serve(conn, shutdown) -> None:
         except Exception as err:  # sent to the parent, which raises it
             reply = (False, err)
         conn.send(reply)
+
+
+class DaskMap:
+    """`map(func, items)` on a Dask distributed cluster: the scheduler at `address` ("tcp://host:8786"), or,
+    without one, a local cluster of `workers` single-threaded processes started here (and stopped on close).
+    Each function is sent to every worker once (scattered, broadcast); then each call sends one batch of items
+    per worker. Needs the optional `dask[distributed]` (pip install 'gaswap[dask]')."""
+
+    def __init__(self, address: str | None = None, workers: int = 1):
+        try:
+            from distributed import Client, LocalCluster
+        except ImportError:
+            raise RuntimeError("ga.executor dask needs dask's distributed scheduler: pip install 'dask[distributed]'") from None
+        self._cluster = None
+        if address:
+            self.client = Client(address)
+        else:
+            self._cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                                         dashboard_address=None)
+            self.client = Client(self._cluster)
+        self._remote: dict = {}  # function -> its future on every worker
+
+    def __call__(self, func, items) -> list:
+        items = list(items)
+        remote = self._remote.get(func)
+        if remote is None:
+            remote = self._remote[func] = self.client.scatter(func, broadcast=True)
+        n = max(1, len(self.client.scheduler_info()["workers"]))
+        bounds = [len(items) * w // n for w in range(n + 1)]
+        batches = [items[lo:hi] for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+        futures = self.client.map(_apply, [remote] * len(batches), batches, pure=False)
+        return [x for batch in self.client.gather(futures) for x in batch]
+
+    def close(self) -> None:
+        self.client.close()
+        if self._cluster is not None:
+            self._cluster.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _apply(func, batch: list) -> list:
+    return [func(x) for x in batch]

@@ -25,7 +25,7 @@ from gaswap.graph import Graph
 from gaswap.program import Action, ProgramSyntaxError, Verb, parse_program
 
 VERSION = 1
-MAX_BYTES = 64 * 2**20  # a policy of a 100k-op graph is a few MB; larger files are refused unread
+MAX_BYTES = 16 * 2**20  # a 2,000-op graph makes a 95 KB policy (0.5 s to parse); larger files are refused unread
 KEYS = ("gaswap_policy", "fingerprint", "order", "actions", "predicted", "provenance", "program", "checksum")
 LABELS = tuple(a.label for a in Action)
 
@@ -169,9 +169,11 @@ def _release(version: str) -> str:
 def differences(policy: Policy, graph: Graph, provenance: dict | None = None) -> str:
     """What differs between the graph a policy was made for and `graph`, in words."""
     said = []
-    for key in PROVENANCE_CHECKED if provenance else ():
-        if key != "torch_version" and policy.provenance.get(key) != provenance.get(key):
-            said.append(f"{key}: policy {_short(policy.provenance.get(key))}, here {_short(provenance.get(key))}")
+    provenance = provenance or {}
+    for key in PROVENANCE_CHECKED:
+        if key in provenance and key != "torch_version" and policy.provenance.get(key) != provenance[key]:
+            said.append(f"{key}: policy {_short(policy.provenance.get(key))}, here {_short(provenance[key])}")
+    said += _input_differences(policy, provenance.get("input_shapes"))
     ops = {op.name for op in graph.ops}
     mine = set(policy.order)
     if ops - mine or mine - ops:
@@ -182,12 +184,32 @@ def differences(policy: Policy, graph: Graph, provenance: dict | None = None) ->
     candidates = set(graph.candidates())
     if set(policy.actions) != candidates:
         gone = sorted(set(policy.actions) - candidates)[:3]
+        new = sorted(candidates - set(policy.actions))[:3]
         said.append(f"activations it decides for that this graph lacks: {', '.join(gone)}" if gone else
-                    f"this graph has activations it does not decide for: {', '.join(sorted(candidates - set(policy.actions))[:3])}")
+                    f"this graph has activations it does not decide for: {', '.join(new)}")
     if not said:  # same op and tensor names: sizes or shapes changed
-        said.append("the same ops and activations with other tensor sizes (batch size, a layer's width or the "
-                    "number of classes?)")
+        model = policy.provenance.get("model")
+        made_for = f"; the policy was made for {_short(model)}" if isinstance(model, dict) else ""
+        said.append(f"the same ops and activations with other tensor sizes (a layer's width or the number of "
+                    f"classes?){made_for}")
     return "; ".join(said)
+
+
+def _input_differences(policy: Policy, here) -> list[str]:
+    """How `here`, [(shape, dtype)] of the example inputs at hand, differ from the inputs the policy was made for."""
+    specs, batch = policy.provenance.get("inputs"), policy.provenance.get("batch_size")
+    if not isinstance(here, list) or not isinstance(specs, list) or not isinstance(batch, int):
+        return []
+    if len(here) != len(specs):
+        return [f"the policy takes {len(specs)} inputs, here {len(here)}"]
+    said = []
+    for k, (spec, (shape, dtype)) in enumerate(zip(specs, here)):
+        if not isinstance(spec, dict) or not isinstance(spec.get("shape"), list):
+            continue
+        wanted = [batch if d == "batch" else d for d in spec["shape"]], spec.get("dtype", "float32")
+        if wanted != (list(shape), dtype):
+            said.append(f"input {k}: policy {wanted[0]} {wanted[1]} (batch size {batch}), here {list(shape)} {dtype}")
+    return said
 
 
 def _short(value) -> str:
@@ -213,7 +235,8 @@ def _order_problem(policy: Policy, graph: Graph) -> str | None:
     done = set()
     for name in policy.order:
         op = graph.ops[index[name]]
-        early = [t for t in op.inputs if graph.tensors[t].producer is not None and graph.tensors[t].producer not in done]
+        producers = [graph.tensors[t].producer for t in op.inputs]
+        early = [t for t, p in zip(op.inputs, producers) if p is not None and p not in done]
         if early:
             return f"order: {name} comes before {graph.tensors[early[0]].producer}, which makes its input {early[0]}"
         done.add(name)
@@ -236,7 +259,7 @@ def _program_problem(policy: Policy, graph: Graph) -> str | None:
     ops, tensors = {op.name: op for op in graph.ops}, graph.tensors
     size = {t: x.size if graph.counts(x) else 0 for t, x in tensors.items()}
     device = {t for t, x in tensors.items() if x.producer is None}
-    host, retired, ran, swapped, remade = set(), set(), [], set(), set()
+    host, retired, ran, done, swapped, remade = set(), set(), [], set(), set(), set()
     freed_at, last_read = {}, {}  # tensor -> line of its first free, of its last read by a run
     level = peak = graph.resident_bytes()
     for k, (verb, name) in enumerate(policy.program, 1):
@@ -245,14 +268,16 @@ def _program_problem(policy: Policy, graph: Graph) -> str | None:
             op = ops.get(name)
             if op is None:
                 return f"{where}: this graph has no op {name!r}"
-            if verb == Verb.RUN and name in ran:
+            if verb == Verb.RUN and name in done:
                 return f"{where}: runs {name} a second time"
-            if verb == Verb.RECOMPUTE and (name not in ran or op.phase != "fwd" or not op.recomputable):
+            if verb == Verb.RECOMPUTE and (name not in done or op.phase != "fwd" or not op.recomputable):
                 return f"{where}: {name} cannot be recomputed there (not yet run, a backward op, random or stateful)"
             missing = [t for t in op.inputs if t not in device]
             if missing:
                 return f"{where}: reads {missing[0]}, which the program has not kept, swapped in or recomputed"
-            ran += [name] if verb == Verb.RUN else []
+            if verb == Verb.RUN:
+                ran.append(name)
+                done.add(name)
             last_read.update((t, k) for t in op.inputs if verb == Verb.RUN)
             for t in op.outputs:
                 if t not in device:
@@ -276,7 +301,9 @@ def _program_problem(policy: Policy, graph: Graph) -> str | None:
             return f"{where}: {name!r} is not where this instruction needs it"
         peak = max(peak, level)
     if ran != list(policy.order):
-        return "program: runs the ops in another order than the policy's order" if sorted(ran) == sorted(ops) else             f"program: does not run every op (it runs {len(ran)} of {len(ops)})"
+        if sorted(ran) == sorted(ops):
+            return "program: runs the ops in another order than the policy's order"
+        return f"program: does not run every op (it runs {len(ran)} of {len(ops)})"
     left = sorted(t for t in device | retired if tensors[t].producer is not None and tensors[t].kind != "grad"
                   and t != graph.loss)
     if left:

@@ -94,6 +94,13 @@ class Problem:
         """0 when `e` fits the budget (or there is none), its relative excess otherwise, inf when invalid."""
         return e.violation(self.budget) if self.budget is not None else (0.0 if e.valid else math.inf)
 
+    def restrict(self, c: Chromosome) -> Chromosome:
+        """`c` with every action the search space does not allow for a candidate replaced by KEEP."""
+        allowed = self.encoding.allowed
+        if all(a in ok for a, ok in zip(c.actions, allowed)):
+            return c
+        return Chromosome(c.keys, tuple(a if a in ok else int(Action.KEEP) for a, ok in zip(c.actions, allowed)))
+
     def keep_all(self) -> Evaluated:
         """The captured order with every activation kept: what plain PyTorch does."""
         return self.evaluate(self.encoding.uniform(Action.KEEP))

@@ -34,8 +34,8 @@ from gaswap.capture import Captured, capture, tensor_outputs
 from gaswap.graph import COUNTABLE
 from gaswap.memory import host_memory
 from gaswap.policy import Policy, PolicyError
-from gaswap.step import DEFAULT_LOSS, DEFAULT_OPTIMIZER
 from gaswap.program import OP_VERBS, Instruction, ProgramSyntaxError, Verb, parse_program
+from gaswap.step import DEFAULT_LOSS, DEFAULT_OPTIMIZER
 from gaswap.streams import for_device
 
 HOST_ALIGNMENT = 512  # bytes: each host buffer of a runner's arena starts at a multiple of this
@@ -178,7 +178,7 @@ class _Codegen:
         self.taken = set(keyword.kwlist) | set(runner.nodes)  # node names are the locals of their values
         self.globals: dict[str, object] = {}
         self.global_of: dict[object, str] = {}  # value (or id of an unhashable one) -> its name in `globals`
-        self.swapped = {name for verb, name in runner.program if verb in (Verb.SWAP_OUT, Verb.SWAP_IN)}
+        self.sent = {name for verb, name in runner.program if verb == Verb.SWAP_OUT}  # copied to the host
         self.copies, self.args, self.state = self.fresh("copies"), self.fresh("args"), self.fresh("state")
         self.unused, self.started = self.fresh("unused"), self.fresh("started")
         self.constants = {name: self.constant(value, name) for name, value in runner.constants.items()}
@@ -255,11 +255,15 @@ class _Codegen:
                 self.clock(self.r._times[k])
 
     def clock(self, times: list | None = None) -> None:
-        """Read the clock (with the device synchronized): start an instruction, or append its seconds to `times`."""
+        """Read the clock (the device synchronized): start an instruction, or append its seconds to `times`."""
         if self.r.device.type == "cuda":
-            self.emit(f"{self.constant(torch.cuda.synchronize, 'synchronize')}({self.constant(self.r.device, 'device')})")
+            sync, device = self.constant(torch.cuda.synchronize, "synchronize"), self.constant(self.r.device, "device")
+            self.emit(f"{sync}({device})")
         now = f"{self.constant(time.perf_counter, 'perf_counter')}()"
-        self.emit(f"{self.started} = {now}" if times is None else f"{self.constant(times, 'times')}.append({now} - {self.started})")
+        if times is None:
+            self.emit(f"{self.started} = {now}")
+        else:
+            self.emit(f"{self.constant(times, 'times')}.append({now} - {self.started})")
 
     def op(self, name: str) -> None:
         """Run (or re-run) an op: wait for inputs being copied in, rebuild the views it reads, call it, keep
@@ -314,15 +318,17 @@ class _Codegen:
         self.pending.add(name)
 
     def free(self, name: str) -> None:
-        """Drop `name` (the retired copy if there is one); compute first waits for copies that use it."""
+        """Drop `name` (the retired copy if there is one); compute first waits for the copies that use it."""
         if name in self.retired:
             local = self.retired.pop(name)
         else:
             local = self.present(name, "free")
             del self.live[name]
-        if name in self.swapped:
+            if name in self.pending:  # swapped in and never read: its copy must land before its memory goes
+                self.emit(f"{self.copies}.wait_for({name!r})")
+                self.pending.discard(name)
+        if name in self.sent:
             self.emit(f"{self.copies}.release({name!r})")
-            self.pending.discard(name)
         if name not in self.constants:
             self.emit(f"del {local}")
 
@@ -411,8 +417,8 @@ class _Copies:
     """One step's copies between the device and the runner's host buffers, ordered by the streams' events:
     a copy to the host waits for compute (the tensor has been made); a copy back is allocated on compute,
     then waits for compute (its memory may be some compute has just freed) and for the copy to the host;
-    compute waits for a copy back before reading it, and for every copy of a tensor before freeing it
-    (ordering the free, where `record_stream` would hold the memory until all queued copies are done)."""
+    compute waits for a copy back before reading or freeing it, and for a copy to the host before freeing
+    the tensor it reads."""
 
     def __init__(self, streams, host: dict[str, torch.Tensor]):
         self.streams, self.host = streams, host
@@ -444,10 +450,9 @@ class _Copies:
             self.streams.wait_event(self.streams.compute(), event)
 
     def release(self, name: str) -> None:
-        """Before the device copy of `name` is dropped: compute waits for the copies that read or write it."""
-        self.wait_for(name)
-        if name in self.saved:
-            self.streams.wait_event(self.streams.compute(), self.saved[name])
+        """Before a device copy of `name` is dropped: compute waits for its copy to the host (which reads it).
+        This orders the free, where `record_stream` would hold the memory until every copy queued is done."""
+        self.streams.wait_event(self.streams.compute(), self.saved[name])
 
     def finish(self) -> None:
         s = self.streams
@@ -615,8 +620,7 @@ def apply(model, policy_path, example_inputs) -> PolicyModule:
     taking several positional inputs (e.g. `(ids, attention_mask)`), as the experiment's `inputs` describe them
     at its `batch_size`. Only their shapes and dtypes are used (to capture the step; values do not matter): they
     must be those the policy was searched for, else the policy is refused with a message saying what differs.
-    The module runs on the device the model's parameters are on when it is called (wrap first, then
-    `.cuda()`, works).
+    The module runs on the device the model's parameters are on when it is called (wrap, then `.cuda()`, works).
     """
     policy, captured = _load(model, policy_path, example_inputs, None, external=True)
     return PolicyModule(model, captured, policy.program, autocast=policy.provenance.get("autocast"))
@@ -651,5 +655,6 @@ def _load(model, policy_path, example_inputs, example_target, *, external: bool)
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     captured = capture(model, inputs, example_target, loss, optimizer=prov.get("optimizer", DEFAULT_OPTIMIZER),
                        counted=prov.get("counts", COUNTABLE), autocast=prov.get("autocast"))
-    policies.check_matches(policy, captured.graph, policy_path, torch_version=torch.__version__)
+    here = {"input_shapes": [(list(x.shape), str(x.dtype).removeprefix("torch.")) for x in inputs]}
+    policies.check_matches(policy, captured.graph, policy_path, provenance=here, torch_version=torch.__version__)
     return policy, captured

@@ -231,6 +231,7 @@ class _Run:
         first_bwd = self.live.first_bwd
         budget = sim.budget
         resident, ready, swapped = self.resident, self.ready, self.swapped
+        on_host, d2h_end = self.on_host, self.d2h_end
         prefetch, release_after = self.prefetch, self.release_after
         for t in self.inputs_out:  # an input's copy to the host starts with the step
             self.swap_out(t, 0.0)
@@ -259,9 +260,13 @@ class _Run:
             for t in op_out[i]:
                 if swapped[t]:
                     self.swap_out(t, self.clock)
-            for t in release_after[p]:
+            clock = self.clock
+            for t in release_after[p]:  # after the last reader; a swapped tensor's device copy waits for its d2h copy
                 if resident[t]:
-                    self.release(t, self.clock)
+                    if swapped[t] and on_host[t] and d2h_end[t] > clock:
+                        self.retire(t)
+                    else:
+                        self.free(t, clock)
         self.settle(float("inf"))
 
     # --- memory ---
@@ -333,13 +338,6 @@ class _Run:
         self.resident[t] = False
         self.mem -= self.sim.size[t]
 
-    def release(self, t: int, when: float) -> None:
-        """Free `t` after its last reader; a swapped tensor's device copy waits for its d2h copy."""
-        if self.swapped[t] and self.on_host[t] and self.d2h_end[t] > when:
-            self.retire(t)
-        else:
-            self.free(t, when)
-
     def retire(self, t: int) -> None:
         """`t`'s device copy goes once its copy to the host has landed."""
         self.resident[t] = False
@@ -359,14 +357,19 @@ class _Run:
         kept output) is made, then dropped, and the kept one stays, ready when it was."""
         sim = self.sim
         end = start + sim.op_time[i]
-        self.alloc(sim.out_bytes[i], start)
+        if self.pending and self.pending[0][0] <= start:  # alloc(), inlined: this runs for every op
+            self.settle(start)
+        mem = self.mem + sim.out_bytes[i]
+        if mem > self.peak:
+            self.peak = mem
         resident, ready, size = self.resident, self.ready, sim.size
         for t in sim.op_out[i]:
             if resident[t]:
-                self.mem -= size[t]
+                mem -= size[t]
             else:
                 resident[t] = True
                 ready[t] = end
+        self.mem = mem
         self.clock = end
         self.compute += sim.op_time[i]
 
@@ -488,7 +491,8 @@ class _TracedRun(_Run):
             self.changes.append((start, category, sim.size[t]))
             if t not in duplicates:
                 self.category[t] = category
-        level = self.mem + sum(sim.size[t] for t in duplicates)
+        level = self.mem + sum(sim.size[t] for t in duplicates)  # just after the outputs were allocated
+        self.memory.append((start, level))
         for t in duplicates:
             level -= sim.size[t]
             self.changes.append((start, "recomputed", -sim.size[t]))

@@ -5,10 +5,11 @@ A runner copies through one of these backends, made once per runner for its devi
    made once; events are `torch.cuda.Event`s; copies are non-blocking; host memory is pinned.
  - `SyncStreams`: the CPU, where the host store is the same RAM: a copy runs at once and waits are nothing.
  - `LaggingStreams`: a CPU stand-in for CUDA that lags as far as CUDA may. Work queued on a copy stream
-   runs only when a wait forces it; a copy's destination holds poison (NaN, or the dtype's largest value)
-   until the copy runs; a copy whose source or destination tensor was freed before it ran copies nothing.
-   A runtime that forgets a wait, or frees a tensor before the copy that reads it, then gives wrong values,
-   which the bitwise CPU tests see.
+   runs only when a wait forces it (or, for the streams named `prompt`, as soon as it is queued, after
+   what it waits for); a copy's destination holds poison (NaN, or the dtype's largest value) until the
+   copy runs; a copy whose source or destination tensor was freed before it ran copies nothing. Each
+   setting is a schedule CUDA may choose: a runtime that forgets a wait, or frees a tensor before the copy
+   that reads it, gives wrong values under one of them, which the bitwise CPU tests see.
 
 The compute stream is synchronous in all three as far as the copies can tell (the copy streams wait for
 it, never the reverse without an event). Every copy is host memory for an active CPU `DeviceMemory`.
@@ -86,11 +87,12 @@ class SyncStreams:
 
 
 class LaggingStreams:
-    """A CPU stand-in for CUDA streams that runs copy-stream work as late as CUDA may (see the module
+    """A CPU stand-in for CUDA streams that runs copy-stream work as late as CUDA may, except on the copy
+    streams named in `prompt` ("d2h", "h2d"), which run their work as soon as it is queued (see the module
     docstring)."""
 
-    def __init__(self):
-        self.d2h, self.h2d = _LaggingStream("d2h"), _LaggingStream("h2d")
+    def __init__(self, prompt: tuple[str, ...] = ()):
+        self.d2h, self.h2d = _LaggingStream("d2h", "d2h" in prompt), _LaggingStream("h2d", "h2d" in prompt)
 
     def compute(self):
         return _COMPUTE
@@ -129,10 +131,11 @@ class LaggingStreams:
 
 
 class _LaggingStream:
-    """Work queued in order, run up to a mark when a wait asks for it (marks count from the first item)."""
+    """Work queued in order, run up to a mark when a wait asks for it (marks count from the first item), or
+    at once if `prompt`."""
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, prompt: bool = False):
+        self.name, self.prompt = name, prompt
         self.pending: deque = deque()
         self.done = 0  # items run
         self.queued = 0  # items queued
@@ -140,6 +143,8 @@ class _LaggingStream:
     def queue(self, work) -> None:
         self.pending.append(work)
         self.queued += 1
+        if self.prompt:
+            self.run_to(self.queued)
 
     def run_to(self, mark: int) -> None:
         while self.done < mark:

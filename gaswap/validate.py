@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-from gaswap import config, policy as policies, workflow
+from gaswap import config, policy as policies
 from gaswap.capture import capture
+from gaswap.experiment import build_model, make_inputs, output_gradient
 from gaswap.files import write_atomic
 from gaswap.measure import device_name, resolve_device, use_cpu
 from gaswap.memory import DeviceMemory
@@ -57,12 +58,12 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, e
     if dev.type == "cpu":
         use_cpu(exp.costs.threads)  # as when the costs were measured
     torch.manual_seed(exp.seed)
-    model = workflow.build_model(exp, device=str(dev))
-    inputs, target = workflow.make_inputs(exp, str(dev), torch.Generator(dev).manual_seed(exp.seed))
+    model = build_model(exp, device=str(dev))
+    inputs, target = make_inputs(exp, str(dev), torch.Generator(dev).manual_seed(exp.seed))
     captured = capture(model, inputs, target, exp.loss, optimizer=exp.optimizer, counted=exp.counts,
                        autocast=exp.autocast)
     if exp.loss == "external":  # the loss is computed outside the step: stand in a fixed gradient of the output
-        target = workflow.output_gradient(captured, dev, exp.seed)
+        target = output_gradient(captured, dev, exp.seed)
     here = {"model": {"factory": exp.model.factory, "kwargs": exp.model.kwargs}, "batch_size": exp.batch_size,
             "torch_version": str(torch.__version__)}
     policies.check_matches(policy, captured.graph, policy_path, provenance=policy.provenance | here,

@@ -3,29 +3,22 @@
 The glue between the torch side (capture, measure) and the torch-free core; the CLI calls it.
 
 A search writes `results/<experiment>/` and, while it runs, its checkpoint `results/<experiment>/.checkpoint.json`
-(see gaswap.checkpoint). Stopped by SIGINT or SIGTERM (`stop_on_signals`), it finishes the current generation,
-writes the results so far (summary.json: "complete": false) and keeps the checkpoint; `resume` continues from
-it. A complete search removes its checkpoint. A results folder made by another experiment is not replaced
-unless `force`.
+(see gaswap.checkpoint). Stopped by SIGINT or SIGTERM (`gaswap.signals.stop_on_signals`), it finishes the
+current generation, writes the results so far (summary.json: "complete": false) and keeps the checkpoint;
+`resume` continues from it. A complete search removes its checkpoint. A results folder made by another
+experiment is not replaced unless `force` (see gaswap.results, which owns results folders).
 """
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
-import sys
-import threading
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from gaswap import checkpoint as checkpoints
 from gaswap import config, results
-from gaswap.results import Refused  # noqa: F401  (re-exported for callers of check_results_folder)
-from gaswap.capture import CaptureError  # noqa: F401  (re-exported for the CLI)
-from gaswap.checkpoint import CheckpointError  # noqa: F401  (re-exported for the CLI)
+from gaswap.experiment import build_model, make_inputs, output_gradient
+from gaswap.results import Refused  # noqa: F401  (what check_results_folder raises)
 from gaswap import policy as policies
 from gaswap.costs import Costs, estimate, load_profile
 from gaswap.graph import Graph
@@ -50,52 +43,11 @@ class Prepared:
     torch_version: str
 
 
-def build_model(experiment: config.Experiment, device: str = "meta"):
-    """The experiment's model, with parameters on `device` ("meta" allocates nothing). Whatever the factory
-    raises (SystemExit included) becomes a ConfigError naming it; so does a factory returning no nn.Module."""
-    import torch
-
-    from gaswap.zoo import check_model, resolve
-
-    path = experiment.model.factory
-    try:
-        factory = resolve(path)
-    except ValueError as err:
-        raise config.ConfigError(f"{experiment.path}: model.factory: {err}") from None
-    try:
-        with torch.device(device):
-            model = factory(**experiment.model.kwargs)
-    except TypeError as err:
-        raise config.ConfigError(f"{experiment.path}: model.kwargs: {path} refused them: {err}") from None
-    except (Exception, SystemExit) as err:
-        raise config.ConfigError(f"{experiment.path}: model: {path}(**kwargs) failed: {type(err).__name__}: "
-                                 f"{_one_line(err)}") from None
-    try:
-        return check_model(path, model)
-    except ValueError as err:
-        raise config.ConfigError(f"{experiment.path}: model.factory: {err}") from None
-
-
-def _one_line(err: BaseException) -> str:
-    """An exception's message on one line, shortened."""
-    text = " ".join(str(err).split())
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
-def make_inputs(experiment: config.Experiment, device: str = "meta", generator=None):
-    """The experiment's (inputs, target) tensors on `device`."""
-    from gaswap.capture import make_inputs as make
-
-    specs = [asdict(s) for s in experiment.inputs]
-    target = asdict(experiment.target) if experiment.target is not None else None
-    return make(specs, target, experiment.batch_size, device=device, generator=generator)
-
-
 def prepare(experiment: config.Experiment, *, cache_dir=None, progress=None) -> Prepared:
     """Capture the experiment's training step (on the meta device) and get its costs."""
     import torch
 
-    from gaswap.capture import capture
+    from gaswap.capture import CaptureError, capture
 
     started = time.perf_counter()
     model = build_model(experiment)
@@ -116,6 +68,8 @@ def prepare(experiment: config.Experiment, *, cache_dir=None, progress=None) -> 
 def check_trainable(graph: Graph) -> None:
     """Refuse (CaptureError) a step with nothing to plan: no gradient (the output is detached or depends
     on no trainable parameter) or no activation that the backward pass reads."""
+    from gaswap.capture import CaptureError
+
     if not any(t.kind == "grad" for t in graph.tensors.values()):
         raise CaptureError("the step computes no gradient: the model's output does not depend on any trainable "
                            "parameter (is it detached, or computed under torch.no_grad?)")
@@ -153,14 +107,6 @@ def costs_for(experiment: config.Experiment, graph: Graph, *, cache_dir=None, pr
             target = output_gradient(captured, torch.device("cpu"), experiment.seed)
         in_place = captured, lambda: captured.arguments(model, tuple(x.clone() for x in inputs), target.clone())
     return measure(graph, spec.device, cache_dir, progress=progress, in_place=in_place, threads=spec.threads)
-
-
-def output_gradient(captured, device, seed: int):
-    """A random tensor shaped like the model's output: the gradient a step with loss "external" is given."""
-    import torch
-
-    (like,) = [n.meta["val"] for n in captured.gm.graph.nodes if n.op == "placeholder" and n.name == "grad_output"]
-    return torch.randn(like.shape, dtype=like.dtype, device=device, generator=torch.Generator(device).manual_seed(seed))
 
 
 def keep_all(prepared: Prepared) -> Evaluated:
@@ -232,59 +178,6 @@ def _search_and_write(prepared: Prepared, out: Path, on_generation, resume: bool
     carry += () if result.complete else (checkpoints.NAME,)
     results.write(out, result, make_policy, summary, carry=carry)
     return result, summary
-
-
-class Stop:
-    """Whether a stop was asked for: `stop()` is True once SIGINT or SIGTERM arrived; `signum` says which."""
-
-    def __init__(self):
-        self.signum: int | None = None
-
-    def __call__(self) -> bool:
-        return self.signum is not None
-
-    @property
-    def exit_code(self) -> int:
-        """The shell's convention for a process ended by the signal: 130 for SIGINT, 143 for SIGTERM."""
-        return 128 + (self.signum or 0)
-
-
-class Aborted(KeyboardInterrupt):
-    """A second SIGINT or SIGTERM: stop now, without finishing the generation."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-@contextmanager
-def stop_on_signals(notify=None, signals=(signal.SIGINT, signal.SIGTERM)):
-    """Within the block, the first SIGINT or SIGTERM sets the yielded `Stop` (and calls `notify(message)`);
-    a second raises `Aborted`. The previous handlers come back afterwards. Off the main thread, where Python
-    cannot handle signals, the Stop never fires."""
-    stop = Stop()
-    if threading.current_thread() is not threading.main_thread():
-        yield stop
-        return
-    notify = notify or (lambda message: print(message, file=sys.stderr))
-    owner = os.getpid()
-
-    def handler(signum, frame):
-        if os.getpid() != owner:  # a forked worker that has not yet set its own handlers
-            return
-        if stop.signum is not None:
-            raise Aborted(signum)
-        stop.signum = signum
-        notify(f"{signal.Signals(signum).name}: stopping after the current generation (again to stop at once)")
-
-    previous = {s: signal.getsignal(s) for s in signals}
-    for s in signals:
-        signal.signal(s, handler)
-    try:
-        yield stop
-    finally:
-        for s, handler_before in previous.items():
-            signal.signal(s, handler_before if handler_before is not None else signal.SIG_DFL)
 
 
 def describe(prepared: Prepared) -> dict:

@@ -93,6 +93,7 @@ def unchanged_graph_step(cap, model, inputs, target):
         p.grad = g
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_name", sorted(MODELS))
 def test_training_is_bitwise_equal_to_the_unchanged_graph(model_name):
     model, inputs, target, cap = setup(model_name)
@@ -111,6 +112,7 @@ def test_training_is_bitwise_equal_to_the_unchanged_graph(model_name):
         assert all(torch.equal(a, b) for a, b in zip(reference, trained, strict=True)), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_name", sorted(MODELS))
 def test_training_matches_eager_pytorch(model_name):
     model, inputs, target, cap = setup(model_name, dropout=False)  # eager draws dropout masks otherwise
@@ -124,6 +126,7 @@ def test_training_matches_eager_pytorch(model_name):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_name", sorted(MODELS))
 def test_the_module_step_holds_the_predicted_peak(model_name):
     """Device memory measured over `module(x).backward(grad_output)` equals the simulator's peak.

@@ -8,6 +8,8 @@ import pytest
 from gaswap import config, policy, workflow
 from gaswap.cli import main
 
+pytestmark = pytest.mark.slow  # real models captured end to end: `pytest -m "not slow"` skips them
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -9,8 +9,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "gaswap"
 FLOOR = {"program", "files", "step"}
 CORE = {"graph", "costs", "encoding", "simulator", "problem", "parallel", "checkpoint", "search", "baselines",
         "milp", "policy", "allocator"}
-APPLICATION = {"config", "results", "workflow", "validate", "report", "bench", "speed", "compare", "gpu_check",
-               "gpu_memory", "cli", "__main__"}
+APPLICATION = {"config", "experiment", "results", "signals", "workflow", "validate", "report", "bench", "speed",
+               "compare", "gpu_check", "gpu_memory", "cli", "__main__"}
 
 
 def layer(module: str) -> int:

@@ -161,6 +161,7 @@ def test_action_map_stacks_bytes_per_layer_and_action(searched, summary):
     assert ax.get_xlabel() == "saved tensors' size (MiB)"
 
 
+@pytest.mark.slow
 def test_plot_results_writes_four_pngs_beside_the_results(searched):
     folder, cache = searched
     paths = report.plot_results(folder, cache_dir=cache)
@@ -169,6 +170,7 @@ def test_plot_results_writes_four_pngs_beside_the_results(searched):
         assert path.parent == folder and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_notebook_runs_headless(searched, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")

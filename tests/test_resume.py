@@ -20,7 +20,7 @@ import yaml
 from helpers import unit_costs
 
 from gaswap import checkpoint as checkpoints
-from gaswap import config, workflow
+from gaswap import config, signals, workflow
 from gaswap.graph import residual_graph
 from gaswap.checkpoint import CheckpointError
 from gaswap.cli import main
@@ -116,7 +116,7 @@ def test_a_signal_stops_the_search_after_the_current_generation(problem, uninter
         if record.generation == 4:
             os.kill(os.getpid(), signum)
 
-    with workflow.stop_on_signals(messages.append) as stop:
+    with signals.stop_on_signals(messages.append) as stop:
         r = run(problem, ckpt, stop=stop, on_generation=on_generation)
     assert (r.complete, r.generations_done, stop.signum, stop.exit_code) == (False, 4, signum, code)
     assert "stopping after the current generation" in messages[0]
@@ -125,8 +125,8 @@ def test_a_signal_stops_the_search_after_the_current_generation(problem, uninter
 
 
 def test_a_second_signal_stops_at_once():
-    with pytest.raises(workflow.Aborted) as info:
-        with workflow.stop_on_signals(lambda message: None) as stop:
+    with pytest.raises(signals.Aborted) as info:
+        with signals.stop_on_signals(lambda message: None) as stop:
             os.kill(os.getpid(), signal.SIGTERM)
             assert stop()
             os.kill(os.getpid(), signal.SIGTERM)
@@ -355,6 +355,7 @@ def test_cli_refusals_exit_4_before_capturing_anything(tmp_path, capsys):
 
 # --- a real process, a real Ctrl-C ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_ctrl_c_on_a_real_search_then_resume(tmp_path):
     """SIGINT to the process group of `python -m gaswap search` with two workers, as a terminal's Ctrl-C."""
     path = tmp_path / "mlp.yaml"

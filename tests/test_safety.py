@@ -126,6 +126,9 @@ def test_a_factory_that_is_no_model_factory_never_runs(capsys, tmp_path, factory
     ("{factory: gaswap.zoo:gpt, kwargs: {width: 30, heads: 4}}", "model: gaswap.zoo:gpt(**kwargs) failed"),
     ("{factory: gaswap.zoo:mlp, kwargs: {widths: 3}}", "model.kwargs: gaswap.zoo:mlp refused them"),
     ("{factory: hostile_models:detached}", "is the model's output detached"),
+    ("{factory: hostile_models:Returns, kwargs: {what: none}}", "the model returned NoneType, not a tensor"),
+    ("{factory: hostile_models:Returns, kwargs: {what: number}}", "the model returned float, not a tensor"),
+    ("{factory: hostile_models:Returns, kwargs: {what: argmax}}", "in the loss function, Expected floating point"),
 ])
 def test_a_model_that_cannot_be_trained(capsys, tmp_path, model, message):
     search(capsys, tmp_path, patched(BASE, model=model), 2, message)
@@ -341,6 +344,25 @@ def test_a_policy_for_another_batch_says_what_differs(searched, capsys, tmp_path
     validate(capsys, forged(tmp_path, body | {"provenance": provenance}), 4, "batch_size: policy 4, here 8")
 
 
+def test_a_policy_for_another_class_count_says_what_differs(searched, capsys, tmp_path):
+    tmp, _ = searched
+    (tmp_path / "exp.yaml").write_text(patched(BASE, model="{factory: gaswap.zoo:mlp, kwargs: {sizes: [8, 16, 16, 6]}}",
+                                               target="{shape: [batch], dtype: int64, high: 6}"))
+    validate(capsys, tmp / "mixed.yaml", 4, "model: policy {'factory': 'gaswap.zoo:mlp', 'kwargs': {'sizes': [8, 16, "
+             "16, 4]}}, here {'factory': 'gaswap.zoo:mlp', 'kwargs': {'sizes': [8, 16, 16, 6]}}",
+             "--experiment", tmp_path / "exp.yaml")
+
+
+def test_apply_step_with_another_batch_says_which_input_differs(searched):
+    import gaswap
+    from gaswap import zoo
+
+    tmp, _ = searched
+    with pytest.raises(policies.PolicyError, match=r"input 0: policy \[4, 8\] float32 \(batch size 4\), here "
+                                                   r"\[2, 8\] float32"):
+        gaswap.apply_step(zoo.mlp(sizes=[8, 16, 16, 4]), tmp / "mixed.yaml", torch.randn(2, 8), torch.randint(0, 4, (2,)))
+
+
 def test_a_policy_edited_without_its_checksum(searched, capsys, tmp_path):
     tmp, _ = searched
     text = (tmp / "mixed.yaml").read_text().replace(": swap\n", ": keep\n", 1)
@@ -451,6 +473,16 @@ def test_a_full_disk_keeps_the_previous_results(capsys, tmp_path, monkeypatch):
     assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["exp"]  # nothing left behind
 
 
+def test_a_read_only_results_folder(capsys, tmp_path, monkeypatch):
+    import tempfile
+
+    def read_only(**kwargs):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), kwargs["dir"])
+
+    monkeypatch.setattr(tempfile, "mkdtemp", read_only)  # as for a non-root user in a folder without write access
+    search(capsys, tmp_path, BASE, 5, f"{tmp_path / 'results'}: cannot read or write (Permission denied)")
+
+
 def test_a_second_search_into_a_locked_folder_is_refused(capsys, tmp_path):
     import fcntl
 
@@ -461,6 +493,19 @@ def test_a_second_search_into_a_locked_folder_is_refused(capsys, tmp_path):
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as another process running a search
         search(capsys, tmp_path, BASE, 4, "is being written by another gaswap process (pid 4242")
     assert not (tmp_path / "results" / "exp").exists()
+
+
+def test_bench_into_a_folder_a_search_is_writing_is_refused_at_once(capsys, tmp_path):
+    import fcntl
+
+    (tmp_path / "results").mkdir()
+    (tmp_path / "exp.yaml").write_text(BASE)
+    with open(tmp_path / "results" / ".exp.lock", "w") as lock:
+        lock.write("4343\n")
+        lock.flush()
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        expect(capsys, 4, "is being written by another gaswap process (pid 4343", "bench", tmp_path / "exp.yaml",
+               "--results", tmp_path / "results", "--budgets", "0.5")
 
 
 def test_a_kill_between_the_two_renames_rolls_back_with_the_checkpoint(capsys, tmp_path):

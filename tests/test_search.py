@@ -164,6 +164,8 @@ def test_a_converged_search_stops_and_says_so(problem):
         return now.best_time_s >= then.best_time_s * 0.999 and now.hypervolume <= then.hypervolume * 1.001
 
     assert stalled(len(r.history) - 1) and not any(stalled(k) for k in range(5, len(r.history) - 1))
+    # while nothing fits, nothing has converged
+    assert run(problem, 10, generations=12, patience=5).stopped_by == "generations"
 
 
 def test_evaluation_and_time_limits_stop_the_search(problem):

@@ -14,11 +14,13 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from gaswap import config, workflow, zoo
+from gaswap import config, experiment, zoo
 from gaswap.capture import capture, make_inputs
 from gaswap.encoding import Action, Encoding
 from gaswap.simulator import Simulator, lower_bound
 from helpers import unit_costs
+
+pytestmark = pytest.mark.slow  # real models captured end to end: `pytest -m "not slow"` skips them
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ["vgg16_12gb", "resnet50_8gb", "gpt2_small_0.4x", "bert_base_12gb", "unet_10gb", "gpt_tiny_cpu",
@@ -298,8 +300,8 @@ def test_configurations_bigger_than_the_host_capture_in_seconds(name, factory, s
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_experiments_have_budgets_well_under_keep_all(name):
     exp = config.load_experiment(ROOT / "experiments" / f"{name}.yaml")
-    inputs, target = workflow.make_inputs(exp)
-    g = capture(workflow.build_model(exp), inputs, target, exp.loss, optimizer=exp.optimizer, counted=exp.counts).graph
+    inputs, target = experiment.make_inputs(exp)
+    g = capture(experiment.build_model(exp), inputs, target, exp.loss, optimizer=exp.optimizer, counted=exp.counts).graph
     enc = Encoding(g)
     keep = enc.uniform(Action.KEEP)
     peak = Simulator(g, unit_costs(g)).run(enc.decode(keep.keys), keep.actions).peak_bytes
