@@ -193,6 +193,7 @@ def search(args) -> int:
 def _search(args, exp, out) -> int:
     from gaswap import workflow
     from gaswap.checkpoint import NAME as CHECKPOINT
+    from gaswap.search import CHECKPOINT_SECONDS
     from gaswap.signals import stop_on_signals
 
     if not args.resume and (out / CHECKPOINT).is_file():
@@ -221,7 +222,8 @@ def _search(args, exp, out) -> int:
         return _error(err, EXIT_INFEASIBLE)
     except KeyboardInterrupt as err:
         if (out / CHECKPOINT).is_file():
-            print(f"\nstopped at once; {out / CHECKPOINT} holds the last finished generation\n"
+            print(f"\nstopped at once; {out / CHECKPOINT} holds the search as of its last checkpoint (written at "
+                  f"most {CHECKPOINT_SECONDS:g} s of search earlier)\n"
                   f"resume with: {resume_command(args)}", file=sys.stderr)
         raise err
     print(table(result, summary))
