@@ -400,7 +400,7 @@ def _plot_folder(folder: Path, cache, trust_factory: bool = False) -> list[Path]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            paths = plot_results(folder, cache_dir=cache, progress=measuring)
+            paths = plot_results(folder, cache_dir=cache, progress=measuring, trust_factory=trust_factory)
         finally:
             for bar in bars:
                 bar.close()

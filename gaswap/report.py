@@ -394,11 +394,16 @@ class Replay:
     costs_note: str | None = None
 
 
-def replay(folder: str | Path, policy: str = "policy.yaml", *, cache_dir=None, progress=None) -> Replay:
+def replay(folder: str | Path, policy: str = "policy.yaml", *, cache_dir=None, progress=None,
+           trust_factory: bool = False) -> Replay:
     """Re-capture the experiment of `folder` and simulate `policy` (a file in it) and keep-all, traced, with
     the search's costs (costs.json); without that file, with costs got again (`progress(done, total)` while
-    measuring), warning when keep-all then differs from the search's."""
+    measuring), warning when keep-all then differs from the search's. A results folder is data: a model
+    factory outside gaswap's zoo, named only by its files, is refused (`results.Refused`) unless
+    `trust_factory`."""
     from gaswap import config, locate, workflow  # torch
+    from gaswap.results import Refused
+    from gaswap.zoo import shipped
 
     result = load(folder)
     source = f"{result.folder / 'summary.json'}: experiment_file"
@@ -407,6 +412,9 @@ def replay(folder: str | Path, policy: str = "policy.yaml", *, cache_dir=None, p
     except FileNotFoundError as err:
         raise config.ConfigError(str(err)) from None
     experiment = config.load_experiment(file)
+    if not trust_factory and not shipped(experiment.model.factory):
+        raise Refused(f"{result.folder}: its experiment {file} builds the model with {experiment.model.factory}, "
+                      f"code named only by these results; if you trust it, pass trust_factory=True")
     captured = workflow.capture_step(experiment)
     graph = captured.graph
     costs = costfile.load(result.folder, graph.fingerprint(), (op.name for op in graph.ops))
@@ -432,12 +440,12 @@ def replay(folder: str | Path, policy: str = "policy.yaml", *, cache_dir=None, p
 
 @_styled
 def memory_timeline(folder: str | Path, policy: str = "policy.yaml", *, cache_dir=None,
-                    replayed: Replay | None = None) -> Figure:
+                    replayed: Replay | None = None, trust_factory: bool = False) -> Figure:
     """Device memory by category over simulated time for keep-all and `policy`, with the budget and the
     start of the backward pass; beneath, the policy's copies, recomputations and compute waits. Both runs
     are re-simulated with the same costs (`replayed`, else `replay(folder, policy)`), so the policy's
     overhead is measured against the keep-all drawn above it."""
-    rp = replayed or replay(folder, policy, cache_dir=cache_dir)
+    rp = replayed or replay(folder, policy, cache_dir=cache_dir, trust_factory=trust_factory)
     r = rp.result
     div, unit = r.unit()
     runs = {"keep-all": rp.keep_all, rp.policy_name: rp.chosen}
@@ -504,10 +512,10 @@ def _streams(ax, run: SimResult) -> None:
 
 @_styled
 def action_map(folder: str | Path, policy: str = "policy.yaml", ax=None, *, cache_dir=None,
-               replayed: Replay | None = None) -> Figure:
+               replayed: Replay | None = None, trust_factory: bool = False) -> Figure:
     """Per layer (module path, in captured order; inputs first), the bytes `policy` keeps, swaps and
     recomputes, as stacked horizontal bars; layers holding no bytes (views) are left out."""
-    rp = replayed or replay(folder, policy, cache_dir=cache_dir)
+    rp = replayed or replay(folder, policy, cache_dir=cache_dir, trust_factory=trust_factory)
     table = _bytes_by_layer(rp.graph, rp.policy)
     table = table[table.sum(axis=1) > 0]  # layers whose saved tensors are views of others' hold no bytes
     div, unit = units.scale(table.sum(axis=1).max())
@@ -582,11 +590,11 @@ def describe(folders) -> str:
 # ----------------------------------------------------------------------------------------------- all four
 
 
-def plot_results(folder: str | Path, *, cache_dir=None, progress=None) -> list[Path]:
+def plot_results(folder: str | Path, *, cache_dir=None, progress=None, trust_factory: bool = False) -> list[Path]:
     """Write pareto.png, convergence.png, memory_timeline.png and action_map.png into `folder`. The last two
     re-simulate the chosen policy (see `replay`; `progress(done, total)` while costs are measured again)."""
     folder = Path(folder)
-    replayed = replay(folder, cache_dir=cache_dir, progress=progress)
+    replayed = replay(folder, cache_dir=cache_dir, progress=progress, trust_factory=trust_factory)
     figures = {
         "pareto": pareto(folder),
         "convergence": convergence(folder),

@@ -441,6 +441,13 @@ def test_plot_does_not_run_a_factory_named_by_results(searched, capsys, tmp_path
     (folder / "summary.json").write_text(json.dumps(summary))
     expect(capsys, 4, "builds the model with hostile_models:touch, code named only by these results", "plot", folder)
     assert not marker.exists()
+    from gaswap import report  # the notebook's way in: the same refusal, before anything is imported or built
+    from gaswap.results import Refused
+
+    for draw in (report.plot_results, report.memory_timeline, report.action_map):
+        with pytest.raises(Refused, match="hostile_models:touch, code named only by these results"):
+            draw(folder)
+    assert not marker.exists()
 
 
 # ------------------------------------------------------------------------------------ results folders
