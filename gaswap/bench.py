@@ -9,8 +9,6 @@ Writes `results/<experiment>/bench.csv` and `bench.md`. No torch at import.
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import sys
 import time
 from pathlib import Path
@@ -19,7 +17,7 @@ from gaswap import config, milp, results
 from gaswap.baselines import BASELINES
 from gaswap.config import format_size
 from gaswap.encoding import Action
-from gaswap.files import write_atomic
+from gaswap.files import csv_text, write_atomic
 from gaswap.problem import Problem
 from gaswap.search import search
 
@@ -51,7 +49,7 @@ def run(experiment_path, budgets, *, results_root="results", cache_dir=None, tim
     folder = Path(results_root) / experiment.name
     with results.locked(folder):  # not while a search replaces the folder
         results.recover(folder)
-        write_atomic(folder / "bench.csv", to_csv(rows))
+        write_atomic(folder / "bench.csv", csv_text(rows, COLUMNS))
         write_atomic(folder / "bench.md", to_markdown(rows, experiment.name))
     return rows
 
@@ -134,14 +132,6 @@ def _row(method, feasible, peak, step_time, keep_time, seconds, note) -> dict:
 
 def _counts(actions) -> str:
     return "keep/swap/recompute " + "/".join(str(sum(1 for a in actions if a == x)) for x in Action)
-
-
-def to_csv(rows: list[dict]) -> str:
-    out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=COLUMNS, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows({k: ("" if v is None else v) for k, v in row.items()} for row in rows)
-    return out.getvalue()
 
 
 def to_markdown(rows: list[dict], name: str) -> str:

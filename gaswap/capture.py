@@ -506,7 +506,7 @@ def _build_graph(gm: fx.GraphModule, placeholders, optimizer: str, counted) -> G
     nodes = list(gm.graph.nodes)
     output = nodes[-1].args[0]
     loss_node, grad_nodes = output[0], output[1:]
-    forward = _ancestors(loss_node)
+    forward = _ancestors([loss_node])
     layer_of = _layers(nodes, {name: src for name, kind, src in placeholders if kind == "buffer"})
     storage: dict[StorageWeakRef, str] = {}  # storage -> tensor name
     tensors: dict[str, Tensor] = {}
@@ -591,9 +591,9 @@ def tensor_outputs(node: fx.Node, val) -> list[tuple[str, torch.Tensor]]:
     return [(names.get(i, f"{node.name}.{i}"), v) for i, v in enumerate(val) if isinstance(v, torch.Tensor)]
 
 
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    """`node` and every node it depends on."""
-    seen, todo = set(), [node]
+def _ancestors(roots) -> set[fx.Node]:
+    """The fx nodes among `roots` and every node they depend on."""
+    seen, todo = set(), [r for r in roots if isinstance(r, fx.Node)]
     while todo:
         n = todo.pop()
         if n not in seen:

@@ -24,10 +24,8 @@ Writes `results/<experiment>/compare.csv`, `compare.md` and the gaswap policies 
 from __future__ import annotations
 
 import copy
-import csv
 import ctypes
 import ctypes.util
-import io
 import statistics
 import time
 from dataclasses import dataclass
@@ -39,7 +37,7 @@ from gaswap import compiled, config, experiment, policy as policies
 from gaswap.capture import _loss_fn, _output_tensor
 from gaswap.config import format_size
 from gaswap.encoding import Action, Chromosome, Encoding
-from gaswap.files import write_atomic
+from gaswap.files import csv_text, write_atomic
 from gaswap.measure import device_name, measure, resolve_device, use_cpu
 from gaswap.problem import Problem
 from gaswap.search import search
@@ -113,7 +111,7 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), resul
         methods.append(Method("gaswap", label, m, compiled.compile(m, policy), opt,
                               (evaluated.peak_bytes - resident, evaluated.step_time), _count(evaluated.chromosome)))
     rows = _measure(methods, inputs, target, exp, device, rounds, steps, progress)
-    write_atomic(folder / "compare.csv", to_csv(rows))
+    write_atomic(folder / "compare.csv", csv_text(rows, COLUMNS))
     write_atomic(folder / "compare.md", to_markdown(rows, exp.name, device_name(device)))
     return rows
 
@@ -255,14 +253,6 @@ def _status(key: str) -> int:
 
 
 # --- output ----------------------------------------------------------------------------------------------
-
-def to_csv(rows: list[dict]) -> str:
-    out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=COLUMNS, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows({k: ("" if v is None else v) for k, v in row.items()} for row in rows)
-    return out.getvalue()
-
 
 def to_markdown(rows: list[dict], name: str, device: str) -> str:
     """The table, and per torch.compile point the fastest gaswap policy at an equal or lower measured peak."""

@@ -55,7 +55,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from gaswap import graph as graphs
 from gaswap import policy as policies
-from gaswap.capture import _key, _make_op, _nbytes
+from gaswap.capture import _ancestors, _key, _make_op, _nbytes
 from gaswap.step import OPTIMIZER_STATE
 from gaswap.graph import Graph, Tensor
 from gaswap.policy import Policy, PolicyError
@@ -256,16 +256,6 @@ def _layer(node: fx.Node) -> str:
         return ""
     path = list(stack.values())[-1][0]
     return path.replace("L['self'].", "").replace("L['self']", "").replace("['", ".").replace("']", "")
-
-
-def _ancestors(roots) -> set[fx.Node]:
-    seen, todo = set(), [r for r in roots if isinstance(r, fx.Node)]
-    while todo:
-        n = todo.pop()
-        if n not in seen:
-            seen.add(n)
-            todo += n.all_input_nodes
-    return seen
 
 
 # --- tagging and checking ---------------------------------------------------------------------------------

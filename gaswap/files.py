@@ -6,6 +6,8 @@ twice. Writing goes through a temporary file and a rename, so a reader never see
 """
 from __future__ import annotations
 
+import csv
+import io
 import os
 import tempfile
 from pathlib import Path
@@ -107,3 +109,12 @@ def umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def csv_text(rows, columns) -> str:
+    """`rows` (dicts keyed by `columns`) as CSV text with a header line; None is written as an empty cell."""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows({k: ("" if v is None else v) for k, v in row.items()} for row in rows)
+    return out.getvalue()

@@ -12,10 +12,12 @@ def test_cpu_peak_meter_sees_what_a_block_holds_at_once():
         a = torch.ones(16 << 20)  # 64 MiB
         b = a * 2  # another 64 MiB while a lives
         del a, b
-    assert 128 << 20 <= meter.peak < 140 << 20
+    # An RSS meter reads the whole process: pages of the rest of it may go back to the system while the block
+    # runs (seen: 0.2 MiB), so the bounds allow 4 MiB below the block's bytes; missing a 64 MiB tensor still fails.
+    assert 124 << 20 <= meter.peak < 140 << 20
     with compare.PeakMeter("cpu") as meter:
         torch.ones(16 << 20).sum()
-    assert 64 << 20 <= meter.peak < 76 << 20  # memory freed and kept by malloc before is handed back first
+    assert 60 << 20 <= meter.peak < 76 << 20  # memory freed and kept by malloc before is handed back first
     del keep
 
 
