@@ -19,21 +19,7 @@ from gaswap import milp
 from gaswap.config import GASettings, load_search_space
 from gaswap.problem import Problem
 from gaswap.search import search
-
-
-def gpt_stack(layers: int):
-    import torch
-
-    from gaswap import zoo
-    from gaswap.capture import capture, make_inputs
-    from gaswap.costs import estimate, load_profile
-
-    with torch.device("meta"):
-        model = zoo.gpt(vocab=50257, layers=layers, width=768, heads=12, seq=1024)
-    ids = {"shape": ["batch", 1024], "dtype": "int64", "high": 50257}
-    inputs, target = make_inputs([ids], ids, 8)
-    graph = capture(model, inputs, target, "cross_entropy", optimizer="adam").graph
-    return graph, estimate(graph, load_profile("a100-pcie-40gb"))
+from gaswap.speed import deep_gpt_graph
 
 
 def main() -> None:
@@ -46,7 +32,7 @@ def main() -> None:
     print("| layers | ops | candidates | evaluations | CPU s | stopped by | best overhead | gap to best known |")
     print("|---|---|---|---|---|---|---|---|")
     for layers in (int(x) for x in args.layers.split(",")):
-        graph, costs = gpt_stack(layers)
+        graph, costs = deep_gpt_graph(layers, profile="a100-pcie-40gb")
         keep = Problem(graph, costs).keep_all()
         budget = int(0.4 * keep.peak_bytes)
         runs = []
