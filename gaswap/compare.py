@@ -38,7 +38,7 @@ from gaswap.capture import _loss_fn, _output_tensor
 from gaswap.config import format_size
 from gaswap.encoding import Action, Chromosome, Encoding
 from gaswap.files import csv_text, write_atomic
-from gaswap.measure import device_name, measure, resolve_device, use_cpu
+from gaswap.measure import device_name, measure, resolve_device, sync, use_cpu
 from gaswap.problem import Problem
 from gaswap.search import search
 
@@ -199,18 +199,13 @@ def _measure(methods, inputs, target, exp, device, rounds, steps, progress) -> l
 
 def _step(m: Method, inputs, target, loss: str, device) -> tuple[float, float]:
     """One training step; (wall seconds, CPU seconds)."""
-    _sync(device)
+    sync(device)
     wall, cpu = time.perf_counter(), time.process_time()
     _loss_fn(loss, _output_tensor(m.run(*inputs)), target).backward()
     m.optimizer.step()
     m.optimizer.zero_grad(set_to_none=True)
-    _sync(device)
+    sync(device)
     return time.perf_counter() - wall, time.process_time() - cpu
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class PeakMeter:
@@ -222,7 +217,7 @@ class PeakMeter:
         self.peak = 0
 
     def __enter__(self) -> "PeakMeter":
-        _sync(self.device)
+        sync(self.device)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
@@ -234,7 +229,7 @@ class PeakMeter:
         return self
 
     def __exit__(self, *exc) -> None:
-        _sync(self.device)
+        sync(self.device)
         top = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else _status("VmHWM")
         self.peak = top - self._base
 

@@ -162,7 +162,7 @@ def _measure_signature(signature: str, dev: torch.device, cache: CostCache, warm
     stops the measurement (DeviceError): every later op would fail on the broken context."""
     try:
         cache.op_time[signature] = time_signature(signature, dev, warmup, repeats)
-        _sync(dev)
+        sync(dev)
     except Exception as e:  # any failure of a standalone run: fall back to the roofline
         reason = f"{type(e).__name__}: {e}"[:500]
         if _is_device_error(e):
@@ -285,15 +285,16 @@ def _median_time(fn, dev: torch.device, warmup: int, repeats: int) -> float:
 
 def _timed(fn, calls: int, dev: torch.device) -> float:
     """Wall seconds for `calls` calls of fn, synchronizing the device before and after."""
-    _sync(dev)
+    sync(dev)
     start = time.perf_counter()
     for _ in range(calls):
         fn()
-    _sync(dev)
+    sync(dev)
     return max(time.perf_counter() - start, 1e-9)
 
 
-def _sync(dev: torch.device) -> None:
+def sync(dev: torch.device) -> None:
+    """Wait for the work queued on `dev` (CUDA); nothing to wait for on a CPU."""
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
 

@@ -20,7 +20,7 @@ from gaswap.capture import capture
 from gaswap.experiment import build_model, make_inputs, output_gradient
 from gaswap.files import write_atomic
 from gaswap.locate import experiment_file
-from gaswap.measure import device_name, resolve_device, use_cpu
+from gaswap.measure import device_name, resolve_device, sync, use_cpu
 from gaswap.memory import DeviceMemory
 from gaswap.runtime import StepRunner
 
@@ -81,14 +81,14 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, e
         held = [a for (_, kind, _), a in zip(captured.placeholders, args) if kind != "param" or "parameters" in exp.counts]
         if "optimizer_state" in exp.counts:
             held += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
-        _sync(dev)
+        sync(dev)
         started = time.perf_counter()
         with DeviceMemory(dev) if tracked else nullcontext() as memory:
             if memory is not None:
                 memory.hold(held)
             del held  # the step owns its inputs: a swapped-out input must be free to go
             loss, *grads = runner(args)
-        _sync(dev)
+        sync(dev)
         if step > 0:  # the first step creates the optimizer state and warms up
             times += [] if tracked and dev.type != "cuda" else [time.perf_counter() - started]
             peaks += [memory.peak] if tracked else []
@@ -137,8 +137,3 @@ def _experiment(policy: policies.Policy, policy_path: Path, named: str | Path | 
                       f"only by this policy file; if you trust it, name the experiment yourself (--experiment "
                       f"{file}) or pass --trust-factory")
     return exp
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -37,7 +37,7 @@ def test_an_asynchronous_failure_surfacing_at_the_sync_is_charged_to_its_op(tmp_
     def failing_sync(dev):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(measure, "_sync", failing_sync)  # ...the error shows at the synchronization
+    monkeypatch.setattr(measure, "sync", failing_sync)  # ...the error shows at the synchronization
     with pytest.raises(measure.DeviceError):
         measure._measure_signature("op-c", torch.device("cpu"), cache, 1, 1)
     assert "op-c" not in cache.op_time  # its time is not kept
