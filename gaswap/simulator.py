@@ -27,6 +27,8 @@ import heapq
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
+
 from gaswap.costs import Costs
 from gaswap.graph import COUNTABLE, Graph
 from gaswap.program import Action, Instruction, Verb
@@ -90,18 +92,43 @@ class Liveness(NamedTuple):
 
 def liveness(sim: "Simulator", order) -> Liveness:
     """Where each tensor of `sim` is read in `order` (indices into graph.ops)."""
-    nt, n = len(sim.size), len(order)
-    last_use, last_fwd, first_bwd = [-1] * nt, [-1] * nt, [n] * nt
-    op_in, op_fwd = sim.op_in, sim.op_fwd
-    for p, i in enumerate(order):
-        fwd = op_fwd[i]
-        for t in op_in[i]:
-            last_use[t] = p
-            if fwd:
-                last_fwd[t] = p
-            elif first_bwd[t] > p:
-                first_bwd[t] = p
-    return Liveness(last_use, last_fwd, first_bwd)
+    return Liveness(*(a.tolist() for a in _liveness(sim, _positions(sim, order), len(order))))
+
+
+def _positions(sim: "Simulator", order) -> np.ndarray:
+    """The position of each op in `order`."""
+    pos = np.empty(len(sim.op_time), dtype=np.intp)
+    pos[np.asarray(order, dtype=np.intp)] = np.arange(len(order))
+    return pos
+
+
+def _liveness(sim: "Simulator", pos: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`liveness` as arrays, from the op positions `pos` of an order of `n` ops."""
+    nt = len(sim.size)
+    return (sim.reads.reduce(np.maximum, pos, np.full(nt, -1)),
+            sim.fwd_reads.reduce(np.maximum, pos, np.full(nt, -1)),
+            sim.bwd_reads.reduce(np.minimum, pos, np.full(nt, n)))
+
+
+class _Reads(NamedTuple):
+    """Reads of tensors by ops, grouped by tensor: a per-graph table that per-order positions reduce over."""
+
+    tensors: np.ndarray  # each tensor read at least once, ascending
+    ops: np.ndarray  # the reader of each read, grouped by tensor
+    starts: np.ndarray  # where each tensor's group begins in `ops`
+
+    @classmethod
+    def of(cls, reads) -> "_Reads":
+        """From (tensor, op) pairs."""
+        pairs = np.array(sorted(reads), dtype=np.intp).reshape(-1, 2)
+        tensors, starts = np.unique(pairs[:, 0], return_index=True)
+        return cls(tensors, pairs[:, 1].copy(), starts)
+
+    def reduce(self, ufunc, pos: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """`out` with, for each tensor read, `ufunc` over the positions (`pos`) of its readers."""
+        if len(self.ops):
+            out[self.tensors] = ufunc.reduceat(pos[self.ops], self.starts)
+        return out
 
 
 class Simulator:
@@ -133,6 +160,23 @@ class Simulator:
         self.d2h_time = [costs.copy_time(t.size, "d2h") for t in tensors]
         self.h2d_time = [costs.copy_time(t.size, "h2d") for t in tensors]
         self.serial_copies = not costs.copies_overlap
+        self.static_tables()
+
+    def static_tables(self) -> None:
+        """Arrays that turn an order into its liveness and schedules without a loop over ops in Python."""
+        reads = [(t, i) for i, inputs in enumerate(self.op_in) for t in inputs]
+        self.reads = _Reads.of(reads)
+        self.fwd_reads = _Reads.of((t, i) for t, i in reads if self.op_fwd[i])
+        self.bwd_reads = _Reads.of((t, i) for t, i in reads if not self.op_fwd[i])
+        producer = np.array(self.producer, dtype=np.intp)
+        self.produced = producer >= 0
+        self.producer_or_0 = np.maximum(producer, 0)
+        self.transient = ~np.array(self.persistent, dtype=bool)
+        self.candidate_ids = np.array(self.candidates, dtype=np.intp)
+        self.op_time_array = np.array(self.op_time, dtype=float)
+        self.out_bytes_array = np.array(self.out_bytes, dtype=np.int64)
+        self.h2d_time_array = np.array(self.h2d_time, dtype=float)
+        self.resident_at_start = [p < 0 for p in self.producer]  # parameters, buffers, inputs
 
     def run(self, order, actions, *, trace: bool = False) -> SimResult:
         """Simulate the ops in `order` (indices into graph.ops) with `actions` aligned with candidates;
@@ -147,32 +191,39 @@ class Simulator:
 class _Run:
     """One simulation, untraced; a class so that recursion shares its state without globals.
 
-    Phases: liveness of the order (`liveness`), the release schedule (`release_after`), the prefetch
-    schedule (`prefetch`), then the main loop (`result`). `_TracedRun` records what happens.
+    Phases: liveness of the order (`liveness`), the release schedule (`release_schedule`), the prefetch
+    schedule (`prefetch_schedule`), then the main loop (`execute`). `_TracedRun` records what happens.
+    The phases before the main loop work on arrays, from the simulator's per-graph tables.
     """
 
     def __init__(self, sim: Simulator, order, actions):
         self.sim, self.order = sim, order
         nt, n = len(sim.size), len(order)
-        self.swapped = [False] * nt  # SWAP
-        self.moved = [False] * nt  # not KEEP: gone after the forward readers, back for the backward ones
-        for k, a in zip(sim.candidates, actions):
-            if a != Action.KEEP:
-                self.moved[k] = True
-                self.swapped[k] = a == Action.SWAP
-        self.live = liveness(sim, order)
-        self.made = made = [0] * nt  # position of each tensor's producer (0 for inputs)
-        for p, i in enumerate(order):
-            for t in sim.op_out[i]:
-                made[t] = p
-        self.release_after = self.release_schedule()  # tensors to release after each position
+        order_array = np.asarray(order, dtype=np.intp)
+        pos = _positions(sim, order_array)
+        last_use, last_fwd, first_bwd = _liveness(sim, pos, n)
+        made = np.where(sim.produced, pos[sim.producer_or_0], 0)  # position of each tensor's producer (0: inputs)
+        acts = np.asarray(actions[:len(sim.candidates)], dtype=np.intp)
+        candidates = sim.candidate_ids[:len(acts)]
+        moved = np.zeros(nt, dtype=bool)  # not KEEP: gone after the forward readers, back for the backward ones
+        moved[candidates[acts != Action.KEEP]] = True
+        swapped = candidates[acts == Action.SWAP]  # in the order of the candidates
+        self.moved = moved.tolist()
+        self.swapped = [False] * nt
+        for t in swapped.tolist():
+            self.swapped[t] = True
+        self.live = Liveness(last_use.tolist(), last_fwd.tolist(), first_bwd.tolist())
+        # released[release_at[p]:release_at[p + 1]]: the tensors to release after position p
+        self.released, self.release_at = self.release_schedule(made, last_use, last_fwd, moved)
         self.made_before: list[int] = []  # bytes allocated by the ops before each position (when swapping)
         self.inputs_out: list[int] = []  # swapped inputs: copied to the host as the step starts
-        self.prefetch = self.prefetch_schedule() if any(self.swapped) else [[] for _ in range(n)]
+        self.prefetch: dict[int, list[int]] = {}  # position -> swapped tensors whose copy back is tried there
+        if len(swapped):
+            self.prefetch_schedule(order_array, swapped, made, last_fwd, first_bwd)
         self.mem = sim.base_bytes
         self.peak = self.mem
         self.pending: list[tuple[float, int, int]] = []  # (time, tensor, bytes) frees waiting for a copy
-        self.resident = [p < 0 for p in sim.producer]  # parameters, buffers, inputs are there from the start
+        self.resident = sim.resident_at_start[:]
         self.on_host = [False] * nt
         self.ready = [0.0] * nt  # when a resident tensor's data is usable
         self.d2h_end = [0.0] * nt
@@ -182,42 +233,36 @@ class _Run:
         self.needed = [0] * nt  # inputs of the recomputations under way (nested)
 
     # --- schedules ---
-    def release_schedule(self) -> list[list[int]]:
+    def release_schedule(self, made, last_use, last_fwd, moved) -> tuple[list[int], list[int]]:
         """After which position each tensor is released: after its last reader, and a moved one also after
-        its last forward reader (never before it is made); persistent kept tensors never."""
-        sim, made, moved = self.sim, self.made, self.moved
-        last_use, last_fwd = self.live.last_use, self.live.last_fwd
-        release: list[list[int]] = [[] for _ in self.order]
-        for t in range(len(sim.size)):
-            if moved[t]:
-                release[max(last_fwd[t], made[t])].append(t)
-                release[max(last_use[t], made[t])].append(t)
-            elif not sim.persistent[t]:
-                release[max(last_use[t], made[t])].append(t)
-        return release
+        its last forward reader (never before it is made); persistent kept tensors never. Returns the
+        tensors by position (ascending tensor, the forward release first) and where each position begins."""
+        early = np.flatnonzero(moved)
+        late = np.flatnonzero(moved | self.sim.transient)
+        at = np.concatenate((np.maximum(last_fwd[early], made[early]), np.maximum(last_use[late], made[late])))
+        tensors = np.concatenate((early, late))
+        second = np.concatenate((np.zeros(len(early), dtype=bool), np.ones(len(late), dtype=bool)))
+        by_position = np.lexsort((second, tensors, at))
+        starts = np.searchsorted(at[by_position], np.arange(len(self.order) + 1))
+        return tensors[by_position].tolist(), starts.tolist()
 
-    def prefetch_schedule(self) -> list[list[int]]:
+    def prefetch_schedule(self, order, swapped, made, last_fwd, first_bwd) -> None:
         """At which position each swapped tensor's copy back is first tried: the latest op before its first
         backward reader whose preceding compute covers the copy (at the reader itself with serial copies),
         never before its last forward reader has run nor before it is made."""
-        sim, order, made = self.sim, self.order, self.made
-        last_fwd, first_bwd = self.live.last_fwd, self.live.first_bwd
-        prefetch: list[list[int]] = [[] for _ in order]
-        prefix, made_before = [0.0], [0]  # compute time and bytes allocated before each position
-        for i in order:
-            prefix.append(prefix[-1] + sim.op_time[i])
-            made_before.append(made_before[-1] + sim.out_bytes[i])
-        self.made_before = made_before
-        swapped = [t for t in sim.candidates if self.swapped[t]]
-        for t in sorted(swapped, key=first_bwd.__getitem__):  # same position: first needed, first copied
-            c = first_bwd[t]
-            p = min(c, bisect.bisect_right(prefix, prefix[c] - sim.h2d_time[t]) - 1)  # zero-time ops: not past c
-            if sim.serial_copies:
-                p = c
-            prefetch[max(p, last_fwd[t] + 1, made[t] + 1)].append(t)
+        sim = self.sim
+        prefix = np.concatenate(([0.0], np.cumsum(sim.op_time_array[order])))  # compute time before each position
+        self.made_before = np.concatenate(([0], np.cumsum(sim.out_bytes_array[order]))).tolist()
+        reader = first_bwd[swapped]
+        at = reader
+        if not sim.serial_copies:  # zero-time ops: not past the reader
+            at = np.minimum(reader, np.searchsorted(prefix, prefix[reader] - sim.h2d_time_array[swapped], "right") - 1)
+        at = np.maximum(at, np.maximum(last_fwd[swapped], made[swapped]) + 1)
+        first_needed = np.argsort(reader, kind="stable")  # same position: first needed, first copied
+        for t, p in zip(swapped[first_needed].tolist(), at[first_needed].tolist()):
+            self.prefetch.setdefault(p, []).append(t)
             if sim.producer[t] < 0:
                 self.inputs_out.append(t)
-        return prefetch
 
     # --- the main loop ---
     def result(self) -> SimResult:
@@ -226,28 +271,17 @@ class _Run:
 
     def execute(self) -> None:
         """Run the ops in order: prefetches due, rematerializations, the op, swap-outs, releases."""
-        sim, order = self.sim, self.order
+        sim = self.sim
         op_in, op_out, names = sim.op_in, sim.op_out, sim.op_names
-        first_bwd = self.live.first_bwd
-        budget = sim.budget
         resident, ready, swapped = self.resident, self.ready, self.swapped
         on_host, d2h_end = self.on_host, self.d2h_end
-        prefetch, release_after = self.prefetch, self.release_after
+        prefetch, released, release_at = self.prefetch, self.released, self.release_at
         for t in self.inputs_out:  # an input's copy to the host starts with the step
             self.swap_out(t, 0.0)
-        for p, i in enumerate(order):
+        for p, i in enumerate(self.order):
             self.pos = p
-            for t in prefetch[p]:
-                if resident[t]:
-                    continue
-                if p < first_bwd[t]:
-                    if self.d2h_end[t] > self.clock:
-                        prefetch[p + 1].append(t)  # its device copy is still there: don't hold it twice
-                        continue
-                    if budget is not None and not self.room_until(t, p, first_bwd[t]):
-                        prefetch[p + 1].append(t)  # no room under the budget yet
-                        continue
-                self.swap_in(t, self.clock, "prefetch for", names[order[first_bwd[t]]])
+            if p in prefetch:
+                self.issue_prefetches(p)
             inputs = op_in[i]
             for t in inputs:
                 if not resident[t]:
@@ -261,13 +295,26 @@ class _Run:
                 if swapped[t]:
                     self.swap_out(t, self.clock)
             clock = self.clock
-            for t in release_after[p]:  # after the last reader; a swapped tensor's device copy waits for its d2h copy
+            for t in released[release_at[p]:release_at[p + 1]]:  # after the last reader; a swapped tensor's device copy waits for its d2h copy
                 if resident[t]:
                     if swapped[t] and on_host[t] and d2h_end[t] > clock:
                         self.retire(t)
                     else:
                         self.free(t, clock)
         self.settle(float("inf"))
+
+    def issue_prefetches(self, p: int) -> None:
+        """Copy back the swapped tensors due at position p, unless their device copy is still there or,
+        before their reader, there is no room under the budget yet: those are tried again at p + 1."""
+        first_bwd, resident, budget = self.live.first_bwd, self.resident, self.sim.budget
+        for t in self.prefetch.pop(p):
+            if resident[t]:
+                continue
+            c = first_bwd[t]
+            if p < c and (self.d2h_end[t] > self.clock or budget is not None and not self.room_until(t, p, c)):
+                self.prefetch.setdefault(p + 1, []).append(t)
+                continue
+            self.swap_in(t, self.clock, "prefetch for", self.sim.op_names[self.order[c]])
 
     # --- memory ---
     def settle(self, when: float) -> None:
@@ -317,7 +364,7 @@ class _Run:
                 if swapped[u]:
                     d2h_free = max(d2h_free, clock) + sim.d2h_time[u]
                 born[u] = d2h_free if swapped[u] else clock
-            for u in self.release_after[q]:
+            for u in self.released[self.release_at[q]:self.release_at[q + 1]]:
                 if u in gone or not (self.resident[u] or u in born):
                     continue
                 gone.add(u)
