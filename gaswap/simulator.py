@@ -199,20 +199,22 @@ class _Run:
     def __init__(self, sim: Simulator, order, actions):
         self.sim, self.order = sim, order
         nt, n = len(sim.size), len(order)
-        order_array = np.asarray(order, dtype=np.intp)
+        order_array = np.fromiter(order, dtype=np.intp, count=n)
         pos = _positions(sim, order_array)
         last_use, last_fwd, first_bwd = _liveness(sim, pos, n)
         made = np.where(sim.produced, pos[sim.producer_or_0], 0)  # position of each tensor's producer (0: inputs)
-        acts = np.asarray(actions[:len(sim.candidates)], dtype=np.intp)
-        candidates = sim.candidate_ids[:len(acts)]
+        m = min(len(actions), len(sim.candidates))
+        acts = np.fromiter(actions, dtype=np.intp, count=m)
+        candidates = sim.candidate_ids[:m]
         moved = np.zeros(nt, dtype=bool)  # not KEEP: gone after the forward readers, back for the backward ones
         moved[candidates[acts != Action.KEEP]] = True
         swapped = candidates[acts == Action.SWAP]  # in the order of the candidates
-        self.moved = moved.tolist()
         self.swapped = [False] * nt
         for t in swapped.tolist():
             self.swapped[t] = True
-        self.live = Liveness(last_use.tolist(), last_fwd.tolist(), first_bwd.tolist())
+        self.last_use = last_use.tolist()
+        self.droppable = (moved | sim.transient).tolist()  # what a recomputation may drop after its last reader
+        self.first_bwd: dict[int, int] = {}  # swapped tensor -> position of its first backward reader
         # released[release_at[p]:release_at[p + 1]]: the tensors to release after position p
         self.released, self.release_at = self.release_schedule(made, last_use, last_fwd, moved)
         self.made_before: list[int] = []  # bytes allocated by the ops before each position (when swapping)
@@ -239,12 +241,12 @@ class _Run:
         tensors by position (ascending tensor, the forward release first) and where each position begins."""
         early = np.flatnonzero(moved)
         late = np.flatnonzero(moved | self.sim.transient)
-        at = np.concatenate((np.maximum(last_fwd[early], made[early]), np.maximum(last_use[late], made[late])))
-        tensors = np.concatenate((early, late))
-        second = np.concatenate((np.zeros(len(early), dtype=bool), np.ones(len(late), dtype=bool)))
-        by_position = np.lexsort((second, tensors, at))
-        starts = np.searchsorted(at[by_position], np.arange(len(self.order) + 1))
-        return tensors[by_position].tolist(), starts.tolist()
+        nt2 = 2 * len(moved)  # sort key: (position, tensor, early before late)
+        key = np.concatenate((np.maximum(last_fwd[early], made[early]) * nt2 + 2 * early,
+                              np.maximum(last_use[late], made[late]) * nt2 + 2 * late + 1))
+        key.sort()
+        starts = np.searchsorted(key, np.arange(len(self.order) + 1) * nt2)
+        return (key % nt2 // 2).tolist(), starts.tolist()
 
     def prefetch_schedule(self, order, swapped, made, last_fwd, first_bwd) -> None:
         """At which position each swapped tensor's copy back is first tried: the latest op before its first
@@ -252,8 +254,10 @@ class _Run:
         never before its last forward reader has run nor before it is made."""
         sim = self.sim
         prefix = np.concatenate(([0.0], np.cumsum(sim.op_time_array[order])))  # compute time before each position
-        self.made_before = np.concatenate(([0], np.cumsum(sim.out_bytes_array[order]))).tolist()
+        if sim.budget is not None:
+            self.made_before = np.concatenate(([0], np.cumsum(sim.out_bytes_array[order]))).tolist()
         reader = first_bwd[swapped]
+        self.first_bwd = dict(zip(swapped.tolist(), reader.tolist()))
         at = reader
         if not sim.serial_copies:  # zero-time ops: not past the reader
             at = np.minimum(reader, np.searchsorted(prefix, prefix[reader] - sim.h2d_time_array[swapped], "right") - 1)
@@ -270,12 +274,16 @@ class _Run:
         return SimResult(max(self.clock, self.d2h_free, self.h2d_free), self.peak, self.compute)
 
     def execute(self) -> None:
-        """Run the ops in order: prefetches due, rematerializations, the op, swap-outs, releases."""
+        """Run the ops in order: prefetches due, rematerializations, the op, swap-outs, releases.
+
+        This is `_TracedRun.execute` with `run_op` and `free` written inline: it runs for every op of every
+        evaluation, and the traced run overrides exactly those two to record.
+        """
         sim = self.sim
-        op_in, op_out, names = sim.op_in, sim.op_out, sim.op_names
-        resident, ready, swapped = self.resident, self.ready, self.swapped
-        on_host, d2h_end = self.on_host, self.d2h_end
-        prefetch, released, release_at = self.prefetch, self.released, self.release_at
+        op_in, op_out, op_time, out_bytes, size, names = (sim.op_in, sim.op_out, sim.op_time, sim.out_bytes,
+                                                          sim.size, sim.op_names)
+        resident, ready, swapped, on_host, d2h_end = self.resident, self.ready, self.swapped, self.on_host, self.d2h_end
+        prefetch, released, release_at, pending = self.prefetch, self.released, self.release_at, self.pending
         for t in self.inputs_out:  # an input's copy to the host starts with the step
             self.swap_out(t, 0.0)
         for p, i in enumerate(self.order):
@@ -290,23 +298,38 @@ class _Run:
             for t in inputs:
                 if ready[t] > start:
                     start = ready[t]
-            self.run_op(i, start)
+            if pending and pending[0][0] <= start:  # run_op(i, start)
+                self.settle(start)
+            mem = self.mem + out_bytes[i]
+            if mem > self.peak:
+                self.peak = mem
+            clock = start + op_time[i]
+            for t in op_out[i]:
+                if resident[t]:
+                    mem -= size[t]
+                else:
+                    resident[t] = True
+                    ready[t] = clock
+            self.mem, self.clock = mem, clock
+            self.compute += op_time[i]
             for t in op_out[i]:
                 if swapped[t]:
-                    self.swap_out(t, self.clock)
-            clock = self.clock
+                    self.swap_out(t, clock)
+            clock, mem = self.clock, self.mem
             for t in released[release_at[p]:release_at[p + 1]]:  # after the last reader; a swapped tensor's device copy waits for its d2h copy
                 if resident[t]:
                     if swapped[t] and on_host[t] and d2h_end[t] > clock:
                         self.retire(t)
-                    else:
-                        self.free(t, clock)
+                    else:  # free(t, clock)
+                        resident[t] = False
+                        mem -= size[t]
+            self.mem = mem
         self.settle(float("inf"))
 
     def issue_prefetches(self, p: int) -> None:
         """Copy back the swapped tensors due at position p, unless their device copy is still there or,
         before their reader, there is no room under the budget yet: those are tried again at p + 1."""
-        first_bwd, resident, budget = self.live.first_bwd, self.resident, self.sim.budget
+        first_bwd, resident, budget = self.first_bwd, self.resident, self.sim.budget
         for t in self.prefetch.pop(p):
             if resident[t]:
                 continue
@@ -467,10 +490,9 @@ class _Run:
         self.rerun_op(i, self.start_time(inputs), reader)
         for u in inputs:
             needed[u] -= 1
-        last_use, persistent, moved = self.live.last_use, sim.persistent, self.moved
+        last_use, droppable = self.last_use, self.droppable
         for u in inputs + sim.op_out[i]:  # drop what no later op reads, nor a recompute under way
-            transient = not persistent[u] or moved[u]
-            if resident[u] and last_use[u] < self.pos and transient and u != t and not needed[u]:
+            if resident[u] and last_use[u] < self.pos and droppable[u] and u != t and not needed[u]:
                 self.free(u, self.clock)
 
 
@@ -498,6 +520,31 @@ class _TracedRun(_Run):
         return SimResult(max(self.clock, self.d2h_free, self.h2d_free), self.peak, self.compute,
                          timeline=tuple(self.events), memory=tuple(self.memory), changes=tuple(self.changes),
                          program=tuple(self.program))
+
+    def execute(self) -> None:
+        """`_Run.execute` through the hooks `run_op` and `free`, which record."""
+        sim, resident, swapped = self.sim, self.resident, self.swapped
+        for t in self.inputs_out:
+            self.swap_out(t, 0.0)
+        for p, i in enumerate(self.order):
+            self.pos = p
+            if p in self.prefetch:
+                self.issue_prefetches(p)
+            for t in sim.op_in[i]:
+                if not resident[t]:
+                    self.rematerialize(t, sim.op_names[i])
+            self.run_op(i, self.start_time(sim.op_in[i]))
+            for t in sim.op_out[i]:
+                if swapped[t]:
+                    self.swap_out(t, self.clock)
+            clock = self.clock
+            for t in self.released[self.release_at[p]:self.release_at[p + 1]]:
+                if resident[t]:
+                    if swapped[t] and self.on_host[t] and self.d2h_end[t] > clock:
+                        self.retire(t)
+                    else:
+                        self.free(t, clock)
+        self.settle(float("inf"))
 
     def landed(self, when: float, t: int, nbytes: int) -> None:
         super().landed(when, t, nbytes)
