@@ -145,6 +145,7 @@ class Simulator:
         self.op_time = [costs.op_time[op.name] for op in graph.ops]
         self.op_in = [tuple(tid[t] for t in op.inputs) for op in graph.ops]
         self.op_out = [tuple(tid[t] for t in op.outputs) for op in graph.ops]
+        self.op_touched = [a + b for a, b in zip(self.op_in, self.op_out)]  # inputs, then outputs
         self.op_fwd = [op.phase == "fwd" for op in graph.ops]
         self.op_recomputable = [op.recomputable and op.phase == "fwd" for op in graph.ops]
         tensors = list(graph.tensors.values())
@@ -209,9 +210,9 @@ class _Run:
         moved = np.zeros(nt, dtype=bool)  # not KEEP: gone after the forward readers, back for the backward ones
         moved[candidates[acts != Action.KEEP]] = True
         swapped = candidates[acts == Action.SWAP]  # in the order of the candidates
-        self.swapped = [False] * nt
-        for t in swapped.tolist():
-            self.swapped[t] = True
+        swaps = np.zeros(nt, dtype=bool)
+        swaps[swapped] = True
+        self.swapped = swaps.tolist()
         self.last_use = last_use.tolist()
         self.droppable = (moved | sim.transient).tolist()  # what a recomputation may drop after its last reader
         self.first_bwd: dict[int, int] = {}  # swapped tensor -> position of its first backward reader
@@ -290,12 +291,14 @@ class _Run:
             self.pos = p
             if p in prefetch:
                 self.issue_prefetches(p)
-            inputs = op_in[i]
-            for t in inputs:
-                if not resident[t]:
-                    self.rematerialize(t, names[i])
             start = self.clock
-            for t in inputs:
+            for t in op_in[i]:
+                if not resident[t]:  # bring back what is gone, then start when all has landed
+                    for u in op_in[i]:
+                        if not resident[u]:
+                            self.rematerialize(u, names[i])
+                    start = self.start_time(i)
+                    break
                 if ready[t] > start:
                     start = ready[t]
             if pending and pending[0][0] <= start:  # run_op(i, start)
@@ -398,12 +401,6 @@ class _Run:
                     level -= size[u]
         return True
 
-    def alloc(self, nbytes: int, when: float) -> None:
-        self.settle(when)
-        self.mem += nbytes
-        if self.mem > self.peak:
-            self.peak = self.mem
-
     def free(self, t: int, when: float) -> None:
         self.resident[t] = False
         self.mem -= self.sim.size[t]
@@ -414,20 +411,21 @@ class _Run:
         heapq.heappush(self.pending, (self.d2h_end[t], t, self.sim.size[t]))
 
     # --- streams ---
-    def start_time(self, inputs) -> float:
-        """When an op reading `inputs` can start: compute is free and every input has landed."""
-        start = self.clock
-        for t in inputs:
-            if self.ready[t] > start:
-                start = self.ready[t]
+    def start_time(self, i: int) -> float:
+        """When op i can start: compute is free and every input has landed."""
+        start, ready = self.clock, self.ready
+        for t in self.sim.op_in[i]:
+            if ready[t] > start:
+                start = ready[t]
         return start
 
-    def run_op(self, i: int, start: float) -> None:
-        """Op i runs from `start`: its outputs are allocated; one already here (a recomputed op re-producing a
-        kept output) is made, then dropped, and the kept one stays, ready when it was."""
+    def run_op(self, i: int, start: float, reader: str = "") -> None:
+        """Op i runs from `start` (again, for `reader`, when one is named): its outputs are allocated; one
+        already here (a recomputed op re-producing a kept output) is made, then dropped, and the kept one
+        stays, ready when it was."""
         sim = self.sim
         end = start + sim.op_time[i]
-        if self.pending and self.pending[0][0] <= start:  # alloc(), inlined: this runs for every op
+        if self.pending and self.pending[0][0] <= start:  # frees of copies landed by then
             self.settle(start)
         mem = self.mem + sim.out_bytes[i]
         if mem > self.peak:
@@ -443,10 +441,6 @@ class _Run:
         self.clock = end
         self.compute += sim.op_time[i]
 
-    def rerun_op(self, i: int, start: float, reader: str) -> None:
-        """Op i runs again, for `reader`."""
-        self.run_op(i, start)
-
     def swap_out(self, t: int, when: float) -> float:
         """Start copying `t` to the host; returns when the copy starts."""
         sim = self.sim
@@ -461,7 +455,10 @@ class _Run:
         """Allocate `t` on the device and copy it back (`why` `reader`: "prefetch for b3"); returns when the
         copy starts."""
         sim = self.sim
-        self.alloc(sim.size[t], when)
+        self.settle(when)
+        self.mem += sim.size[t]
+        if self.mem > self.peak:
+            self.peak = self.mem
         self.resident[t] = True
         start = max(self.h2d_free, when, self.d2h_end[t], self.clock if sim.serial_copies else when)
         self.h2d_free = self.ready[t] = end = start + sim.h2d_time[t]
@@ -487,11 +484,11 @@ class _Run:
         for u in inputs:
             if not resident[u]:
                 self.rematerialize(u, sim.op_names[i])
-        self.rerun_op(i, self.start_time(inputs), reader)
+        self.run_op(i, self.start_time(i), reader)
         for u in inputs:
             needed[u] -= 1
         last_use, droppable = self.last_use, self.droppable
-        for u in inputs + sim.op_out[i]:  # drop what no later op reads, nor a recompute under way
+        for u in sim.op_touched[i]:  # drop what no later op reads, nor a recompute under way
             if resident[u] and last_use[u] < self.pos and droppable[u] and u != t and not needed[u]:
                 self.free(u, self.clock)
 
@@ -533,7 +530,7 @@ class _TracedRun(_Run):
             for t in sim.op_in[i]:
                 if not resident[t]:
                     self.rematerialize(t, sim.op_names[i])
-            self.run_op(i, self.start_time(sim.op_in[i]))
+            self.run_op(i, self.start_time(i))
             for t in sim.op_out[i]:
                 if swapped[t]:
                     self.swap_out(t, self.clock)
@@ -552,10 +549,6 @@ class _TracedRun(_Run):
         self.changes.append((when, self.category[t], -nbytes))
         self.program.append(Instruction(Verb.FREE, self.sim.tensor_names[t]))
 
-    def alloc(self, nbytes: int, when: float) -> None:
-        super().alloc(nbytes, when)
-        self.memory.append((when, self.mem))
-
     def free(self, t: int, when: float) -> None:
         super().free(t, when)
         self.memory.append((when, self.mem))
@@ -566,11 +559,11 @@ class _TracedRun(_Run):
         super().retire(t)
         self.program.append(Instruction(Verb.RETIRE, self.sim.tensor_names[t]))
 
-    def run_op(self, i: int, start: float) -> None:
-        self.record_op(i, start, Verb.RUN, f"position {self.pos} of the order")
-
-    def rerun_op(self, i: int, start: float, reader: str) -> None:
-        self.record_op(i, start, Verb.RECOMPUTE, f"recompute {self.sim.op_names[i]} for {reader}")
+    def run_op(self, i: int, start: float, reader: str = "") -> None:
+        if reader:
+            self.record_op(i, start, Verb.RECOMPUTE, f"recompute {self.sim.op_names[i]} for {reader}")
+        else:
+            self.record_op(i, start, Verb.RUN, f"position {self.pos} of the order")
 
     def record_op(self, i: int, start: float, verb: Verb, reason: str) -> None:
         sim = self.sim
@@ -603,6 +596,7 @@ class _TracedRun(_Run):
 
     def swap_in(self, t: int, when: float, why: str, reader: str) -> float:
         start = super().swap_in(t, when, why, reader)
+        self.memory.append((when, self.mem))  # after its allocation
         name = self.sim.tensor_names[t]
         self.category[t] = "swapped in"
         self.changes.append((when, "swapped in", self.sim.size[t]))
