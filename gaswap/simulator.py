@@ -277,56 +277,64 @@ class _Run:
     def execute(self) -> None:
         """Run the ops in order: prefetches due, rematerializations, the op, swap-outs, releases.
 
-        This is `_TracedRun.execute` with `run_op` and `free` written inline: it runs for every op of every
-        evaluation, and the traced run overrides exactly those two to record.
+        This is `_TracedRun.execute` with `run_op`, `swap_out`, `free` and `settle` written inline, as it
+        runs for every op of every evaluation (the traced run overrides those to record). The clock, memory,
+        peak and compute time live in local variables here, and in `self` around the calls that use them.
         """
         sim = self.sim
         op_in, op_out, op_time, out_bytes, size, names = (sim.op_in, sim.op_out, sim.op_time, sim.out_bytes,
                                                           sim.size, sim.op_names)
+        d2h_time, serial = sim.d2h_time, sim.serial_copies
         resident, ready, swapped, on_host, d2h_end = self.resident, self.ready, self.swapped, self.on_host, self.d2h_end
         prefetch, released, release_at, pending = self.prefetch, self.released, self.release_at, self.pending
         for t in self.inputs_out:  # an input's copy to the host starts with the step
             self.swap_out(t, 0.0)
+        clock, mem, peak, compute = self.clock, self.mem, self.peak, self.compute
         for p, i in enumerate(self.order):
-            self.pos = p
             if p in prefetch:
+                self.clock, self.mem, self.peak = clock, mem, peak
                 self.issue_prefetches(p)
-            start = self.clock
+                clock, mem, peak = self.clock, self.mem, self.peak
+            start = clock
             for t in op_in[i]:
                 if not resident[t]:  # bring back what is gone, then start when all has landed
+                    self.pos, self.clock, self.mem, self.peak, self.compute = p, clock, mem, peak, compute
                     for u in op_in[i]:
                         if not resident[u]:
                             self.rematerialize(u, names[i])
                     start = self.start_time(i)
+                    clock, mem, peak, compute = self.clock, self.mem, self.peak, self.compute
                     break
                 if ready[t] > start:
                     start = ready[t]
-            if pending and pending[0][0] <= start:  # run_op(i, start)
-                self.settle(start)
-            mem = self.mem + out_bytes[i]
-            if mem > self.peak:
-                self.peak = mem
+            while pending and pending[0][0] <= start:  # copies to the host landed by then: their frees
+                mem -= heapq.heappop(pending)[2]
+            mem += out_bytes[i]
+            if mem > peak:
+                peak = mem
             clock = start + op_time[i]
+            compute += op_time[i]
             for t in op_out[i]:
                 if resident[t]:
                     mem -= size[t]
                 else:
                     resident[t] = True
                     ready[t] = clock
-            self.mem, self.clock = mem, clock
-            self.compute += op_time[i]
             for t in op_out[i]:
-                if swapped[t]:
-                    self.swap_out(t, clock)
-            clock, mem = self.clock, self.mem
+                if swapped[t]:  # its copy to the host starts
+                    copy = max(self.d2h_free, clock) + d2h_time[t]
+                    self.d2h_free = d2h_end[t] = copy
+                    on_host[t] = True
+                    if serial:
+                        clock = copy
             for t in released[release_at[p]:release_at[p + 1]]:  # after the last reader; a swapped tensor's device copy waits for its d2h copy
                 if resident[t]:
                     if swapped[t] and on_host[t] and d2h_end[t] > clock:
                         self.retire(t)
-                    else:  # free(t, clock)
+                    else:
                         resident[t] = False
                         mem -= size[t]
-            self.mem = mem
+        self.clock, self.mem, self.peak, self.compute = clock, mem, peak, compute
         self.settle(float("inf"))
 
     def issue_prefetches(self, p: int) -> None:
@@ -477,20 +485,27 @@ class _Run:
         if i < 0 or not sim.op_recomputable[i]:
             why = "its producer is random or mutates state" if i >= 0 else "it has no producer"
             raise Unrealizable(f"{sim.tensor_names[t]} is needed by {reader} but is gone and {why}")
-        needed, resident = self.needed, self.resident
-        inputs = sim.op_in[i]
-        for u in inputs:
-            needed[u] += 1  # re-producing another input must not drop this one
-        for u in inputs:
+        resident = self.resident
+        for u in sim.op_in[i]:
             if not resident[u]:
-                self.rematerialize(u, sim.op_names[i])
+                self.rematerialize_inputs(i)
+                break
         self.run_op(i, self.start_time(i), reader)
-        for u in inputs:
-            needed[u] -= 1
-        last_use, droppable = self.last_use, self.droppable
+        last_use, needed, droppable = self.last_use, self.needed, self.droppable
         for u in sim.op_touched[i]:  # drop what no later op reads, nor a recompute under way
             if resident[u] and last_use[u] < self.pos and droppable[u] and u != t and not needed[u]:
                 self.free(u, self.clock)
+
+    def rematerialize_inputs(self, i: int) -> None:
+        """Make the inputs of op i resident before it runs again; re-producing one must not drop another."""
+        needed, resident, inputs = self.needed, self.resident, self.sim.op_in[i]
+        for u in inputs:
+            needed[u] += 1
+        for u in inputs:
+            if not resident[u]:
+                self.rematerialize(u, self.sim.op_names[i])
+        for u in inputs:
+            needed[u] -= 1
 
 
 class _TracedRun(_Run):
