@@ -367,12 +367,13 @@ class _Run:
         them, device copies of swapped tensors that go when their copies to the host land, and ops that wait
         for copies to the device (at least until the host copy has landed and been copied back); the memory
         of recomputations and of later prefetches is not foreseen."""
-        sim, order, swapped = self.sim, self.order, self.swapped
-        size, op_out, op_time, out_bytes = sim.size, sim.op_out, sim.op_time, sim.out_bytes
+        sim = self.sim
         self.settle(self.clock)
-        level = self.mem + size[t]
+        level = self.mem + sim.size[t]
         if level + self.made_before[c] - self.made_before[p] <= sim.budget:  # fits even if nothing is freed
             return True
+        order, swapped = self.order, self.swapped
+        size, op_out, op_time, out_bytes = sim.size, sim.op_out, sim.op_time, sim.out_bytes
         landing = sorted((when, nbytes) for when, _, nbytes in self.pending)
         born: dict[int, float] = {}  # tensors made in the window -> when their copy to the host lands
         gone = set()
