@@ -96,18 +96,20 @@ def liveness(sim: "Simulator", order) -> Liveness:
 
 
 def _positions(sim: "Simulator", order) -> np.ndarray:
-    """The position of each op in `order`."""
-    pos = np.empty(len(sim.op_time), dtype=np.intp)
-    pos[np.asarray(order, dtype=np.intp)] = np.arange(len(order))
+    """The position of each op in `order`, and 0 after the last op (where `sim.made_by` points for tensors
+    no op makes)."""
+    pos = np.zeros(len(sim.op_time) + 1, dtype=np.intp)
+    pos[np.asarray(order, dtype=np.intp)] = sim.positions[:len(order)]
     return pos
 
 
 def _liveness(sim: "Simulator", pos: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`liveness` as arrays, from the op positions `pos` of an order of `n` ops."""
-    nt = len(sim.size)
-    return (sim.reads.reduce(np.maximum, pos, np.full(nt, -1)),
-            sim.fwd_reads.reduce(np.maximum, pos, np.full(nt, -1)),
-            sim.bwd_reads.reduce(np.minimum, pos, np.full(nt, n)))
+    never = np.empty(len(sim.size), dtype=np.intp)
+    never.fill(n)
+    return (sim.reads.reduce(np.maximum, pos, sim.unread.copy()),
+            sim.fwd_reads.reduce(np.maximum, pos, sim.unread.copy()),
+            sim.bwd_reads.reduce(np.minimum, pos, never))
 
 
 class _Reads(NamedTuple):
@@ -169,9 +171,9 @@ class Simulator:
         self.reads = _Reads.of(reads)
         self.fwd_reads = _Reads.of((t, i) for t, i in reads if self.op_fwd[i])
         self.bwd_reads = _Reads.of((t, i) for t, i in reads if not self.op_fwd[i])
-        producer = np.array(self.producer, dtype=np.intp)
-        self.produced = producer >= 0
-        self.producer_or_0 = np.maximum(producer, 0)
+        self.positions = np.arange(len(self.op_time), dtype=np.intp)
+        self.unread = np.full(len(self.size), -1, dtype=np.intp)
+        self.made_by = np.array([p if p >= 0 else len(self.op_time) for p in self.producer], dtype=np.intp)
         self.transient = ~np.array(self.persistent, dtype=bool)
         self.candidate_ids = np.array(self.candidates, dtype=np.intp)
         self.op_time_array = np.array(self.op_time, dtype=float)
@@ -203,7 +205,7 @@ class _Run:
         order_array = np.fromiter(order, dtype=np.intp, count=n)
         pos = _positions(sim, order_array)
         last_use, last_fwd, first_bwd = _liveness(sim, pos, n)
-        made = np.where(sim.produced, pos[sim.producer_or_0], 0)  # position of each tensor's producer (0: inputs)
+        made = pos[sim.made_by]  # position of each tensor's producer (0: inputs)
         m = min(len(actions), len(sim.candidates))
         acts = np.fromiter(actions, dtype=np.intp, count=m)
         candidates = sim.candidate_ids[:m]
@@ -240,14 +242,14 @@ class _Run:
         """After which position each tensor is released: after its last reader, and a moved one also after
         its last forward reader (never before it is made); persistent kept tensors never. Returns the
         tensors by position (ascending tensor, the forward release first) and where each position begins."""
-        early = np.flatnonzero(moved)
-        late = np.flatnonzero(moved | self.sim.transient)
+        early = moved.nonzero()[0]
+        late = (moved | self.sim.transient).nonzero()[0]
         nt2 = 2 * len(moved)  # sort key: (position, tensor, early before late)
         key = np.concatenate((np.maximum(last_fwd[early], made[early]) * nt2 + 2 * early,
                               np.maximum(last_use[late], made[late]) * nt2 + 2 * late + 1))
         key.sort()
-        starts = np.searchsorted(key, np.arange(len(self.order) + 1) * nt2)
-        return (key % nt2 // 2).tolist(), starts.tolist()
+        starts = key.searchsorted(self.sim.positions[:len(self.order)] * nt2)
+        return (key % nt2 // 2).tolist(), starts.tolist() + [len(key)]
 
     def prefetch_schedule(self, order, swapped, made, last_fwd, first_bwd) -> None:
         """At which position each swapped tensor's copy back is first tried: the latest op before its first
@@ -261,9 +263,9 @@ class _Run:
         self.first_bwd = dict(zip(swapped.tolist(), reader.tolist()))
         at = reader
         if not sim.serial_copies:  # zero-time ops: not past the reader
-            at = np.minimum(reader, np.searchsorted(prefix, prefix[reader] - sim.h2d_time_array[swapped], "right") - 1)
+            at = np.minimum(reader, prefix.searchsorted(prefix[reader] - sim.h2d_time_array[swapped], "right") - 1)
         at = np.maximum(at, np.maximum(last_fwd[swapped], made[swapped]) + 1)
-        first_needed = np.argsort(reader, kind="stable")  # same position: first needed, first copied
+        first_needed = reader.argsort(kind="stable")  # same position: first needed, first copied
         for t, p in zip(swapped[first_needed].tolist(), at[first_needed].tolist()):
             self.prefetch.setdefault(p, []).append(t)
             if sim.producer[t] < 0:
