@@ -329,7 +329,8 @@ class _Run:
                     on_host[t] = True
                     if serial:
                         clock = copy
-            for t in released[release_at[p]:release_at[p + 1]]:  # after the last reader; a swapped tensor's device copy waits for its d2h copy
+            # after the last reader; a swapped tensor's device copy waits for its copy to the host
+            for t in released[release_at[p]:release_at[p + 1]]:
                 if resident[t]:
                     if swapped[t] and on_host[t] and d2h_end[t] > clock:
                         self.retire(t)
