@@ -314,15 +314,14 @@ class _Run:
             mem += out_bytes[i]
             if mem > peak:
                 peak = mem
-            clock = start + op_time[i]
+            end = clock = start + op_time[i]
             compute += op_time[i]
             for t in op_out[i]:
                 if resident[t]:
                     mem -= size[t]
                 else:
                     resident[t] = True
-                    ready[t] = clock
-            for t in op_out[i]:
+                    ready[t] = end
                 if swapped[t]:  # its copy to the host starts
                     copy = max(self.d2h_free, clock) + d2h_time[t]
                     self.d2h_free = d2h_end[t] = copy
