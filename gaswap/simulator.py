@@ -91,7 +91,7 @@ class Liveness(NamedTuple):
 
 
 def liveness(sim: "Simulator", order) -> Liveness:
-    """Where each tensor of `sim` is read in `order` (indices into graph.ops)."""
+    """Where each tensor of `sim` is read in `order` (indices into graph.ops, each op once)."""
     return Liveness(*(a.tolist() for a in _liveness(sim, _positions(sim, order), len(order))))
 
 
@@ -182,8 +182,8 @@ class Simulator:
         self.resident_at_start = [p < 0 for p in self.producer]  # parameters, buffers, inputs
 
     def run(self, order, actions, *, trace: bool = False) -> SimResult:
-        """Simulate the ops in `order` (indices into graph.ops) with `actions` aligned with candidates;
-        `trace` records the timeline, the memory changes and the program."""
+        """Simulate the ops in `order` (indices into graph.ops, each op once) with `actions` aligned with
+        candidates; `trace` records the timeline, the memory changes and the program."""
         try:
             return (_TracedRun if trace else _Run)(self, order, actions).result()
         except Unrealizable as err:
