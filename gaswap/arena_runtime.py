@@ -1,0 +1,140 @@
+"""A policy's step run with its activations in one preallocated buffer, at the offsets `arena.plan` gives.
+
+`ArenaRunner` is a `StepRunner` whose generated code puts each activation the program makes and frees
+within the step into its slot of one buffer made when the runner is built (a device buffer on CUDA, a
+host buffer on the CPU: the same code): an op with an out= overload of the same arguments writes into
+its slots (`torch.ops.aten.<op>.out`), any other op's result is copied into its slot (`copy_`: a
+transient the size of the output, outside the arena), and a swap-in lands in its slot. What the runner
+returns (loss, gradients, with loss "external" the model's output) and what an op re-makes and drops at
+once are not placed: they come from the allocator as before. `placed` says how each op was placed.
+The hot path of the plain `StepRunner` is unchanged: the placement is decided when the code is written.
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from gaswap import arena
+from gaswap.capture import Captured
+from gaswap.program import Verb
+from gaswap.runtime import StepRunner, _Codegen
+
+
+class ArenaRunner(StepRunner):
+    """`StepRunner(captured, program, device, streams)` with the step's activations in one buffer.
+
+    `plan` is the arena plan (`arena.plan(..., activations_only=True)`), `buffer` the arena (`plan.size`
+    bytes), `placed` the ops by how their outputs reach their slots: "out" (an out= overload), "copy" (the
+    result copied in) and, for swap-ins, "swap_in"."""
+
+    def __init__(self, captured: Captured, program, device="cpu", streams=None):
+        self.graph = captured.graph
+        super().__init__(captured, program, device, streams)
+
+    def _compile(self) -> tuple[str, dict]:
+        self.plan = arena.plan(self.graph, self, activations_only=True, exclude=self._returned())
+        self.buffer = arena.arena_buffer(self.plan, self.device)
+        self.slots: dict[tuple[int, str], torch.Tensor] = {}
+        for p in self.plan.placements:
+            val = self.nodes[p.tensor].meta["val"]
+            self.slots[p.instruction, p.tensor] = arena.carve(self.buffer, p.offset, val.shape, val.dtype, val.stride())
+        self.placed: dict[str, list[str]] = {"out": [], "copy": [], "swap_in": []}
+        return _ArenaCodegen(self).compile()
+
+    def _returned(self) -> set[str]:
+        """The tensors the step hands back, or views of which it hands back: they must outlive the step."""
+        out, seen = set(), set()
+
+        def visit(node) -> None:
+            if not isinstance(node, fx.Node) or node.name in seen:
+                return
+            seen.add(node.name)
+            if node.name in self.graph.tensors:
+                out.add(node.name)
+            if node.op == "call_function" and node.name not in self.ops:  # a view: its bases
+                for a in node.all_input_nodes:
+                    visit(a)
+
+        for node in self.results:
+            visit(node)
+        return out
+
+
+class _ArenaCodegen(_Codegen):
+    """The runner's code with each placed tensor written into its slot (a global of the code)."""
+
+    def slot(self, tensor: str) -> str | None:
+        carved = self.r.slots.get((self.at, tensor))
+        if carved is None:
+            return None
+        if self.r.program[self.at].verb == Verb.SWAP_IN:
+            self.r.placed["swap_in"].append(tensor)
+        return self.constant(carved, f"{tensor}_slot")
+
+    def store(self, node: fx.Node, call: str, new: list, views: list[str]) -> None:
+        slots = {out: self.slot(out) for _, out in new}
+        if not any(slots.values()):
+            return super().store(node, call, new, views)
+        val, variant = node.meta["val"], out_variant(node.target)
+        results = [(None, val)] if isinstance(val, torch.Tensor) else list(enumerate(val))
+        if variant is not None and len(variant[1]) == len(results) and all(isinstance(v, torch.Tensor) for _, v in
+                                                                            results):
+            overload, names, accepted = variant
+            made = dict(new)  # index -> tensor name, for the outputs the program keeps
+            outs = []
+            for i, v in results:  # a slot, else a new tensor like the op's own (kept, or dropped after the op)
+                slot = slots.get(made.get(i))
+                if slot is None:
+                    slot = self.local(made[i]) if i in made else self.fresh(f"{node.name}_{i}")
+                    empty = self.constant(torch.empty_strided, "empty_strided")
+                    self.emit(f"{slot} = {empty}({self.arg(tuple(v.shape))}, {self.arg(tuple(v.stride()))}, "
+                              f"dtype={self.arg(v.dtype)}, device={self.arg(self.r.device)})")
+                    if i not in made:
+                        views.append(slot)
+                outs.append(slot)
+            args = [self.arg(a) for a in node.args]
+            args += [f"{k}={self.arg(v)}" for k, v in node.kwargs.items() if k in accepted]
+            args += [f"{name}={slot}" for name, slot in zip(names, outs)]
+            self.emit(f"{self.constant(overload, str(overload))}({', '.join(args)})")
+            self.r.placed["out"].append(node.name)
+        else:  # the op makes its result; the outputs with a slot are copied into it
+            result = self.fresh(node.name + "_result")
+            self.emit(f"{result} = {call}")
+            for i, out in new:
+                item = result if i is None else f"{result}[{i}]"
+                if slots[out] is None:
+                    self.emit(f"{self.local(out)} = {item}")
+                else:
+                    self.emit(f"{slots[out]}.copy_({item})")
+            self.r.placed["copy"].append(node.name)
+            views.append(result)
+        for _, out in new:
+            if slots[out] is not None:
+                self.emit(f"{self.local(out)} = {slots[out]}")
+
+
+_OUT_VARIANTS: dict = {}
+# A factory op's out= overload takes no tensor options: the out tensor has them (its slot, or a tensor made alike).
+OPTIONS = frozenset({"dtype", "layout", "device", "pin_memory", "memory_format"})
+
+
+def out_variant(op) -> tuple[torch._ops.OpOverload, list[str], frozenset] | None:
+    """The out= overload of ATen op `op` taking the same arguments (names and types; tensor options aside), its out
+    arguments' names in the order of the results, and the names of the arguments it takes; None if none."""
+    if op not in _OUT_VARIANTS:
+        _OUT_VARIANTS[op] = _find_out_variant(op)
+    return _OUT_VARIANTS[op]
+
+
+def _find_out_variant(op):
+    if not isinstance(op, torch._ops.OpOverload):
+        return None
+    signature = [(a.name, str(a.type)) for a in op._schema.arguments if a.name not in OPTIONS]
+    packet = op.overloadpacket
+    for name in packet.overloads():
+        overload = getattr(packet, name)
+        arguments = overload._schema.arguments
+        outs = [a.name for a in arguments if a.is_out]
+        if outs and [(a.name, str(a.type)) for a in arguments if not a.is_out and a.name not in OPTIONS] == signature:
+            return overload, outs, frozenset(a.name for a in arguments if not a.is_out)
+    return None
