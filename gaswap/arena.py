@@ -57,13 +57,14 @@ def _aligned(n: int, alignment: int) -> int:
     return -(-n // alignment) * alignment
 
 
-def plan(graph: Graph, result, *, alignment: int = ALIGNMENT, activations_only: bool = False,
+def plan(graph: Graph, result, *, alignment: int = ALIGNMENT, activations_only: bool = False, results: bool = False,
          exclude=frozenset()) -> ArenaPlan:
     """Offsets for every allocation of one step of a traced SimResult (or of anything with a policy's
     `program`), resident tensors included. With `activations_only`, only what the program makes and frees
-    within the step, less the tensors named in `exclude`: no resident tensor, input, result alive at the
-    step's end, or output an op re-makes and drops at once. That is what a runtime can place
-    (gaswap.arena_runtime); a placement's `instruction` is then the index in the program that makes it."""
+    within the step (and, with `results`, what it makes and hands back: alive at the step's end), less the
+    tensors named in `exclude`: no resident tensor, input, or output an op re-makes and drops at once. That
+    is what a runtime can place (gaswap.arena_runtime); a placement's `instruction` is then the index in the
+    program that makes it."""
     resident, events = step_events(graph, result)
     end_of_step = len(events) + 1
     items: list[tuple[int, int, int, str, int]] = []  # (bytes, start, end, tensor, instruction)
@@ -77,8 +78,8 @@ def plan(graph: Graph, result, *, alignment: int = ALIGNMENT, activations_only: 
             size, start, tensor, made = opened.pop(key)
             if not activations_only or (made >= 0 and at != made and tensor not in exclude):
                 items.append((size, start, position, tensor, made))
-    if not activations_only:
-        items += [(size, start, end_of_step, tensor, at) for size, start, tensor, at in opened.values()]
+    items += [(size, start, end_of_step, tensor, at) for size, start, tensor, at in opened.values()
+              if not activations_only or (results and at >= 0 and tensor not in exclude)]
     items = [i for i in items if i[0] > 0]
     best = min((_place(sorted(items, key=order)) for order in ORDERS), key=lambda placed: _top(placed))
     return ArenaPlan(_top(best), _most_alive(items), tuple(sorted(best, key=lambda p: (p.start, p.offset))))

@@ -5,14 +5,20 @@ within the step into its slot of one buffer made when the runner is built (a dev
 host buffer on the CPU: the same code): an op with an out= overload of the same arguments writes into
 its slots (`torch.ops.aten.<op>.out`), any other op's result is copied into its slot (`copy_`: a
 transient the size of the output, outside the arena), and a swap-in lands in its slot. What the runner
-returns (loss, gradients, with loss "external" the model's output) and what an op re-makes and drops at
-once are not placed: they come from the allocator as before. `placed` says how each op was placed.
+returns (loss, gradients; with loss "external" the model's output) and what an op re-makes and drops at
+once are not placed: they come from the allocator as before. With `results_in_arena`, the loss and the
+gradients are placed too, sharing memory with activations dead by then as the plan has it, and are valid
+until the next step (a caller that drops them first, as `validate` does, gets the planned arena alone);
+the model's output of loss "external" never is. `placed` says how each op was placed.
 The hot path of the plain `StepRunner` is unchanged: the placement is decided when the code is written.
 """
 from __future__ import annotations
 
 import torch
 from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from gaswap import arena
 from gaswap.capture import Captured
@@ -27,12 +33,13 @@ class ArenaRunner(StepRunner):
     bytes), `placed` the ops by how their outputs reach their slots: "out" (an out= overload), "copy" (the
     result copied in) and, for swap-ins, "swap_in"."""
 
-    def __init__(self, captured: Captured, program, device="cpu", streams=None):
-        self.graph = captured.graph
+    def __init__(self, captured: Captured, program, device="cpu", streams=None, *, results_in_arena: bool = False):
+        self.graph, self.results_in_arena = captured.graph, results_in_arena
         super().__init__(captured, program, device, streams)
 
     def _compile(self) -> tuple[str, dict]:
-        self.plan = arena.plan(self.graph, self, activations_only=True, exclude=self._returned())
+        self.plan = arena.plan(self.graph, self, activations_only=True, results=self.results_in_arena,
+                               exclude=self._returned())
         self.buffer = arena.arena_buffer(self.plan, self.device)
         self.slots: dict[tuple[int, str], torch.Tensor] = {}
         for p in self.plan.placements:
@@ -42,7 +49,9 @@ class ArenaRunner(StepRunner):
         return _ArenaCodegen(self).compile()
 
     def _returned(self) -> set[str]:
-        """The tensors the step hands back, or views of which it hands back: they must outlive the step."""
+        """The tensors the step hands back, or views of which it hands back: they must outlive the step (with
+        `results_in_arena`, only the model's output of loss "external", which the caller holds while the
+        backward part runs)."""
         out, seen = set(), set()
 
         def visit(node) -> None:
@@ -55,7 +64,8 @@ class ArenaRunner(StepRunner):
                 for a in node.all_input_nodes:
                     visit(a)
 
-        for node in self.results:
+        handed = self.results if not self.results_in_arena else self.results[:1] if self.grad_output else []
+        for node in handed:
             visit(node)
         return out
 
@@ -138,3 +148,40 @@ def _find_out_variant(op):
         if outs and [(a.name, str(a.type)) for a in arguments if not a.is_out and a.name not in OPTIONS] == signature:
             return overload, outs, frozenset(a.name for a in arguments if not a.is_out)
     return None
+
+
+class OutsideArena(TorchDispatchMode):
+    """While active, counts the storages ATen ops make outside `buffer` (an arena): `bytes` and `count` in all,
+    and `by_op` (op name -> bytes). A storage is counted once, when an op first returns it; what views,
+    in-place and out= ops return is not new memory."""
+
+    def __init__(self, buffer: torch.Tensor):
+        super().__init__()
+        self.arena = buffer.untyped_storage().data_ptr()
+        self.bytes = self.count = 0
+        self.by_op: dict[str, int] = {}
+        self._seen: dict[int, StorageWeakRef] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if any(r.alias_info is not None for r in func._schema.returns):  # a view, in-place or out= op: no new memory
+            return out
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                ref = StorageWeakRef(storage)
+                if storage.data_ptr() == self.arena or (ref.cdata in self._seen and not self._seen[ref.cdata].expired()):
+                    continue
+                self._seen[ref.cdata] = ref
+                self.bytes += storage.nbytes()
+                self.count += 1
+                self.by_op[str(func)] = self.by_op.get(str(func), 0) + storage.nbytes()
+        return out
+
+
+def arena_figures(runner: ArenaRunner) -> dict:
+    """What a report says of a runner's arena: its bytes and bound, and how the ops reached their slots."""
+    return {"bytes": runner.plan.size, "lower_bound_bytes": runner.plan.lower_bound,
+            "placed": len(runner.plan.placements), "ops_out": len(runner.placed["out"]),
+            "ops_copied": sorted({str(runner.nodes[n].target) for n in runner.placed["copy"]}),
+            "swap_ins": len(runner.placed["swap_in"])}
