@@ -374,3 +374,28 @@ def test_apply_trains_like_the_unchanged_step(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(reference, trained))
     with pytest.raises(policies.PolicyError, match="made for graph"):
         gaswap.apply_step(model, tmp_path / "policy.yaml", inputs[0][:2], target[:2])
+
+
+def test_a_tensor_retired_twice_keeps_both_device_copies_until_their_frees():
+    """Over a slow link, a recompute re-makes a swapped tensor (another output of its op) while the first device
+    copy still waits for its copy to the host: the program retires it twice and frees it twice. Both copies are
+    held until their frees (the runtime refused such a program before, and the allocator replay lost a copy)."""
+    import collections
+
+    from gaswap import allocator
+    from gaswap.costs import Costs
+
+    model, inputs, target, cap = setup("gpt")
+    slow_link = Costs(dict.fromkeys((op.name for op in cap.graph.ops), 1e-3), 1e5, 1e5, "any", "any")
+    enc = Encoding(cap.graph)
+    c = enc.random(random.Random(59))
+    sim = Simulator(cap.graph, slow_link).run(enc.decode(c.keys), c.actions, trace=True)
+    retires = collections.Counter(name for verb, name in sim.program if verb.value == "retire")
+    assert sim.valid and max(retires.values()) == 2
+    assert allocator.replay(cap.graph, sim).requested == sim.peak_bytes
+    expected = plain_step(cap, model, inputs, target)
+    for prompt in ((), ("h2d",), ("d2h",)):
+        runner = StepRunner(cap, sim.program, streams=LaggingStreams(prompt))
+        torch.manual_seed(5)
+        got = runner(fresh_args(cap, model, inputs, target))
+        assert all(torch.equal(a, b) for a, b in zip(expected, got)), prompt
