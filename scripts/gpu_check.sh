@@ -2,7 +2,8 @@
 # The GPU check in one command, on a machine with CUDA (see gaswap/gpu_check.py):
 #   scripts/gpu_check.sh [REPORT.json]
 # Needs torch, numpy, pyyaml, tqdm, seaborn and pytest installed, and deap: if it is not, a deap wheel is
-# installed from $GASWAP_WHEELS (default: .whl in the repository) into a private folder, nothing else.
+# installed from $GASWAP_WHEELS (default: .whl in the repository) into a private folder, nothing else
+# (fetch it beforehand with `pip download deap --no-deps -d .whl`: deap 1.4.4 is a py3-none-any wheel).
 # deap 1.4.2 and later import moocore (for deap's hypervolume indicator, which gaswap does not use: it
 # computes its own); without moocore a stand-in module that refuses to be called goes in that folder.
 # Exit status: 0 when every stage ran (or there is no GPU: the report says so), 1 when a stage failed,

@@ -99,3 +99,10 @@ def test_the_script_runs_with_deap_but_without_moocore(tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-500:]
     assert "no CUDA device" in json.loads(report.read_text())["skipped"]
+
+
+def test_only_the_files_with_cuda_tests_are_collected():
+    """The lent GPU machine has no hypothesis: collecting every test file would stop pytest before any CUDA test."""
+    files = gpu_check.cuda_test_files()
+    assert [f.name for f in files] == ["test_runtime.py"]
+    assert all("hypothesis" not in f.read_text() for f in files)
