@@ -4,7 +4,9 @@
 within the step into its slot of one buffer made when the runner is built (a device buffer on CUDA, a
 host buffer on the CPU: the same code): an op with an out= overload of the same arguments writes into
 its slots (`torch.ops.aten.<op>.out`), any other op's result is copied into its slot (`copy_`: a
-transient the size of the output, outside the arena), and a swap-in lands in its slot. What the runner
+transient the size of the output, outside the arena), and a swap-in lands in its slot. An out= overload
+with a kernel for the device writes in place ("out"); one that PyTorch implements for every device as the
+op then a copy ("out_composite": `convolution.out`, `relu.out`, ...) makes the same transient inside. What the runner
 returns (loss, gradients; with loss "external" the model's output) and what an op re-makes and drops at
 once are not placed: they come from the allocator as before. With `results_in_arena`, the loss and the
 gradients are placed too, sharing memory with activations dead by then as the plan has it, and are valid
@@ -30,8 +32,9 @@ class ArenaRunner(StepRunner):
     """`StepRunner(captured, program, device, streams)` with the step's activations in one buffer.
 
     `plan` is the arena plan (`arena.plan(..., activations_only=True)`), `buffer` the arena (`plan.size`
-    bytes), `placed` the ops by how their outputs reach their slots: "out" (an out= overload), "copy" (the
-    result copied in) and, for swap-ins, "swap_in"."""
+    bytes), `placed` the ops by how their outputs reach their slots: "out" (an out= kernel of the device),
+    "out_composite" (an out= overload with no kernel for the device: PyTorch's generic one makes the result,
+    then copies it), "copy" (the result copied in here) and, for swap-ins, "swap_in"."""
 
     def __init__(self, captured: Captured, program, device="cpu", streams=None, *, results_in_arena: bool = False):
         self.graph, self.results_in_arena = captured.graph, results_in_arena
@@ -45,7 +48,7 @@ class ArenaRunner(StepRunner):
         for p in self.plan.placements:
             val = self.nodes[p.tensor].meta["val"]
             self.slots[p.instruction, p.tensor] = arena.carve(self.buffer, p.offset, val.shape, val.dtype, val.stride())
-        self.placed: dict[str, list[str]] = {"out": [], "copy": [], "swap_in": []}
+        self.placed: dict[str, list[str]] = {"out": [], "out_composite": [], "copy": [], "swap_in": []}
         return _ArenaCodegen(self).compile()
 
     def _returned(self) -> set[str]:
@@ -106,7 +109,10 @@ class _ArenaCodegen(_Codegen):
             args += [f"{k}={self.arg(v)}" for k, v in node.kwargs.items() if k in accepted]
             args += [f"{name}={slot}" for name, slot in zip(names, outs)]
             self.emit(f"{self.constant(overload, str(overload))}({', '.join(args)})")
-            self.r.placed["out"].append(node.name)
+            has = torch._C._dispatch_has_kernel_for_dispatch_key  # a device kernel, or one made of other ops
+            native = has(overload.name(), _DISPATCH_KEYS.get(self.r.device.type, "CPU")) or \
+                has(overload.name(), "CompositeImplicitAutograd")
+            self.r.placed["out" if native else "out_composite"].append(node.name)
         else:  # the op makes its result; the outputs with a slot are copied into it
             result = self.fresh(node.name + "_result")
             self.emit(f"{result} = {call}")
@@ -123,6 +129,7 @@ class _ArenaCodegen(_Codegen):
                 self.emit(f"{self.local(out)} = {slots[out]}")
 
 
+_DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}  # an out= kernel registered for the device: no copy inside
 _OUT_VARIANTS: dict = {}
 # A factory op's out= overload takes no tensor options: the out tensor has them (its slot, or a tensor made alike).
 OPTIONS = frozenset({"dtype", "layout", "device", "pin_memory", "memory_format"})
@@ -153,7 +160,9 @@ def _find_out_variant(op):
 class OutsideArena(TorchDispatchMode):
     """While active, counts the storages ATen ops make outside `buffer` (an arena): `bytes` and `count` in all,
     and `by_op` (op name -> bytes). A storage is counted once, when an op first returns it; what views,
-    in-place and out= ops return is not new memory."""
+    in-place and out= ops return is not new memory. Like any dispatch mode (and `DeviceMemory` on the CPU) it
+    sees the ops the step calls, not what runs inside them: the transient of an "out_composite" op is not
+    counted (on a GPU, `max_memory_reserved` sees it)."""
 
     def __init__(self, buffer: torch.Tensor):
         super().__init__()
@@ -183,5 +192,15 @@ def arena_figures(runner: ArenaRunner) -> dict:
     """What a report says of a runner's arena: its bytes and bound, and how the ops reached their slots."""
     return {"bytes": runner.plan.size, "lower_bound_bytes": runner.plan.lower_bound,
             "placed": len(runner.plan.placements), "ops_out": len(runner.placed["out"]),
+            "ops_out_composite": sorted({str(runner.nodes[n].target) for n in runner.placed["out_composite"]}),
             "ops_copied": sorted({str(runner.nodes[n].target) for n in runner.placed["copy"]}),
+            "largest_transient_bytes": max((_result_bytes(runner.nodes[n]) for n in
+                                            runner.placed["copy"] + runner.placed["out_composite"]), default=0),
             "swap_ins": len(runner.placed["swap_in"])}
+
+
+def _result_bytes(node: fx.Node) -> int:
+    """Bytes of the tensors an op returns (what an op copied into its slots makes outside the arena first)."""
+    val = node.meta["val"]
+    return sum(v.untyped_storage().nbytes() for v in ([val] if isinstance(val, torch.Tensor) else val)
+               if isinstance(v, torch.Tensor))

@@ -377,7 +377,8 @@ def validate(args) -> int:
     if "arena" in r:
         a = r["arena"]
         print(f"  arena      {format_size(a['bytes'])} (bound {format_size(a['lower_bound_bytes'])}), counted in the peak; "
-              f"{a['ops_out']} ops wrote into it, {len(a['ops_copied'])} kinds copied in")
+              f"{a['ops_out']} ops wrote into it, {len(a['ops_out_composite']) + len(a['ops_copied'])} kinds of op "
+              f"copied their results in (largest {format_size(a['largest_transient_bytes'])})")
     print(f"wrote {Path(args.policy).with_name('validation.json')}")
     return 0
 
