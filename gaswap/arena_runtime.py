@@ -179,7 +179,8 @@ class OutsideArena(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()
                 ref = StorageWeakRef(storage)
-                if storage.data_ptr() == self.arena or (ref.cdata in self._seen and not self._seen[ref.cdata].expired()):
+                seen = ref.cdata in self._seen and not self._seen[ref.cdata].expired()
+                if storage.data_ptr() == self.arena or seen:
                     continue
                 self._seen[ref.cdata] = ref
                 self.bytes += storage.nbytes()

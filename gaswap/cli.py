@@ -376,9 +376,10 @@ def validate(args) -> int:
           + (" (planned for another device)" if elsewhere else ""))
     if "arena" in r:
         a = r["arena"]
-        print(f"  arena      {format_size(a['bytes'])} (bound {format_size(a['lower_bound_bytes'])}), counted in the peak; "
-              f"{a['ops_out']} ops wrote into it, {len(a['ops_out_composite']) + len(a['ops_copied'])} kinds of op "
-              f"copied their results in (largest {format_size(a['largest_transient_bytes'])})")
+        copied = len(a["ops_out_composite"]) + len(a["ops_copied"])
+        print(f"  arena      {format_size(a['bytes'])} (bound {format_size(a['lower_bound_bytes'])}), counted in the "
+              f"peak; {a['ops_out']} ops wrote into it, {copied} kinds of op copied their results in (largest "
+              f"{format_size(a['largest_transient_bytes'])})")
     print(f"wrote {Path(args.policy).with_name('validation.json')}")
     return 0
 

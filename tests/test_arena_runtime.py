@@ -188,3 +188,23 @@ def test_out_overloads_that_copy_inside_are_told_apart_from_kernels_that_write_i
     assert figures["largest_transient_bytes"] >= max(
         runner.nodes[n].meta["val"][0].untyped_storage().nbytes() for n in runner.placed["out_composite"]
         if str(runner.nodes[n].target) == "aten.native_layer_norm.default")
+
+
+def test_validate_runs_a_policy_from_an_arena_and_counts_it(tmp_path):
+    from gaswap import config, validate, workflow
+
+    path = tmp_path / "exp.yaml"
+    path.write_text("model: {factory: gaswap.zoo:tiny_cnn, kwargs: {num_classes: 10, width: 8}}\n"
+                    "inputs: [{shape: [batch, 3, 16, 16]}]\ntarget: {shape: [batch], dtype: int64, high: 10}\n"
+                    "loss: cross_entropy\nbatch_size: 8\nbudget: 0.8x\n"
+                    "costs: {source: estimate, profile: v100-pcie-16gb}\nga: {population: 8, generations: 2}\n")
+    exp = config.load_experiment(path)
+    out = tmp_path / "results" / "exp"
+    workflow.run_search(workflow.prepare(exp), out)
+    plain = validate.validate(out / "policy.yaml", steps=3, device="cpu")
+    report = validate.validate(out / "policy.yaml", steps=3, device="cpu", arena=True)
+    assert "arena" not in plain
+    arena = report["arena"]
+    assert 0 < arena["lower_bound_bytes"] <= arena["bytes"] < report["measured"]["peak_bytes"]
+    assert arena["ops_copied"] and arena["largest_transient_bytes"] > 0  # BatchNorm has no out= overload
+    assert report["loss"] == plain["loss"]  # the same step, from the arena
