@@ -35,7 +35,8 @@ MAX_FRACTION = 10  # the largest budget accepted as a fraction of the keep-all p
 SEARCH_SPACES_DIR = Path(__file__).resolve().parents[1] / "search_spaces"
 DEFAULT_SEARCH_SPACE = "hybrid"
 MAX_FILE_BYTES = 2**20  # an experiment or search-space file is a few hundred bytes; larger ones are refused unread
-PATIENCE, TOLERANCE = 20, 0.001  # convergence by default: see README "How a search starts, stops and scales"
+# Search defaults, measured on GPT stacks: README "How a search starts, stops and scales"
+PATIENCE, TOLERANCE, SHARE_BLOCKS = 20, 0.001, 0.5
 MAX_WORKERS = 256  # ga.workers and costs.threads: more is a typo, not a machine
 MAX_ELEMENTS = 2**48  # elements of one input tensor, batch included
 MAX_INT32, MAX_SEED = 2**31 - 1, 2**32 - 1
@@ -376,7 +377,7 @@ class SearchSpace:
                          "uniform")
     cx_indpb: float = key(_PROBABILITY, "per-gene swap probability of the uniform crossover", 0.5)
     share_blocks: float = key(_PROBABILITY, "probability that a new individual takes one block's genes for every "
-                              "identical block (transformer layers, residual stages: `gaswap.blocks`)", 0.0)
+                              "identical block (transformer layers, residual stages: `gaswap.blocks`)", SHARE_BLOCKS)
 
 
 @dataclass(frozen=True, kw_only=True)
