@@ -92,6 +92,17 @@ def seed_policies(problem: Problem, milp_ops: int = 0) -> dict[str, Chromosome]:
     return seeds
 
 
+def converged(history: list[Generation], patience: int, tolerance: float) -> bool:
+    """Whether a search with this history has converged: a policy fits and for `patience` generations neither
+    the best feasible time nor the hypervolume improved by more than `tolerance` (relative)."""
+    if len(history) <= patience or history[-1].best_time_s == math.inf:
+        return False
+    now, then = history[-1], history[-1 - patience]
+    faster = now.best_time_s < then.best_time_s * (1 - tolerance)
+    wider = now.hypervolume > then.hypervolume * (1 + tolerance)
+    return not (faster or wider)
+
+
 class Search:
     """NSGA-II on `problem` (its budget and search space) with the GA settings `ga`, seeded by `seed`.
 
@@ -150,12 +161,8 @@ class Search:
             return "evaluations"
         if ga.max_seconds is not None and self.seconds() >= ga.max_seconds:
             return "seconds"
-        if ga.patience and len(self.history) > ga.patience and self.history[-1].best_time_s < math.inf:
-            now, then = self.history[-1], self.history[-1 - ga.patience]
-            faster = now.best_time_s < then.best_time_s * (1 - ga.tolerance)
-            wider = now.hypervolume > then.hypervolume * (1 + ga.tolerance)
-            if not (faster or wider):
-                return "converged"
+        if ga.patience and converged(self.history, ga.patience, ga.tolerance):
+            return "converged"
         return None
 
     def step(self) -> Generation:

@@ -11,23 +11,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 
 from gaswap.config import GASettings, load_search_space
 from gaswap.problem import Problem
-from gaswap.search import search
+from gaswap.search import converged, search
 
 RULES = [(p, t) for p in (10, 20, 30, 50) for t in (0.0, 0.001, 0.005)]
 
 
 def stopped_at(history, patience: int, tolerance: float) -> int:
-    """The index of the generation where the rule of Search.stopped_by ends the search (else the last)."""
-    for g in range(patience, len(history)):
-        now, then = history[g], history[g - patience]
-        if now.best_time_s < math.inf and not (now.best_time_s < then.best_time_s * (1 - tolerance)
-                                               or now.hypervolume > then.hypervolume * (1 + tolerance)):
-            return g
-    return len(history) - 1
+    """The index of the generation where `search.converged` ends the search (else the last)."""
+    return next((g for g in range(len(history)) if converged(history[:g + 1], patience, tolerance)),
+                len(history) - 1)
 
 
 def main() -> None:
