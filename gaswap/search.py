@@ -1,9 +1,11 @@
 """NSGA-II over (step time, peak memory) with the memory budget as a constraint. No torch here.
 
-    population <- seeds (keep-all, recompute-all, swap-all, baselines that fit) + random chromosomes; evaluate
+    population <- seeds (keep-all, recompute-all, swap-all; baselines, min-cut and MILP policies that fit)
+                  + random chromosomes; evaluate
     repeat for each generation:
         parents   <- binary tournaments on (front rank, crowding distance)
-        offspring <- crossover (cx_prob) then mutation (mut_prob) of parent pairs; evaluate the new ones
+        offspring <- crossover (cx_prob) then mutation (mut_prob) of parent pairs, then, with probability
+                     space.share_blocks, one block policy per class of identical blocks; evaluate the new ones
         population <- NSGA-II selection of the best `population` of parents + offspring
         archive   <- feasible points nobody dominates; record best feasible time, front size, hypervolume
 
@@ -16,7 +18,8 @@ data. `search()` drives it, with an optional checkpoint file (`gaswap.checkpoint
 population, at most every CHECKPOINT_SECONDS after that, and when the search leaves between generations, so
 a stopped or killed search resumes and reaches exactly what an uninterrupted one reaches (wall-clock seconds
 aside). It stops on the first of: `ga.generations`, `ga.max_evaluations`, `ga.max_seconds`, or convergence
-(`ga.patience` generations without the best time or the hypervolume improving by `ga.tolerance`). Evaluations go through `map(problem.evaluate, batch)`:
+(`ga.patience` generations without the best time or the hypervolume improving by `ga.tolerance`: on by
+default). Evaluations go through `map(problem.evaluate, batch)`:
 the builtin-like `serial_map` or a `gaswap.parallel.ProcessMap`.
 """
 from __future__ import annotations
@@ -68,8 +71,8 @@ def seed_policies(problem: Problem, milp_ops: int = 0) -> dict[str, Chromosome]:
     `gaswap.baselines` (Chen's sqrt(n) and greedy checkpointing, DTR, torch's knapsack) that fit the
     problem's budget; the fastest fitting min-cut policy of the search space (`mincut.min_cut_policies`:
     in the hybrid space its saved set may be swapped instead of kept); and on graphs of at most `milp_ops`
-    ops (`ga.milp_seed_ops`) the keep/recompute MILP's policy, solved to a MILP_SEED_GAP gap within MILP_SEED_NODES nodes, where it
-    fits. Actions the search space forbids fall back to keep. Policies over the budget are left out: they
+    ops (`ga.milp_seed_ops`) the keep/recompute MILP's policy, solved to a MILP_SEED_GAP gap within
+    MILP_SEED_NODES nodes, where it fits. Actions the search space forbids fall back to keep. Policies over the budget are left out: they
     crowd the population (on a 12-layer GPT at 0.4x, where none fits, seeding all baselines gave +29.4 %
     instead of +20.9 % after 100 generations)."""
     graph, costs, budget = problem.graph, problem.costs, problem.budget
@@ -81,7 +84,8 @@ def seed_policies(problem: Problem, milp_ops: int = 0) -> dict[str, Chromosome]:
         if name in SIMPLE_SEEDS or problem.evaluate(c).feasible(budget):
             seeds[name] = c
     cuts = min_cut_policies(problem)
-    fitting = [(e.step_time, k) for k, c in enumerate(cuts) if (e := problem.evaluate(c)).feasible(budget)]
+    fitting = [(e.step_time, k) for k, c in enumerate(cuts)
+               if (e := problem.evaluate(c)).feasible(budget)]
     if fitting:
         seeds["min_cut"] = cuts[min(fitting)[1]]
     if len(graph.ops) <= milp_ops and any(Action.RECOMPUTE in a for a in problem.encoding.allowed):
@@ -116,7 +120,7 @@ class Search:
         self.space, self.budget = problem.space, problem.budget
         self.rng = random.Random(seed)
         self.mu = max(4, -(-ga.population // 4) * 4)  # tournament pairs need a multiple of 4
-        chosen = seed_policies(problem, ga.milp_seed_ops) | dict(seeds or {})  # baselines first, in BASELINES' order
+        chosen = seed_policies(problem, ga.milp_seed_ops) | dict(seeds or {})  # in BASELINES' order below
         rank = {name: k for k, name in enumerate(BASELINES)}
         self.seed_chromosomes = dict(sorted(chosen.items(), key=lambda item: rank.get(item[0], len(rank))))
         self.population: list = []  # DEAP individuals in selection order, crowding distances set
