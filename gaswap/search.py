@@ -73,8 +73,8 @@ def seed_policies(problem: Problem, milp_ops: int = 0) -> dict[str, Chromosome]:
     in the hybrid space its saved set may be swapped instead of kept); and on graphs of at most `milp_ops`
     ops (`ga.milp_seed_ops`) the keep/recompute MILP's policy, solved to a MILP_SEED_GAP gap within
     MILP_SEED_NODES nodes, where it fits. Actions the search space forbids fall back to keep. Policies over
-    the budget are left out: they crowd the population (on a 12-layer GPT at 0.4x, where none fits, seeding all baselines gave +29.4 %
-    instead of +20.9 % after 100 generations)."""
+    the budget are left out: they crowd the population (on a 12-layer GPT at 0.4x, where none fits, seeding
+    all baselines gave +29.4 % instead of +20.9 % after 100 generations)."""
     graph, costs, budget = problem.graph, problem.costs, problem.budget
     seeds = {}
     for name, baseline in BASELINES.items():
