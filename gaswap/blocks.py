@@ -71,22 +71,24 @@ def repeated_blocks(encoding: Encoding) -> list[BlockClass]:
     return result
 
 
-def share(c: Chromosome, classes: list[BlockClass], rng: random.Random) -> Chromosome:
-    """`c` with, in each class, one block's genes (drawn at random) copied to every block of the class."""
+def share(c: Chromosome, classes: list[BlockClass], rng: random.Random, *, order: bool = True) -> Chromosome:
+    """`c` with, in each class, one block's genes (drawn at random) copied to every block of the class: its
+    actions, and its order keys when `order` (a space that keeps the captured order keeps its keys)."""
     if not classes:
         return c
     keys, actions = list(c.keys), list(c.actions)
     for cls in classes:
         source = rng.randrange(len(cls.ops))
         for ops, cands in zip(cls.ops, cls.candidates):
-            for i, j in zip(ops, cls.ops[source]):
-                keys[i] = c.keys[j]
+            if order:
+                for i, j in zip(ops, cls.ops[source]):
+                    keys[i] = c.keys[j]
             for k, j in zip(cands, cls.candidates[source]):
                 actions[k] = c.actions[j]
     return Chromosome(tuple(keys), tuple(actions))
 
 
-def tied(c: Chromosome, classes: list[BlockClass]) -> bool:
-    """Whether every block of each class has the same genes in `c`."""
-    return all(len({tuple(c.keys[i] for i in ops) + tuple(c.actions[k] for k in cands)
+def tied(c: Chromosome, classes: list[BlockClass], *, order: bool = True) -> bool:
+    """Whether every block of each class has the same genes in `c` (actions, and keys when `order`)."""
+    return all(len({tuple(c.keys[i] for i in ops if order) + tuple(c.actions[k] for k in cands)
                     for ops, cands in zip(cls.ops, cls.candidates)}) == 1 for cls in classes)

@@ -261,7 +261,7 @@ class Search:
         """With probability space.share_blocks (where the graph has identical blocks), `c` with one block
         policy per class of identical blocks (`gaswap.blocks.share`)."""
         if self.classes and self.rng.random() < self.share_blocks:
-            return share(c, self.classes, self.rng)
+            return share(c, self.classes, self.rng, order=self.space.order)
         return c
 
     def _maybe_mutate(self, c: Chromosome) -> Chromosome:

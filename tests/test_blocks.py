@@ -64,6 +64,21 @@ def test_a_search_sharing_every_child_keeps_its_random_individuals_tied():
     assert all(tied(ind[0], classes) or ind[0] in seeds for ind in s.population)
 
 
+def test_in_a_space_without_order_sharing_keeps_the_captured_order():
+    g = numbered(residual_graph(40, size=100))
+    space = dataclasses.replace(load_search_space("recompute_only"), share_blocks=1.0)
+    problem = Problem(g, unit_costs(g, bandwidth=200.0), 2400, space)
+    s = Search(problem, GASettings(population=16, generations=3, patience=None), seed=0)
+    s.initial()
+    for _ in range(3):
+        s.step()
+    captured = problem.encoding.captured_keys()
+    classes = repeated_blocks(problem.encoding)
+    assert all(ind[0].keys == captured for ind in s.population)
+    assert all(tied(ind[0], classes, order=False) or ind[0] in set(s.seed_chromosomes.values())
+               for ind in s.population)
+
+
 def test_sharing_changes_nothing_where_the_graph_has_no_repeated_blocks():
     g = residual_graph(40, size=100)
     costs = unit_costs(g, bandwidth=200.0)
