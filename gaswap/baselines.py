@@ -14,6 +14,7 @@ from gaswap.encoding import Action, Chromosome, Encoding
 from gaswap.graph import Graph
 from gaswap.problem import Problem
 from gaswap.simulator import SimResult, Simulator, liveness
+from gaswap.mincut import min_cut_policies
 
 
 def keep_all(graph: Graph, costs: Costs, budget: int) -> Chromosome:
@@ -133,6 +134,15 @@ def knapsack(graph: Graph, costs: Costs, budget: int) -> Chromosome:
     return _policy(encoding, recomputed)
 
 
+def min_cut(graph: Graph, costs: Costs, budget: int) -> Chromosome:
+    """torch.compile's min-cut partitioner under a memory budget (`activation_memory_budget`-like): of the
+    keep/recompute `mincut.min_cut_policies` (the minimum-bytes cut, then more saved by recompute time per
+    byte), the fastest that fits `budget`, else the one with the lowest peak."""
+    problem = Problem(graph, costs, budget, actions=(Action.KEEP, Action.RECOMPUTE))
+    policies = min_cut_policies(problem) or [keep_all(graph, costs, budget)]
+    return min(policies, key=lambda c: _rank(problem.simulate(c), budget))
+
+
 BASELINES = {
     "keep_all": keep_all,
     "recompute_all": recompute_all,
@@ -141,6 +151,7 @@ BASELINES = {
     "chen_greedy": chen_greedy,
     "dtr": dtr,
     "knapsack": knapsack,
+    "min_cut": min_cut,
 }
 
 

@@ -3,12 +3,14 @@
 For one experiment and each budget: every baseline of `gaswap.baselines`, the keep/recompute MILP
 (`gaswap.milp`, within a time limit) and the GA in each search space, all judged by the same simulator.
 The GA is seeded with the baselines' policies (as far as a space allows their actions), and the hybrid
-space, searched last, also with the best policy of each narrower space; never with the MILP's.
+space, searched last, also with the best policy of each narrower space; the MILP, solved after the GA, is
+warm-started with the GA's fastest fitting keep/recompute policy in the captured order.
 Writes `results/<experiment>/bench.csv` and `bench.md`. No torch at import.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -66,7 +68,7 @@ def parse_budget(text) -> config.Budget:
 
 
 def _bench(prepared, budget: int, keep_time: float, time_limit: float):
-    """The rows of one budget: baselines, MILP, then the GA in each search space."""
+    """The rows of one budget: baselines, the GA in each search space, then the MILP (warm-started by the GA)."""
     graph, costs = prepared.graph, prepared.costs
     problem = Problem(graph, costs, budget)
     seeds = {}
@@ -75,39 +77,53 @@ def _bench(prepared, budget: int, keep_time: float, time_limit: float):
         seeds[name] = chromosome = baseline(graph, costs, budget)
         r = problem.simulate(chromosome)
         yield _simulated_row(name, r, budget, keep_time, time.perf_counter() - started, _counts(chromosome.actions))
-    m = milp.solve(graph, costs, budget, time_limit=time_limit)
+    found = {}
+    yield from _ga_rows(prepared, budget, keep_time, seeds, found)
+    yield _milp_row(problem, budget, keep_time, time_limit, found)
+
+
+def _milp_row(problem: Problem, budget: int, keep_time: float, time_limit: float, found: dict):
+    """The MILP's row, warm-started with the fastest keep/recompute policy in the captured order that fits
+    among the GA's fronts in `found` (space -> SearchResult)."""
+    captured = problem.encoding.captured_keys()
+    usable = [(e.step_time, name, e.chromosome) for name, r in found.items() for e in r.front
+              if e.chromosome.keys == captured and Action.SWAP not in e.chromosome.actions]
+    warm = min(usable, key=lambda u: u[:2], default=None)
+    m = milp.solve(problem.graph, problem.costs, budget, time_limit=time_limit,
+                   warm_start=None if warm is None else warm[2])
     note = f"{m.status}; {m.binaries} binaries, {m.variables} variables, {m.constraints} constraints"
+    if warm is not None:
+        note += f"; warm start ga:{warm[1]} {warm[0] * 1e3:.2f} ms"
+        note += " (nothing faster found)" if m.warm_start else ""
     if m.chromosome is None:
-        yield _row("milp", False, None, None, keep_time, m.seconds, note)
-    else:
-        note += f"; MIP gap {m.gap:.3%}; {_counts(m.chromosome.actions)}"
-        note += "" if m.verified else "; the simulator disagrees"
-        yield _simulated_row("milp", m.simulated, budget, keep_time, m.seconds, note)
-    yield from _ga_rows(prepared, budget, keep_time, seeds)
+        return _row("milp", False, None, None, keep_time, m.seconds, note)
+    note += f"; MIP gap {m.gap:.3%}; {_counts(m.chromosome.actions)}"
+    note += "" if m.verified else "; the simulator disagrees"
+    return _simulated_row("milp", m.simulated, budget, keep_time, m.seconds, note)
 
 
-def _ga_rows(prepared, budget: int, keep_time: float, seeds: dict):
+def _ga_rows(prepared, budget: int, keep_time: float, seeds: dict, found: dict):
     """The GA in each space, seeded with `seeds`; hybrid, last, also with the narrower spaces' best policies
-    (and its solve time includes theirs)."""
+    (and its solve time includes theirs). Each space's SearchResult goes into `found`."""
     graph, costs, experiment = prepared.graph, prepared.costs, prepared.experiment
-    found, spent = {}, 0.0
+    best, spent = {}, 0.0
     for name in SPACES:
         problem = Problem(graph, costs, budget, config.load_search_space(name))
-        extra = {k: problem.restrict(c) for k, c in (seeds | found if name == "hybrid" else seeds).items()}
-        result = search(problem, experiment.ga, experiment.seed, seeds=extra)
+        extra = {k: problem.restrict(c) for k, c in (seeds | best if name == "hybrid" else seeds).items()}
+        ga = dataclasses.replace(experiment.ga, milp_seed_ops=0)  # the GA against the MILP, not seeded by it
+        result = found[name] = search(problem, ga, experiment.seed, seeds=extra)
         spent += result.seconds
         seconds = spent if name == "hybrid" else result.seconds
-        note = f"{result.evaluations} evaluations"
+        note = f"{result.evaluations} evaluations, stopped by {result.stopped_by}"
         if name == "hybrid":
             note += "; seeded with the other spaces' best"
-        best = result.best
-        if best is None:
+        if result.best is None:
             yield _row(f"ga:{name}", False, result.smallest_peak, None, keep_time, seconds,
                        note + "; none fits (peak is the smallest reached)")
         else:
-            found[f"ga_{name}"] = best.chromosome
-            yield _row(f"ga:{name}", True, best.peak_bytes, best.step_time, keep_time, seconds,
-                       note + f"; {_counts(best.chromosome.actions)}")
+            best[f"ga_{name}"] = result.best.chromosome
+            yield _row(f"ga:{name}", True, result.best.peak_bytes, result.best.step_time, keep_time, seconds,
+                       note + f"; {_counts(result.best.chromosome.actions)}")
 
 
 def _simulated_row(method, r, budget: int, keep_time: float, seconds: float, note: str) -> dict:

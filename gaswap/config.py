@@ -36,6 +36,8 @@ MAX_FRACTION = 10  # the largest budget accepted as a fraction of the keep-all p
 SEARCH_SPACES_DIR = Path(__file__).resolve().parents[1] / "search_spaces"
 DEFAULT_SEARCH_SPACE = "hybrid"
 MAX_FILE_BYTES = 2**20  # an experiment or search-space file is a few hundred bytes; larger ones are refused unread
+# Search defaults, measured on GPT stacks: README "How a search starts, stops and scales"
+PATIENCE, TOLERANCE, SHARE_BLOCKS = 20, 0.001, 0.5
 MAX_WORKERS = 256  # ga.workers and costs.threads: more is a typo, not a machine
 MAX_ELEMENTS = 2**48  # elements of one input tensor, batch included
 MAX_INT32, MAX_SEED = 2**31 - 1, 2**32 - 1
@@ -348,18 +350,22 @@ class GASettings:
     """Genetic-algorithm settings."""
 
     population: int = key(_POSITIVE, "individuals per generation", 64)
-    generations: int = key(_POSITIVE, "maximum number of generations", 60)
+    generations: int = key(_POSITIVE, "upper limit on generations: a search stops earlier when it converges "
+                           "(`patience`)", 500)
     workers: int = key(_WORKERS, f"processes evaluating individuals (1 to {MAX_WORKERS})", 1)
     cx_prob: float = key(_PROBABILITY, "probability that a pair of parents is crossed over", 0.9)
     mut_prob: float = key(_PROBABILITY, "probability that a child is mutated", 0.5)
     patience: int | None = key(_optional(_POSITIVE), "converged: stop when a policy fits and for this many "
                                "generations neither the best feasible time nor the front's hypervolume improved by "
-                               "more than `tolerance` (none: run every generation)", None)
+                               "more than `tolerance` (none: run exactly `generations`)", PATIENCE)
     tolerance: float = key(_number(0, 1, "a relative improvement in [0, 1]"),
-                           "relative improvement that counts for `patience` (0.001 = 0.1 %)", 0.0)
+                           "relative improvement that counts for `patience` (0.001 = 0.1 %)", TOLERANCE)
     max_evaluations: int | None = key(_optional(_POSITIVE), "stop once this many policies were evaluated", None)
     max_seconds: float | None = key(_optional(_number(0, math.inf, "a non-negative number of seconds")),
                                     "stop once the search ran this long (resumed runs included)", None)
+    milp_seed_ops: int = key(_integer(0, "a non-negative integer"), "on graphs of at most this many ops, the "
+                             "keep/recompute MILP's policy (solved briefly) joins the seeds where it fits (0: never)",
+                             300)
     executor: str = key(_choice(EXECUTORS), "where evaluations run: `processes` (`workers` on this machine) or "
                         "`dask` (a Dask distributed cluster; needs `pip install 'dask[distributed]'`)", "processes")
     address: str | None = key(_optional(_string), "with `executor: dask`, the scheduler's address "
@@ -382,6 +388,8 @@ class SearchSpace:
     crossover: str = key(_choice(CROSSOVERS), "`uniform` or `two_point` (applied to both key and action genes)",
                          "uniform")
     cx_indpb: float = key(_PROBABILITY, "per-gene swap probability of the uniform crossover", 0.5)
+    share_blocks: float = key(_PROBABILITY, "probability that a new individual takes one block's genes for every "
+                              "identical block (transformer layers, residual stages: `gaswap.blocks`)", SHARE_BLOCKS)
 
 
 @dataclass(frozen=True, kw_only=True)

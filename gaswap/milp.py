@@ -75,12 +75,13 @@ class TooLarge(Exception):
 
 
 def solve(graph: Graph, costs: Costs, budget: int, *, time_limit: float = 60.0,
-          warm_start: Chromosome | None = None) -> MilpResult:
+          warm_start: Chromosome | None = None, node_limit: int | None = None, rel_gap: float = 0.0) -> MilpResult:
     """The fastest keep/recompute policy in the captured order whose peak fits `budget` bytes.
 
     `warm_start`: a known policy (e.g. the GA's best); where it is a keep/recompute policy in the captured
     order that fits, the solver looks only for policies at least as fast, and it is returned when the solver
-    finds none (within the time limit) — `warm_start` True in the result.
+    finds none (within the time limit) — `warm_start` True in the result. `node_limit` (branch-and-bound
+    nodes) and `rel_gap` (relative MIP gap) stop the solver earlier, status "time limit" when it stopped short.
     """
     started = time.perf_counter()
     problem = Problem(graph, costs, budget, actions=(Action.KEEP, Action.RECOMPUTE))
@@ -95,7 +96,8 @@ def solve(graph: Graph, costs: Costs, budget: int, *, time_limit: float = 60.0,
     if model.impossible:
         status, values, objective, bound = "infeasible", None, 0.0, math.inf
     else:
-        status, values, objective, bound = _highs(model, time_limit, cutoff=cutoff)
+        status, values, objective, bound = _highs(model, time_limit, cutoff=cutoff, rel_gap=rel_gap,
+                                                  node_limit=node_limit)
     bound += model.constant
     if values is None:
         if incumbent is not None:  # nothing at least as fast found: the warm start stands
@@ -123,7 +125,7 @@ def _usable(problem: Problem, c: Chromosome | None):
 
 
 def _highs(model: "_Model", time_limit: float, *, scale: float = SCALE, rel_gap: float = 0.0,
-           cutoff: float | None = None):
+           cutoff: float | None = None, node_limit: int | None = None):
     """(status, variable values or None, objective, lower bound) of the model's variable part, in seconds,
     solved by HiGHS with the objective in units of 1/`scale` s to a relative gap `rel_gap` (None: HiGHS's
     default); `cutoff` bounds the objective from above (status "infeasible" when nothing is that good)."""
@@ -144,6 +146,8 @@ def _highs(model: "_Model", time_limit: float, *, scale: float = SCALE, rel_gap:
     options = {"time_limit": time_limit, "disp": False}
     if rel_gap is not None:
         options["mip_rel_gap"] = rel_gap
+    if node_limit is not None:
+        options["node_limit"] = node_limit
     res = milp(objective, constraints=constraints, integrality=integrality, bounds=Bounds(0, 1), options=options)
     bound = getattr(res, "mip_dual_bound", None)
     bound = -math.inf if bound is None or not math.isfinite(bound) else bound / scale

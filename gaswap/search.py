@@ -1,9 +1,11 @@
 """NSGA-II over (step time, peak memory) with the memory budget as a constraint. No torch here.
 
-    population <- seeds (keep-all, recompute-all, swap-all, baselines that fit) + random chromosomes; evaluate
+    population <- seeds (keep-all, recompute-all, swap-all; baselines, min-cut and MILP policies that fit)
+                  + random chromosomes; evaluate
     repeat for each generation:
         parents   <- binary tournaments on (front rank, crowding distance)
-        offspring <- crossover (cx_prob) then mutation (mut_prob) of parent pairs; evaluate the new ones
+        offspring <- crossover (cx_prob) then mutation (mut_prob) of parent pairs, then, with probability
+                     space.share_blocks, one block policy per class of identical blocks; evaluate the new ones
         population <- NSGA-II selection of the best `population` of parents + offspring
         archive   <- feasible points nobody dominates; record best feasible time, front size, hypervolume
 
@@ -16,7 +18,8 @@ data. `search()` drives it, with an optional checkpoint file (`gaswap.checkpoint
 population, at most every CHECKPOINT_SECONDS after that, and when the search leaves between generations, so
 a stopped or killed search resumes and reaches exactly what an uninterrupted one reaches (wall-clock seconds
 aside). It stops on the first of: `ga.generations`, `ga.max_evaluations`, `ga.max_seconds`, or convergence
-(`ga.patience` generations without the best time or the hypervolume improving by `ga.tolerance`). Evaluations go through `map(problem.evaluate, batch)`:
+(`ga.patience` generations without the best time or the hypervolume improving by `ga.tolerance`: on by
+default). Evaluations go through `map(problem.evaluate, batch)`:
 the builtin-like `serial_map` or a `gaswap.parallel.ProcessMap`.
 """
 from __future__ import annotations
@@ -31,13 +34,17 @@ from dataclasses import asdict
 from deap import base, creator, tools
 
 from gaswap import checkpoint as checkpoints
+from gaswap import milp
 from gaswap.baselines import BASELINES
-from gaswap.encoding import Chromosome, Encoding, crossover, mutate
+from gaswap.blocks import repeated_blocks, share
+from gaswap.encoding import Action, Chromosome, Encoding, crossover, mutate
+from gaswap.mincut import min_cut_policies
 from gaswap.parallel import executor, serial_map
 from gaswap.problem import Evaluated, Generation, Problem, SearchResult
 
 INFEASIBLE = 1e9  # objective offset of policies that break the budget
 SIMPLE_SEEDS = ("keep_all", "recompute_all", "swap_all")  # always in the initial population
+MILP_SEED_NODES, MILP_SEED_GAP, MILP_SEED_SECONDS = 500, 0.01, 20.0  # the MILP seed is stopped early
 CHECKPOINT_SECONDS = 30.0  # at most one checkpoint per this many seconds while a search runs
 
 
@@ -59,19 +66,45 @@ def objectives(e: Evaluated, budget: int) -> tuple[float, float]:
     return e.step_time, float(e.peak_bytes)
 
 
-def seed_policies(problem: Problem) -> dict[str, Chromosome]:
-    """The policies every search starts from: keep-all, recompute-all and swap-all, and those other baselines
-    of `gaswap.baselines` (Chen's sqrt(n) and greedy checkpointing, DTR, torch's knapsack) that fit the
-    problem's budget; actions the search space forbids fall back to keep. Baselines over the budget are left
-    out: they crowd the population (on a 12-layer GPT at 0.4x, where none fits, seeding all of them gave
-    +29.4 % instead of +20.9 % after 100 generations)."""
+def seed_policies(problem: Problem, milp_ops: int = 0) -> dict[str, Chromosome]:
+    """The policies every search starts from: keep-all, recompute-all and swap-all; those other baselines of
+    `gaswap.baselines` (Chen's sqrt(n) and greedy checkpointing, DTR, torch's knapsack) that fit the
+    problem's budget; the fastest fitting min-cut policy of the search space (`mincut.min_cut_policies`:
+    in the hybrid space its saved set may be swapped instead of kept); and on graphs of at most `milp_ops`
+    ops (`ga.milp_seed_ops`) the keep/recompute MILP's policy, solved to a MILP_SEED_GAP gap within
+    MILP_SEED_NODES nodes, where it fits. Actions the search space forbids fall back to keep. Policies over
+    the budget are left out: they crowd the population (on a 12-layer GPT at 0.4x, where none fits, seeding
+    all baselines gave +29.4 % instead of +20.9 % after 100 generations)."""
     graph, costs, budget = problem.graph, problem.costs, problem.budget
     seeds = {}
     for name, baseline in BASELINES.items():
+        if name == "min_cut":  # below, with the space's own actions
+            continue
         c = problem.restrict(baseline(graph, costs, budget))
         if name in SIMPLE_SEEDS or problem.evaluate(c).feasible(budget):
             seeds[name] = c
+    cuts = min_cut_policies(problem)
+    fitting = [(e.step_time, k) for k, c in enumerate(cuts)
+               if (e := problem.evaluate(c)).feasible(budget)]
+    if fitting:
+        seeds["min_cut"] = cuts[min(fitting)[1]]
+    if len(graph.ops) <= milp_ops and any(Action.RECOMPUTE in a for a in problem.encoding.allowed):
+        m = milp.solve(graph, costs, budget, time_limit=MILP_SEED_SECONDS, node_limit=MILP_SEED_NODES,
+                       rel_gap=MILP_SEED_GAP)
+        if m.chromosome is not None and problem.evaluate(problem.restrict(m.chromosome)).feasible(budget):
+            seeds["milp"] = problem.restrict(m.chromosome)
     return seeds
+
+
+def converged(history: list[Generation], patience: int, tolerance: float) -> bool:
+    """Whether a search with this history has converged: a policy fits and for `patience` generations neither
+    the best feasible time nor the hypervolume improved by more than `tolerance` (relative)."""
+    if len(history) <= patience or history[-1].best_time_s == math.inf:
+        return False
+    now, then = history[-1], history[-1 - patience]
+    faster = now.best_time_s < then.best_time_s * (1 - tolerance)
+    wider = now.hypervolume > then.hypervolume * (1 + tolerance)
+    return not (faster or wider)
 
 
 class Search:
@@ -87,7 +120,7 @@ class Search:
         self.space, self.budget = problem.space, problem.budget
         self.rng = random.Random(seed)
         self.mu = max(4, -(-ga.population // 4) * 4)  # tournament pairs need a multiple of 4
-        chosen = seed_policies(problem) | dict(seeds or {})  # baselines first, in BASELINES' order
+        chosen = seed_policies(problem, ga.milp_seed_ops) | dict(seeds or {})  # in BASELINES' order below
         rank = {name: k for k, name in enumerate(BASELINES)}
         self.seed_chromosomes = dict(sorted(chosen.items(), key=lambda item: rank.get(item[0], len(rank))))
         self.population: list = []  # DEAP individuals in selection order, crowding distances set
@@ -100,13 +133,16 @@ class Search:
         self.seconds_before = 0.0  # search time spent before this process took over
         self.reference = (math.inf, float(problem.budget))  # hypervolume reference point
         self.started = time.perf_counter()
+        self.share_blocks = getattr(problem.space, "share_blocks", 0.0)
+        self.classes = repeated_blocks(problem.encoding) if self.share_blocks else []
 
     # --- the loop ---
     def initial(self) -> None:
         """Evaluate the seeds and random chromosomes up to the population size; select the population."""
         encoding, space = self.problem.encoding, self.space
         initial = list(dict.fromkeys(self.seed_chromosomes.values()))
-        initial += [encoding.random(self.rng, order=space.order) for _ in range(self.mu - len(initial))]
+        initial += [self._maybe_share(encoding.random(self.rng, order=space.order))
+                    for _ in range(self.mu - len(initial))]
         population = self._absorb(self._evaluate(initial))
         self.seeds = {name: next(i.evaluated for i in population if i[0] == c)
                       for name, c in self.seed_chromosomes.items()}
@@ -129,12 +165,8 @@ class Search:
             return "evaluations"
         if ga.max_seconds is not None and self.seconds() >= ga.max_seconds:
             return "seconds"
-        if ga.patience and len(self.history) > ga.patience and self.history[-1].best_time_s < math.inf:
-            now, then = self.history[-1], self.history[-1 - ga.patience]
-            faster = now.best_time_s < then.best_time_s * (1 - ga.tolerance)
-            wider = now.hypervolume > then.hypervolume * (1 + ga.tolerance)
-            if not (faster or wider):
-                return "converged"
+        if ga.patience and converged(self.history, ga.patience, ga.tolerance):
+            return "converged"
         return None
 
     def step(self) -> Generation:
@@ -146,7 +178,7 @@ class Search:
             ca, cb = a[0], b[0]
             if rng.random() < ga.cx_prob:
                 ca, cb = crossover(ca, cb, rng, kind=space.crossover, indpb=space.cx_indpb)
-            children += [self._maybe_mutate(c) for c in (ca, cb)]
+            children += [self._maybe_share(self._maybe_mutate(c)) for c in (ca, cb)]
         self.population = tools.selNSGA2(self.population + self._absorb(self._evaluate(children)), self.mu)
         points = [(e.step_time, float(e.peak_bytes)) for e in self.archive.values()]
         record = Generation(self.generation + 1, self.evaluations, min((p[0] for p in points), default=math.inf),
@@ -224,6 +256,13 @@ class Search:
             if e.feasible(self.budget):
                 _add_to_archive(self.archive, e)
         return [_individual(e, self.budget) for e in results]
+
+    def _maybe_share(self, c: Chromosome) -> Chromosome:
+        """With probability space.share_blocks (where the graph has identical blocks), `c` with one block
+        policy per class of identical blocks (`gaswap.blocks.share`)."""
+        if self.classes and self.rng.random() < self.share_blocks:
+            return share(c, self.classes, self.rng, order=self.space.order)
+        return c
 
     def _maybe_mutate(self, c: Chromosome) -> Chromosome:
         space, rng = self.space, self.rng

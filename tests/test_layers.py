@@ -8,7 +8,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "gaswap"
 FLOOR = {"program", "files", "step", "units", "locate"}
 CORE = {"graph", "costs", "encoding", "simulator", "problem", "parallel", "checkpoint", "search", "baselines",
-        "milp", "policy", "allocator", "costfile", "planned"}
+        "milp", "policy", "allocator", "costfile", "planned", "blocks", "mincut"}
 APPLICATION = {"config", "experiment", "results", "signals", "workflow", "validate", "report", "bench", "speed",
                "compare", "gpu_check", "gpu_memory", "cli", "__main__"}
 

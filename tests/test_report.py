@@ -406,7 +406,7 @@ def test_bench_shows_progress_and_the_pareto_draws_only_its_rows_at_the_experime
     assert main(["bench", str(ROOT / "experiments/tiny_cnn_cpu.yaml"), "--budgets", "0.9,0.7", "--results",
                  str(root), "--cache", str(cache), "--time-limit", "10"]) == 0
     captured = capsys.readouterr()
-    assert "bench: 100%" in captured.err and "24/24" in captured.err  # 12 rows per budget
+    assert "bench: 100%" in captured.err and "26/26" in captured.err  # 13 rows per budget
     assert f"wrote {root / folder.name}/ (bench.csv, bench.md)" in captured.out
     bench = pd.read_csv(root / folder.name / "bench.csv")
     assert set(bench["budget"].astype(str)) == {"0.9", "0.7"}

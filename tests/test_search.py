@@ -169,9 +169,9 @@ def test_a_converged_search_stops_and_says_so(problem):
 
 
 def test_evaluation_and_time_limits_stop_the_search(problem):
-    r = run(problem, 1500, generations=500, max_evaluations=200)
+    r = run(problem, 1500, generations=500, max_evaluations=200, patience=None)  # convergence off
     assert r.stopped_by == "evaluations" and 200 <= r.evaluations < 200 + GA.population
-    r = run(problem, 1500, generations=10**6, max_seconds=0.5)
+    r = run(problem, 1500, generations=10**6, max_seconds=0.5, patience=None)
     assert r.stopped_by == "seconds" and r.complete and r.seconds >= 0.5
 
 
