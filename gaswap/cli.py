@@ -372,7 +372,7 @@ def validate(args) -> int:
           f"({r['peak_ratio'] - 1:+.1%}); budget {format_size(r['budget_bytes'])}")
     print(f"  step time  predicted {_ms(p['step_time_s'])}, measured {_ms(m['step_time_s'])} ({r['time_ratio'] - 1:+.1%})"
           + (" (planned for another device)" if elsewhere else ""))
-    print(f"wrote {Path(args.policy).with_name('validation.json')}")
+    print(f"wrote {r.get('written') or Path(args.policy).with_name('validation.json')}")
     return 0
 
 
