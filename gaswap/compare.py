@@ -6,6 +6,10 @@ For one experiment, in one process: the model trained eagerly; compiled by torch
 simulated peaks of torch's own partitions (each partition read back as keep/recompute actions and
 simulated on the same graph and costs), plus `--below` fractions of the lowest of them; the GA
 (search space `compiled`: keep / recompute, the compiler's order) is seeded with torch's partitions.
+Policies are simulated as inductor runs them (`gaswap.compiled_costs`): standalone op costs in CPU
+seconds, fused intermediates not counted, the generated kernels' cost and the step's fixed overhead
+calibrated on keep-all and recompute-all compiled and timed first. The table shows those predictions
+beside the ones of the joint graph's ops one by one (every op alone, every tensor counted).
 
 Each method trains its own copy of the model from the same weights. After warm-up (the compile), rounds
 run the methods in rotated order: for each, one step under the peak meter, one untimed step (the meter
@@ -38,7 +42,7 @@ from gaswap.capture import _loss_fn, _output_tensor
 from gaswap.config import format_size
 from gaswap.encoding import Action, Chromosome, Encoding
 from gaswap.files import csv_text, write_atomic
-from gaswap.measure import device_name, measure, resolve_device, sync, use_cpu
+from gaswap.measure import device_name, resolve_device, sync, use_cpu
 from gaswap.problem import Problem
 from gaswap.search import search
 
@@ -85,7 +89,8 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), resul
     costs = compiled_costs.measure_costs(graph, device, cache_dir, threads=exp.costs.threads)
     space = config.load_search_space(compiled.SPACE)
     progress("  calibrating the compiled model: keep-all and recompute-all, compiled and timed")
-    calibration = compiled_costs.calibrate(graph, costs, lambda ps: _cpu_times(ps, model, inputs, target, exp, device))
+    calibration = compiled_costs.calibrate(graph, costs, lambda ps: _cpu_times(ps, model, inputs, target, exp, device),
+                                           {"optimizer": exp.optimizer, "counts": sorted(exp.counts)})
     progress(f"  generated kernels cost {calibration.scale:.2f}x their ops one by one; "
              f"{calibration.overhead * 1e3:.2f} ms per step outside the graph")
     unbounded = compiled_costs.CompiledProblem(graph, calibration.costs(graph, costs), None, space)

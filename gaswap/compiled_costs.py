@@ -197,15 +197,16 @@ def _cpu_seconds(signature: str, repeats: int) -> float:
         return statistics.median(timed(calls) / calls for _ in range(repeats))
 
 
-def calibrate(graph: Graph, costs: Costs, cpu_times) -> Calibration:
+def calibrate(graph: Graph, costs: Costs, cpu_times, provenance: dict) -> Calibration:
     """Fit the compiled step's cost (`fit`) on `graph` compiled under keep-all and under recompute-all:
-    `cpu_times(policies)` compiles and trains under each policy and returns CPU seconds per step."""
+    `cpu_times(policies)` compiles and trains under each policy and returns CPU seconds per step;
+    `provenance` must name the graph's optimizer and counts (see `compiled.make_policy`)."""
     from gaswap import compiled
 
     problem = CompiledProblem(graph, costs, None, actions=(Action.KEEP, Action.RECOMPUTE))
     chromosomes = {label: problem.encoding.uniform(action) for label, action in
                    (("keep-all", Action.KEEP), ("recompute-all", Action.RECOMPUTE))}
-    made = [compiled.make_policy(graph, problem.actions_of(c)) for c in chromosomes.values()]
+    made = [compiled.make_policy(graph, problem.actions_of(c), provenance=provenance) for c in chromosomes.values()]
     points = []
     for (label, c), seconds in zip(chromosomes.items(), cpu_times(made)):
         extern, generated = split_time(graph, costs, lambda cs: CompiledProblem(graph, cs, None, actions=(

@@ -84,3 +84,56 @@ def test_standalone_cpu_time_is_measured_and_cached(tmp_path):
     assert first.measured == 1 and 0 < first.op_time["relu"] < 0.01
     again = cc.measure_cpu_time(g, tmp_path, threads=1)
     assert again.measured == 0 and again.op_time == first.op_time
+
+
+def _experiment(tmp_path, batch: int):
+    path = tmp_path / f"cnn{batch}.yaml"
+    path.write_text("model: {factory: gaswap.zoo:tiny_cnn, kwargs: {num_classes: 10, width: 8}}\n"
+                    "inputs: [{shape: [batch, 3, 16, 16], dtype: float32}]\n"
+                    "target: {shape: [batch], dtype: int64, high: 10}\n"
+                    f"batch_size: {batch}\nloss: cross_entropy\noptimizer: sgd_momentum\nbudget: 0.5x\n"
+                    "costs: {source: measure, device: cpu, threads: 1}\nsearch_space: compiled\n")
+    return path
+
+
+@pytest.mark.slow
+def test_validate_trains_a_compiled_policy_and_reports_predicted_against_measured(tmp_path):
+    import torch
+
+    from gaswap import compiled, config, experiment, policy as policies
+    from gaswap.validate import validate
+
+    path = _experiment(tmp_path, 4)
+    exp = config.load_experiment(path)
+    model = experiment.build_model(exp, device="cpu")
+    inputs, _ = experiment.make_inputs(exp, "cpu", torch.Generator("cpu").manual_seed(0))
+    graph = compiled.capture(model, *inputs, counted=exp.counts)
+    costs = cc.measure_cpu_time(graph, tmp_path, threads=1)
+    problem = cc.CompiledProblem(graph, costs, None, actions=(Action.KEEP, Action.RECOMPUTE))
+    c = problem.encoding.uniform(Action.RECOMPUTE)
+    r = problem.simulate(c)
+    predicted = {"peak_bytes": r.peak_bytes, "step_time_s": r.step_time, "resident_bytes": graph.resident_bytes()}
+    policy = compiled.make_policy(graph, problem.actions_of(c), predicted, {"budget_bytes": r.peak_bytes})
+    policies.save(policy, tmp_path / "p00.yaml")
+    report = validate(tmp_path / "p00.yaml", steps=3, experiment=path)
+    assert report["compiled"] and report["predicted"]["peak_bytes"] == r.peak_bytes - graph.resident_bytes()
+    assert report["measured"]["peak_bytes"] > 0 and report["measured"]["step_time_s"] > 0
+    assert set(report["targets"]) == {"peak_within_5pc", "peak_within_budget", "time_within_15pc"}
+    assert (tmp_path / "p00.validation.json").exists()
+    with pytest.raises(policies.PolicyError):  # another batch size: another joint graph
+        validate(tmp_path / "p00.yaml", steps=3, experiment=_experiment(tmp_path, 8))
+
+
+@pytest.mark.slow
+def test_a_transformers_model_is_captured_and_modelled_compiled():
+    pytest.importorskip("transformers")
+    import torch
+
+    from gaswap import compiled, zoo
+
+    model = zoo.huggingface("GPT2LMHeadModel", vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2,
+                            use_cache=False, bos_token_id=0, eos_token_id=0)
+    graph = compiled.capture(model, torch.randint(0, 64, (2, 16)))
+    fused = cc.fused_graph(graph)
+    assert graph.candidates() and sum(t.size for t in fused.tensors.values()) < sum(
+        t.size for t in graph.tensors.values())  # some intermediates stay inside fused kernels
