@@ -51,7 +51,7 @@ from torch.utils.flop_counter import flop_registry
 from . import graph
 from .dropout import eager_masks
 from .graph import Graph, Op, Tensor
-from .step import AUTOCAST, LOSSES, OPTIMIZER_STATE  # noqa: F401  (LOSSES: the losses `capture` takes)
+from .step import AUTOCAST, DEFAULT_LOSS, DEFAULT_OPTIMIZER, LOSSES, OPTIMIZER_STATE  # noqa: F401  (LOSSES: the losses `capture` takes)
 
 if not hasattr(fx_traceback, "annotate"):
     raise ImportError(f"gaswap.capture needs torch >= 2.10 (torch.fx.traceback.annotate); found {torch.__version__}")
@@ -175,9 +175,9 @@ def capture(
     model: nn.Module,
     inputs: tuple[torch.Tensor, ...],
     target: torch.Tensor | None,
-    loss: str = "cross_entropy",
+    loss: str = DEFAULT_LOSS,
     *,
-    optimizer: str = "sgd_momentum",
+    optimizer: str = DEFAULT_OPTIMIZER,
     counted=graph.COUNTABLE,
     autocast: str | None = None,
 ) -> Captured:
@@ -187,6 +187,9 @@ def capture(
     any device, `meta` included. The model is not modified. `inputs` may mix float, integer and bool
     tensors. A model may return a tensor, a tuple or list (its first element is the output) or a
     mapping such as a Hugging Face ModelOutput (its "logits", else its first value).
+
+    `loss` and `optimizer` default to what an experiment file defaults to (`gaswap.step`: "sum", which takes
+    no target, and plain "sgd", which keeps no state), so a policy captured either way is the same policy.
 
     With loss "external" `target` is not used (pass None): the step stops at the model's output and
     starts its backward pass from a given gradient of it; the model must then return one tensor.

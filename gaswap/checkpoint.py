@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict
 from pathlib import Path
 
-from gaswap.files import write_atomic
+from gaswap.files import MiB, UnreadableFile, read_text, write_atomic
 
 FORMAT, VERSION = "gaswap-checkpoint", 1
 NAME = ".checkpoint.json"  # inside the results folder of the experiment
@@ -47,6 +48,8 @@ PARTS = {
 }
 STATE_KEYS = ("generation", "evaluations", "seconds", "smallest_peak", "rng",
               "population", "archive", "seeds", "history")
+COUNTS = ("generation", "evaluations", "seconds", "smallest_peak")  # numbers that are never negative
+MAX_BYTES = 256 * MiB  # a 4,500-op search's checkpoint is a few MB
 
 
 class CheckpointError(ValueError):
@@ -94,12 +97,12 @@ def save(path: str | Path, state: dict, fingerprint: dict, about: dict | None = 
 def read(path: str | Path) -> dict:
     """The whole checkpoint body, checked for format, version and integrity (not for configuration)."""
     path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no checkpoint to resume from")
     try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no checkpoint to resume from") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path}: cannot read the checkpoint ({err})") from None
+        text = read_text(path, MAX_BYTES)
+    except UnreadableFile as err:
+        raise CheckpointError(f"cannot read the checkpoint: {err}") from None
     try:
         body = json.loads(text)
     except ValueError as err:
@@ -115,7 +118,15 @@ def read(path: str | Path) -> dict:
     missing = [k for k in STATE_KEYS if k not in state]
     if missing or not isinstance(body.get("fingerprint"), dict) or not isinstance(body.get("about"), dict):
         raise CheckpointError(f"{path}: malformed checkpoint (missing {', '.join(missing) or 'fingerprint or about'})")
+    negative = [k for k in COUNTS if not _count(state[k])]
+    if negative:
+        raise CheckpointError(f"{path}: malformed checkpoint ({', '.join(negative)} must be a number >= 0)")
     return body
+
+
+def _count(value) -> bool:
+    """A finite number >= 0 (booleans are not numbers here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf
 
 
 def load(path: str | Path, fingerprint: dict) -> dict:

@@ -38,7 +38,7 @@ def setup(name, batch=4, dropout=True):
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
     inputs, target = make_inputs(specs, target_spec, batch, device="cpu", generator=torch.Generator().manual_seed(1))
-    return model, inputs, target, capture(model, inputs, None, "external")
+    return model, inputs, target, capture(model, inputs, None, "external", optimizer="sgd_momentum")
 
 
 def policies_for(cap):
@@ -286,7 +286,7 @@ def test_autocast_around_the_module_must_match_the_policys(tmp_path):
             PolicyError, match=r"called under torch.autocast\(bfloat16\), but the policy was searched without autocast"):
         plain(*inputs)
 
-    mixed_cap = capture(model, inputs, None, "external", autocast="bfloat16")
+    mixed_cap = capture(model, inputs, None, "external", optimizer="sgd_momentum", autocast="bfloat16")
     path = save_policy(tmp_path / "mixed", mixed_cap, "external", autocast="bfloat16")
     mixed = gaswap.apply(model, path, inputs)
     outside = mixed(*inputs)  # forward only: BatchNorm statistics (updated in the backward part) stay put

@@ -15,10 +15,11 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from gaswap import config, experiment, zoo
-from gaswap.capture import capture, make_inputs
+from gaswap.capture import make_inputs
 from gaswap.encoding import Action, Encoding
 from gaswap.simulator import Simulator, lower_bound
 from helpers import unit_costs
+from tiny_models import classifier_capture as capture
 
 pytestmark = pytest.mark.slow  # real models captured end to end: `pytest -m "not slow"` skips them
 

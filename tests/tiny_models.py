@@ -2,6 +2,7 @@
 from torch import nn
 
 from gaswap import zoo
+from gaswap.capture import capture
 from gaswap.encoding import Action
 
 
@@ -40,3 +41,9 @@ def policy_set(encoding, shuffled, mixed) -> dict:
         "reordered": (encoding.decode(shuffled.keys), keep.actions),
         "mixed": (encoding.decode(mixed.keys), mixed.actions),
     }
+
+
+def classifier_capture(model, inputs, target, loss="cross_entropy", **options):
+    """`capture` of a classifier's step: the tests that call this mean cross entropy and SGD with momentum where
+    they name no loss or optimizer (capture's own defaults are the experiment file's: sum, plain SGD)."""
+    return capture(model, inputs, target, loss, **{"optimizer": "sgd_momentum"} | options)
