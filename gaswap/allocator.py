@@ -380,8 +380,9 @@ def step_events(graph: Graph, result, *, swap_in_stream: str = "compute", swap_o
         events.append(("free", key, 0, "", reusable_at, "", at))
 
     live = {t.name: malloc(t.name, "compute", 0.0) for t in graph.tensors.values() if t.kind == "input"}
-    retired: dict[str, int] = {}  # swapped-out device copies waiting for their copy to the host
-    early: set[str] = set()  # retired copies already freed (record_stream): skip their `free`
+    retired: dict[str, list[int]] = {}  # swapped-out device copies waiting for their copy to the host (a tensor
+    # re-made by a recompute while its first copy waits is retired twice: two copies, freed oldest first)
+    early: dict[str, int] = {}  # retired copies already freed (record_stream): skip their `free`
     d2h_queued = 0.0  # when the d2h work issued so far ends
     timed = bool(getattr(result, "timeline", ()))
     landed = {} if timed else _landing_positions(result.program)
@@ -400,14 +401,14 @@ def step_events(graph: Graph, result, *, swap_in_stream: str = "compute", swap_o
         elif verb == Verb.RETIRE:  # the device copy waits for its copy to the host; a swap-in may come first
             if swap_out_free == "record_stream":
                 free(live.pop(name), d2h_queued if timed else landed[at])
-                early.add(name)
+                early[name] = early.get(name, 0) + 1
             else:
-                retired[name] = live.pop(name)
+                retired.setdefault(name, []).append(live.pop(name))
         elif verb == Verb.FREE:  # a retired copy goes before the swapped-in one (see Simulator.settle)
-            if name in retired:
-                free(retired.pop(name))
-            elif name in early:
-                early.remove(name)
+            if retired.get(name):
+                free(retired[name].pop(0))
+            elif early.get(name):
+                early[name] -= 1
             else:
                 free(live.pop(name))
     return resident, events
@@ -492,6 +493,13 @@ def predict(simulator, order, actions, **options) -> AllocatorPeaks:
     if not result.valid:
         raise ValueError(f"invalid policy: {result.reason}")
     return replay(simulator.graph, result, **options)
+
+
+def figures(graph: Graph, result, **options) -> dict:
+    """The live (simulator), allocated and reserved (allocator model) peak bytes of a traced SimResult; `options`
+    go to `replay`."""
+    peaks = replay(graph, result, **options)
+    return {"live_bytes": result.peak_bytes, "allocated_bytes": peaks.allocated, "reserved_bytes": peaks.reserved}
 
 
 class ReservedProblem(Problem):

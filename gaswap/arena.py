@@ -8,8 +8,8 @@ whose lifetimes overlap it, else on top (TFLite's "greedy by size" and OLLA's st
 are tried (size with two tie-breaks, size x lifetime, time) and the smallest arena kept. The lower
 bound is the most bytes (aligned) alive at once: no placement does better.
 
-The torch side (`arena_buffer`, `carve`) gives one buffer and views of it at planned offsets; how a runtime
-would run a policy from it is written up in the gpu note (docs: README "Address planning").
+The torch side (`arena_buffer`, `carve`) gives one buffer and views of it at planned offsets;
+`gaswap.arena_runtime.ArenaRunner` runs a policy's step with its activations there.
 """
 from __future__ import annotations
 
@@ -57,21 +57,29 @@ def _aligned(n: int, alignment: int) -> int:
     return -(-n // alignment) * alignment
 
 
-def plan(graph: Graph, result, *, alignment: int = ALIGNMENT) -> ArenaPlan:
-    """Offsets for every allocation of one step of a traced SimResult, resident tensors included."""
+def plan(graph: Graph, result, *, alignment: int = ALIGNMENT, activations_only: bool = False, results: bool = False,
+         exclude=frozenset()) -> ArenaPlan:
+    """Offsets for every allocation of one step of a traced SimResult (or of anything with a policy's
+    `program`), resident tensors included. With `activations_only`, only what the program makes and frees
+    within the step (and, with `results`, what it makes and hands back: alive at the step's end), less the
+    tensors named in `exclude`: no resident tensor, input, or output an op re-makes and drops at once. That
+    is what a runtime can place (gaswap.arena_runtime); a placement's `instruction` is then the index in the
+    program that makes it."""
     resident, events = step_events(graph, result)
     end_of_step = len(events) + 1
     items: list[tuple[int, int, int, str, int]] = []  # (bytes, start, end, tensor, instruction)
-    for nbytes in resident:
+    for nbytes in resident if not activations_only else ():
         items.append((_aligned(nbytes, alignment), 0, end_of_step, "", -2))
     opened: dict[int, tuple[int, int, str, int]] = {}
     for position, (kind, key, nbytes, _, _, tensor, at) in enumerate(events, 1):
         if kind == "malloc":
             opened[key] = (_aligned(nbytes, alignment), position, tensor, at)
         else:
-            size, start, tensor, at = opened.pop(key)
-            items.append((size, start, position, tensor, at))
-    items += [(size, start, end_of_step, tensor, at) for size, start, tensor, at in opened.values()]
+            size, start, tensor, made = opened.pop(key)
+            if not activations_only or (made >= 0 and at != made and tensor not in exclude):
+                items.append((size, start, position, tensor, made))
+    items += [(size, start, end_of_step, tensor, at) for size, start, tensor, at in opened.values()
+              if not activations_only or (results and at >= 0 and tensor not in exclude)]
     items = [i for i in items if i[0] > 0]
     best = min((_place(sorted(items, key=order)) for order in ORDERS), key=lambda placed: _top(placed))
     return ArenaPlan(_top(best), _most_alive(items), tuple(sorted(best, key=lambda p: (p.start, p.offset))))

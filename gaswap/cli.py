@@ -80,6 +80,8 @@ def main(argv=None) -> int:
                         "factory must then be one of gaswap's own models unless --trust-factory)")
     p.add_argument("--trust-factory", action="store_true",
                    help="build the model from the factory the policy's experiment names, even outside gaswap.zoo")
+    p.add_argument("--arena", action="store_true",
+                   help="run the step's activations from one buffer allocated beforehand at planned offsets")
     p.set_defaults(run=validate)
     p = add_parser("plot", help="write the Pareto, convergence, memory-timeline and action-map PNGs")
     p.add_argument("results", help="a results folder, e.g. results/alexnet_4gb")
@@ -362,7 +364,7 @@ def validate(args) -> int:
 
     with tqdm(total=args.steps, desc="validate", unit="step", leave=False) as bar:
         r = run_validation(args.policy, args.steps, args.device, experiment=args.experiment,
-                           trust_factory=args.trust_factory, progress=_progress(bar))
+                           trust_factory=args.trust_factory, progress=_progress(bar), arena=args.arena)
     p, m = r["predicted"], r["measured"]
     print(f"{r['experiment']} on {r['device']} ({r['steps']} steps; costs {r['cost_source']})")
     elsewhere = planned.mismatch(policies.load(args.policy).provenance, r["device"])
@@ -372,6 +374,12 @@ def validate(args) -> int:
           f"({r['peak_ratio'] - 1:+.1%}); budget {format_size(r['budget_bytes'])}")
     print(f"  step time  predicted {_ms(p['step_time_s'])}, measured {_ms(m['step_time_s'])} ({r['time_ratio'] - 1:+.1%})"
           + (" (planned for another device)" if elsewhere else ""))
+    if "arena" in r:
+        a = r["arena"]
+        copied = len(a["ops_out_composite"]) + len(a["ops_copied"])
+        print(f"  arena      {format_size(a['bytes'])} (bound {format_size(a['lower_bound_bytes'])}), counted in the "
+              f"peak; {a['ops_out']} ops wrote into it, {copied} kinds of op copied their results in (largest "
+              f"{format_size(a['largest_transient_bytes'])})")
     print(f"wrote {r.get('written') or Path(args.policy).with_name('validation.json')}")
     return 0
 

@@ -30,6 +30,7 @@ EXECUTORS = ("processes", "dask")  # where a search's evaluations run (gaswap.pa
 DEVICES = ("auto", "cpu", "cuda")
 ACTIONS = ("keep", "swap", "recompute")
 CROSSOVERS = ("uniform", "two_point")
+MEMORY_TARGETS = ("live", "reserved")  # what a budget bounds: live tensor bytes, or the allocator's reservations
 BATCH = "batch"  # the shape entry replaced by the batch size
 MAX_FRACTION = 10  # the largest budget accepted as a fraction of the keep-all peak ("10x")
 SEARCH_SPACES_DIR = Path(__file__).resolve().parents[1] / "search_spaces"
@@ -332,6 +333,17 @@ class CostSpec:
 
 
 @dataclass(frozen=True)
+class MemorySpec:
+    """GPU memory as PyTorch's CUDA caching allocator holds it (its model: gaswap.allocator)."""
+
+    target: str = key(_choice(MEMORY_TARGETS), "what the budget bounds: `live` tensor bytes (the simulator's peak) "
+                      "or `reserved`, the segments the caching allocator would reserve (each evaluation about 10x "
+                      "slower)", "live")
+    expandable_segments: bool = key(_boolean, "model the allocator run with "
+                                    "`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`", False)
+
+
+@dataclass(frozen=True)
 class GASettings:
     """Genetic-algorithm settings."""
 
@@ -400,6 +412,9 @@ class Experiment:
                                                                      f"{MAX_SEED})", 0)
     autocast: str | None = key(_optional(_choice(AUTOCAST)), f"run forward and loss under autocast: "
                                                              f"{' or '.join(AUTOCAST)} (none: off)", None)
+    memory: MemorySpec | None = key(_optional(_record(MemorySpec)), "GPU memory as the caching allocator holds it: "
+                                    "results then give its allocated and reserved peaks beside the live one (none: "
+                                    "live bytes only)", None, record=MemorySpec)
 
 
 # ------------------------------------------------------------------------------------------ public API

@@ -45,6 +45,7 @@ class Encoding:
                 succ[p].add(i)
             self._npred[i] = len(preds)
         self._succ = [sorted(s) for s in succ]
+        self._sources = [i for i, n in enumerate(self._npred) if n == 0]
         rematerializable = _rematerializable(graph, set(self.candidates))
         allowed = [Action(a) for a in actions]
         if Action.KEEP not in allowed:
@@ -55,18 +56,18 @@ class Encoding:
 
     def decode(self, keys) -> list[int]:
         """The op order (indices into graph.ops) that list scheduling by `keys` gives."""
-        npred = self._npred[:]
-        phase, succ = self._phase, self._succ
-        ready = [(phase[i], keys[i], i) for i, n in enumerate(npred) if n == 0]
+        npred, succ = self._npred[:], self._succ
+        entries = list(zip(self._phase, keys, range(len(npred))))  # (phase, key, op): the heap's order
+        ready = [entries[i] for i in self._sources]
         heapq.heapify(ready)
         order = []
         while ready:
-            _, _, i = heapq.heappop(ready)
+            i = heapq.heappop(ready)[2]
             order.append(i)
             for j in succ[i]:
                 npred[j] -= 1
                 if npred[j] == 0:
-                    heapq.heappush(ready, (phase[j], keys[j], j))
+                    heapq.heappush(ready, entries[j])
         return order
 
     def captured_keys(self) -> tuple[float, ...]:

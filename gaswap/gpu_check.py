@@ -6,7 +6,8 @@ as a wheel) runs, within about ten minutes:
 2. for AlexNet at 4 GB and the GPT bench: costs measured on this GPU, a short search, `validate` (measured vs
    predicted peak and step time), and a memory run that compares the caching allocator model's allocated
    and reserved peaks (and the optimizer step's) with `torch.cuda.memory_stats()`, and replays the
-   allocation trace recorded on the GPU through the model (`allocator.replay_recorded`);
+   allocation trace recorded on the GPU through the model (`allocator.replay_recorded`); and the same memory
+   run from a preallocated arena (gaswap.arena_runtime): `max_memory_reserved` with the arena against without;
 3. the torch.compile head-to-head (`gaswap compare` on its CNN experiment, two short rounds), if present;
 and writes one JSON report. Without CUDA it writes a report saying so and exits 0. Goals: peak within
 5 % of the prediction and never above the budget; step time within 10 %.
@@ -73,11 +74,17 @@ def _write(out: Path, report: dict, started: float) -> dict:
 def cuda_tests(timeout: float = 150.0) -> dict:
     """Run the CUDA-marked tests; their exit code and summary line."""
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests"], capture_output=True,
-                          text=True, timeout=timeout, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", *map(str, cuda_test_files())],
+                          capture_output=True, text=True, timeout=timeout, env=os.environ | {"PYTHONUNBUFFERED": "1"})
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     return {"rc": proc.returncode, "summary": lines[-1] if lines else proc.stderr[-300:],
             "seconds": round(time.monotonic() - started, 1)}
+
+
+def cuda_test_files(folder: str | Path = "tests") -> list[Path]:
+    """The test files that hold CUDA-marked tests: only those are collected, so that a machine without the test
+    suite's other needs (hypothesis, scipy, ...) still runs them (pytest stops at any file it cannot import)."""
+    return sorted(p for p in Path(folder).glob("test_*.py") if "mark.cuda" in p.read_text())
 
 
 def derived_experiment(path: str | Path, work: Path, device: str = "cuda") -> Path:
@@ -114,7 +121,23 @@ def check_experiment(path: str | Path, work: Path, steps: int, device: str = "cu
            "costs_estimated_ops": len(prepared.costs.estimated), "measure_s": round(measured_s, 1),
            "search_s": round(result.seconds, 1), "validation": validation, "memory": memory}
     out["goals"] = goals(validation, memory)
+    # a failed arena run is recorded in its own entry ("error"); the experiment's other figures stand
+    out["arena"] = _stage({"errors": []}, "arena", lambda: arena_run(policy, memory, device))
     return out
+
+
+def arena_run(policy_path: str | Path, plain: dict, device: str = "cuda") -> dict:
+    """The memory run from a preallocated arena (gradients included), beside the plain one (`plain`):
+    reserved and allocated peaks with and without the arena, and the arena's planned size."""
+    run = memory_run(policy_path, steps=3, device=device, arena=True)
+    with_arena, without = run["measured"], plain["measured"]
+    return {"arena": run["arena"], "measured": with_arena,
+            "reserved_with_arena_bytes": with_arena["reserved_bytes"],
+            "reserved_without_arena_bytes": without["reserved_bytes"],
+            "reserved_ratio": with_arena["reserved_bytes"] / without["reserved_bytes"] if without["reserved_bytes"]
+            else None,
+            "requested_with_arena_bytes": with_arena["requested_bytes"],
+            "requested_without_arena_bytes": without["requested_bytes"]}
 
 
 def goals(validation: dict, memory: dict) -> dict:
@@ -130,15 +153,18 @@ def goals(validation: dict, memory: dict) -> dict:
     }
 
 
-def memory_run(policy_path: str | Path, steps: int = 3, device: str = "cuda") -> dict:
+def memory_run(policy_path: str | Path, steps: int = 3, device: str = "cuda", *, arena: bool = False) -> dict:
     """Train `steps` steps under a policy holding on the GPU only what the experiment counts (no inputs kept
     for cloning), then compare the allocator's peaks of the last step and its optimizer step with the
-    allocator model's predictions for the same policy. On a CPU only the storage tracker's peak is measured."""
+    allocator model's predictions for the same policy. On a CPU only the storage tracker's peak is measured.
+    With `arena`, the step runs from a preallocated arena (an `ArenaRunner`, gradients in it too), which is
+    counted; the report then says how big it is."""
     import torch
 
     from gaswap import allocator, config, experiment, policy as policies
     from gaswap.capture import capture
     from gaswap.memory import DeviceMemory
+    from gaswap.arena_runtime import ArenaRunner, arena_figures
     from gaswap.runtime import StepRunner
     from gaswap.validate import OPTIMIZERS
 
@@ -155,7 +181,10 @@ def memory_run(policy_path: str | Path, steps: int = 3, device: str = "cuda") ->
     spec_inputs, spec_target = experiment.make_inputs(exp, "meta")
     captured = capture(model, spec_inputs, spec_target, exp.loss, optimizer=exp.optimizer, counted=exp.counts,
                        autocast=exp.autocast)
-    runner = StepRunner(captured, policy.program, dev)
+    if arena:  # gradients too: they are dropped below before the next step
+        runner = ArenaRunner(captured, policy.program, dev, results_in_arena=True)
+    else:
+        runner = StepRunner(captured, policy.program, dev)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = OPTIMIZERS[exp.optimizer](trainable)
     generator = torch.Generator(dev).manual_seed(exp.seed)
@@ -167,7 +196,7 @@ def memory_run(policy_path: str | Path, steps: int = 3, device: str = "cuda") ->
         args = captured.arguments(model, inputs, target)
         del inputs, target
         held = [a for (_, kind, _), a in zip(captured.placeholders, args)
-                if kind != "param" or "parameters" in exp.counts]
+                if kind != "param" or "parameters" in exp.counts] + ([runner.buffer] if arena else [])
         if "optimizer_state" in exp.counts:
             held += [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         with DeviceMemory(dev) as memory:
@@ -200,7 +229,7 @@ def memory_run(policy_path: str | Path, steps: int = 3, device: str = "cuda") ->
     older = allocator.replay(captured.graph, policy, optimizer=exp.optimizer, swap_in_stream="h2d",
                              swap_out_free="record_stream")
     return {"measured": figures, "predicted": predicted.as_dict(), "ratios": ratios, "recorded_replay": recorded,
-            "predicted_h2d_record_stream": older.as_dict(),
+            "predicted_h2d_record_stream": older.as_dict(), **({"arena": arena_figures(runner)} if arena else {}),
             "note": "measured allocated/reserved also hold what the model leaves out (cuBLAS/cuDNN workspaces); "
                     "optimizer step: absolute allocated peak, predicted: the model's allocated peak then"}
 

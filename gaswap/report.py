@@ -203,6 +203,12 @@ def _pct(value: float) -> str:
     return f"{round(value, 1) + 0.0:+.1f} %"
 
 
+def _peak_label(result: Result) -> str:
+    """What the peaks are: live bytes, or what the caching allocator reserves (`memory: {target: reserved}`)."""
+    reserved = (result.summary.get("memory") or {}).get("target") == "reserved"
+    return "peak reserved device memory (allocator model)" if reserved else "peak device memory"
+
+
 def _budget_label(result: Result) -> str:
     """The budget in the experiment's words (e.g. 0.5x) and in the display unit."""
     said = result.summary.get("budget", "")
@@ -232,7 +238,7 @@ def pareto(folders, ax=None, *, close_up: bool = True) -> Figure:
     keep = first.summary["keep_all"]
     budgets = [r.budget_bytes / div for r in results]
     _pad(ax, fronts["x"].tolist() + baselines + [keep["peak_bytes"] / div] + budgets)
-    ax.set(xlabel=f"peak device memory ({unit})", ylabel="step-time overhead vs keep-all (%)",
+    ax.set(xlabel=f"{_peak_label(first)} ({unit})", ylabel="step-time overhead vs keep-all (%)",
            title=f"{_names(results)}: step time against peak memory, {_budget_label(first)}")
     ax.legend(**LEGEND_OUTSIDE, markerscale=0.7, title=title, title_fontsize="small")
     if zoom is not None:
@@ -243,7 +249,7 @@ def pareto(folders, ax=None, *, close_up: bool = True) -> Figure:
             y_lo, y_hi = fronts["y"].min(), fronts["y"].max()
             margin = 0.15 * ((y_hi - y_lo) or abs(y_hi) or 1.0)
             zoom.set_ylim(y_lo - margin, y_hi + margin)
-            zoom.set(xlabel=f"peak device memory ({unit})", ylabel="overhead (%)",
+            zoom.set(xlabel=f"{_peak_label(first)} ({unit})", ylabel="overhead (%)",
                      title="close-up of the GA front and the budget")
         else:
             fig.delaxes(zoom)
@@ -581,6 +587,10 @@ def describe(folders) -> str:
             words.append(f"The chosen one, `policy.yaml`, peaks at {format_size(best['peak_bytes'])}, "
                          f"{_pct(100 * best['overhead'])} in step time against keep-all (keep/swap/recompute "
                          f"{best['keep']}/{best['swap']}/{best['recompute']}).")
+            if "reserved_bytes" in best:
+                words.append(f"Through the caching allocator's model it has {format_size(best['live_bytes'])} live, "
+                             f"{format_size(best['allocated_bytes'])} allocated and "
+                             f"{format_size(best['reserved_bytes'])} reserved at its peak.")
         if s.get("complete") is False:
             words.append(f"The search was stopped after {s['generations_done']} of {s['generations']} generations.")
         paragraphs.append(" ".join(words))

@@ -31,6 +31,8 @@ from gaswap.problem import GENERATION_FIELDS, Evaluated, SearchResult
 
 FRONT_COLUMNS = ("policy", "peak_bytes", "step_time_s", "overhead", "keep", "swap", "recompute")
 HISTORY_COLUMNS = GENERATION_FIELDS
+# the allocator model's peaks beside the live one, in policies' `predicted` when the experiment has a `memory` key
+MEMORY_COLUMNS = ("live_bytes", "allocated_bytes", "reserved_bytes")
 
 
 def overhead(e: Evaluated, keep_all: Evaluated) -> float:
@@ -70,14 +72,16 @@ def _fill(tmp: Path, folder: Path, result, make_policy, summary: dict, keep_all,
         rows = []
         for k, e in enumerate(result.front):
             name = f"policies/p{k:03d}.yaml"
-            policies.save(make_policy(e), tmp / name)
-            rows.append({"policy": name} | point(e, keep_all))
-        if result.best is not None:
-            policies.save(make_policy(result.best), tmp / "policy.yaml")
-        _write_csv(tmp / "front.csv", FRONT_COLUMNS, rows)
+            policies.save(policy := make_policy(e), tmp / name)
+            rows.append({"policy": name} | point(e, keep_all) | _memory(policy))
+        best = make_policy(result.best) if result.best is not None else None
+        if best is not None:
+            policies.save(best, tmp / "policy.yaml")
+        memory = MEMORY_COLUMNS if any(MEMORY_COLUMNS[0] in row for row in rows) else ()
+        _write_csv(tmp / "front.csv", FRONT_COLUMNS + memory, rows)
         _write_csv(tmp / "history.csv", HISTORY_COLUMNS, [asdict(g) for g in result.history])
         body = summary | {
-            "best": (point(result.best, keep_all) | {"policy": "policy.yaml"}) if result.best else None,
+            "best": (point(result.best, keep_all) | _memory(best) | {"policy": "policy.yaml"}) if best else None,
             "seeds": {name: point(e, keep_all) | {"valid": e.valid} for name, e in result.seeds.items()},
             "front_size": len(result.front),
             "evaluations": result.evaluations,
@@ -96,6 +100,11 @@ def _fill(tmp: Path, folder: Path, result, make_policy, summary: dict, keep_all,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _replace(tmp, folder)
+
+
+def _memory(policy: policies.Policy) -> dict:
+    """The allocator model's peaks a policy's `predicted` holds (none without an experiment `memory` key)."""
+    return {k: policy.predicted[k] for k in MEMORY_COLUMNS if k in policy.predicted}
 
 
 def _write_csv(path: Path, columns, rows) -> None:

@@ -72,7 +72,11 @@ class StepRunner:
         self.streams = streams or for_device(self.device)
         self.host = self._host_buffers()
         self._times: list[list[float]] = [[] for _ in self.program]
-        self.source, self._functions = _Codegen(self).compile()
+        self.source, self._functions = self._compile()
+
+    def _compile(self) -> tuple[str, dict]:
+        """The program's code and its functions (a subclass may place the tensors: gaswap.arena_runtime)."""
+        return _Codegen(self).compile()
 
     @torch.no_grad()  # the graph computes the gradients itself: autograd must not keep tensors alive
     def __call__(self, args: list):
@@ -182,11 +186,12 @@ class _Codegen:
         self.copies, self.args, self.state = self.fresh("copies"), self.fresh("args"), self.fresh("state")
         self.unused, self.started = self.fresh("unused"), self.fresh("started")
         self.constants = {name: self.constant(value, name) for name, value in runner.constants.items()}
-        self.locals: dict[str, str] = {}  # tensor name (or name + " retired") -> local variable
+        self.locals: dict[str, str] = {}  # tensor name -> local variable
         self.lines: list[str] = []
         self.live: dict[str, str] = {}
-        self.retired: dict[str, str] = {}
+        self.retired: dict[str, list[str]] = {}  # a tensor re-made while its first copy waits is retired twice
         self.pending: set[str] = set()
+        self.at = -1  # the index in the program of the instruction being written
 
     def compile(self) -> tuple[str, dict]:
         """The source, and its functions by name."""
@@ -240,7 +245,8 @@ class _Codegen:
 
     def held(self) -> list[str]:
         constants = set(self.constants.values())
-        return [v for v in (*self.live.values(), *self.retired.values()) if v not in constants]
+        retired = [v for copies in self.retired.values() for v in copies]
+        return [v for v in (*self.live.values(), *retired) if v not in constants]
 
     # --- instructions ------------------------------------------------------------------------------
 
@@ -250,6 +256,7 @@ class _Codegen:
         for k, (verb, name) in enumerate(program, first):
             if self.r.timed:
                 self.clock()
+            self.at = k
             write[verb](name)
             if self.r.timed:
                 self.clock(self.r._times[k])
@@ -286,6 +293,15 @@ class _Codegen:
         else:
             outputs = []
         new = [(i, out) for i, out in outputs if out in op.outputs and out not in self.live]
+        self.store(node, call, new, views)
+        for _, out in new:
+            self.live[out] = self.local(out)
+        if views:
+            self.emit(f"del {', '.join(views)}")
+
+    def store(self, node: fx.Node, call: str, new: list, views: list[str]) -> None:
+        """Write the op's call, keeping the outputs in `new` ((index in its result or None, tensor name)) in
+        their locals; a local to drop after the op goes into `views`."""
         if not new:
             self.emit(call)
         elif len(new) == 1:
@@ -296,31 +312,32 @@ class _Codegen:
             for i, out in new:
                 self.emit(f"{self.local(out)} = {node.name}[{i}]")
             views.append(node.name)
-        for _, out in new:
-            self.live[out] = self.local(out)
-        if views:
-            self.emit(f"del {', '.join(views)}")
+
+    def slot(self, tensor: str) -> str | None:
+        """The expression of the memory the current instruction's `tensor` goes into (None: a new tensor)."""
+        return None
 
     def swap_out(self, name: str) -> None:
         self.emit(f"{self.copies}.to_host({name!r}, {self.present(name, 'swap_out')})")
 
     def retire(self, name: str) -> None:
         """No op reads `name` any more; its memory is held until it is freed (its copy may be under way)."""
-        local, retired = self.present(name, "retire"), self.local(name + " retired")
+        local, retired = self.present(name, "retire"), self.fresh(name + "_retired")
         self.emit(f"{retired} = {local}")
         self.emit(f"del {local}")
         del self.live[name]
-        self.retired[name] = retired
+        self.retired.setdefault(name, []).append(retired)
 
     def swap_in(self, name: str) -> None:
-        self.emit(f"{self.local(name)} = {self.copies}.to_device({name!r})")
+        into = self.slot(name)
+        self.emit(f"{self.local(name)} = {self.copies}.to_device({name!r}{'' if into is None else ', ' + into})")
         self.live[name] = self.local(name)
         self.pending.add(name)
 
     def free(self, name: str) -> None:
         """Drop `name` (the retired copy if there is one); compute first waits for the copies that use it."""
-        if name in self.retired:
-            local = self.retired.pop(name)
+        if self.retired.get(name):  # the oldest retired copy first (see allocator.step_events)
+            local = self.retired[name].pop(0)
         else:
             local = self.present(name, "free")
             del self.live[name]
@@ -433,10 +450,11 @@ class _Copies:
         self.saved[name] = s.record(s.d2h)
         self.layouts[name] = (t.shape, t.stride(), t.dtype, t.device)
 
-    def to_device(self, name: str) -> torch.Tensor:
+    def to_device(self, name: str, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Copy `name` back to the device: into a new tensor, or `into` (a runner's arena slot)."""
         s = self.streams
         shape, stride, dtype, device = self.layouts[name]
-        t = torch.empty_strided(shape, stride, dtype=dtype, device=device)  # from the compute stream's memory
+        t = torch.empty_strided(shape, stride, dtype=dtype, device=device) if into is None else into  # compute's memory
         s.wait_stream(s.h2d, s.compute())
         s.wait_event(s.h2d, self.saved[name])
         s.copy(s.h2d, t, self.host[name])

@@ -27,6 +27,8 @@ import heapq
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
+
 from gaswap.costs import Costs
 from gaswap.graph import COUNTABLE, Graph
 from gaswap.program import Action, Instruction, Verb
@@ -90,18 +92,45 @@ class Liveness(NamedTuple):
 
 def liveness(sim: "Simulator", order) -> Liveness:
     """Where each tensor of `sim` is read in `order` (indices into graph.ops)."""
-    nt, n = len(sim.size), len(order)
-    last_use, last_fwd, first_bwd = [-1] * nt, [-1] * nt, [n] * nt
-    op_in, op_fwd = sim.op_in, sim.op_fwd
-    for p, i in enumerate(order):
-        fwd = op_fwd[i]
-        for t in op_in[i]:
-            last_use[t] = p
-            if fwd:
-                last_fwd[t] = p
-            elif first_bwd[t] > p:
-                first_bwd[t] = p
-    return Liveness(last_use, last_fwd, first_bwd)
+    return Liveness(*(a.tolist() for a in _liveness(sim, _positions(sim, order), len(order))))
+
+
+def _positions(sim: "Simulator", order) -> np.ndarray:
+    """The position of each op in `order`, and 0 after the last op (where `sim.made_by` points for tensors
+    no op makes)."""
+    pos = np.zeros(len(sim.op_time) + 1, dtype=np.intp)
+    pos[np.asarray(order, dtype=np.intp)] = sim.positions[:len(order)]
+    return pos
+
+
+def _liveness(sim: "Simulator", pos: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`liveness` as arrays, from the op positions `pos` of an order of `n` ops."""
+    never = np.empty(len(sim.size), dtype=np.intp)
+    never.fill(n)
+    return (sim.reads.reduce(np.maximum, pos, sim.unread.copy()),
+            sim.fwd_reads.reduce(np.maximum, pos, sim.unread.copy()),
+            sim.bwd_reads.reduce(np.minimum, pos, never))
+
+
+class _Reads(NamedTuple):
+    """Reads of tensors by ops, grouped by tensor: a per-graph table that per-order positions reduce over."""
+
+    tensors: np.ndarray  # each tensor read at least once, ascending
+    ops: np.ndarray  # the reader of each read, grouped by tensor
+    starts: np.ndarray  # where each tensor's group begins in `ops`
+
+    @classmethod
+    def of(cls, reads) -> "_Reads":
+        """From (tensor, op) pairs."""
+        pairs = np.array(sorted(reads), dtype=np.intp).reshape(-1, 2)
+        tensors, starts = np.unique(pairs[:, 0], return_index=True)
+        return cls(tensors, pairs[:, 1].copy(), starts)
+
+    def reduce(self, ufunc, pos: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """`out` with, for each tensor read, `ufunc` over the positions (`pos`) of its readers."""
+        if len(self.ops):
+            out[self.tensors] = ufunc.reduceat(pos[self.ops], self.starts)
+        return out
 
 
 class Simulator:
@@ -118,6 +147,7 @@ class Simulator:
         self.op_time = [costs.op_time[op.name] for op in graph.ops]
         self.op_in = [tuple(tid[t] for t in op.inputs) for op in graph.ops]
         self.op_out = [tuple(tid[t] for t in op.outputs) for op in graph.ops]
+        self.op_touched = [a + b for a, b in zip(self.op_in, self.op_out)]  # inputs, then outputs
         self.op_fwd = [op.phase == "fwd" for op in graph.ops]
         self.op_recomputable = [op.recomputable and op.phase == "fwd" for op in graph.ops]
         tensors = list(graph.tensors.values())
@@ -133,6 +163,23 @@ class Simulator:
         self.d2h_time = [costs.copy_time(t.size, "d2h") for t in tensors]
         self.h2d_time = [costs.copy_time(t.size, "h2d") for t in tensors]
         self.serial_copies = not costs.copies_overlap
+        self.static_tables()
+
+    def static_tables(self) -> None:
+        """Arrays that turn an order into its liveness and schedules without a loop over ops in Python."""
+        reads = [(t, i) for i, inputs in enumerate(self.op_in) for t in inputs]
+        self.reads = _Reads.of(reads)
+        self.fwd_reads = _Reads.of((t, i) for t, i in reads if self.op_fwd[i])
+        self.bwd_reads = _Reads.of((t, i) for t, i in reads if not self.op_fwd[i])
+        self.positions = np.arange(len(self.op_time), dtype=np.intp)
+        self.unread = np.full(len(self.size), -1, dtype=np.intp)
+        self.made_by = np.array([p if p >= 0 else len(self.op_time) for p in self.producer], dtype=np.intp)
+        self.transient = ~np.array(self.persistent, dtype=bool)
+        self.candidate_ids = np.array(self.candidates, dtype=np.intp)
+        self.op_time_array = np.array(self.op_time, dtype=float)
+        self.out_bytes_array = np.array(self.out_bytes, dtype=np.int64)
+        self.h2d_time_array = np.array(self.h2d_time, dtype=float)
+        self.resident_at_start = [p < 0 for p in self.producer]  # parameters, buffers, inputs
 
     def run(self, order, actions, *, trace: bool = False) -> SimResult:
         """Simulate the ops in `order` (indices into graph.ops) with `actions` aligned with candidates;
@@ -147,32 +194,41 @@ class Simulator:
 class _Run:
     """One simulation, untraced; a class so that recursion shares its state without globals.
 
-    Phases: liveness of the order (`liveness`), the release schedule (`release_after`), the prefetch
-    schedule (`prefetch`), then the main loop (`result`). `_TracedRun` records what happens.
+    Phases: liveness of the order (`liveness`), the release schedule (`release_schedule`), the prefetch
+    schedule (`prefetch_schedule`), then the main loop (`execute`). `_TracedRun` records what happens.
+    The phases before the main loop work on arrays, from the simulator's per-graph tables.
     """
 
     def __init__(self, sim: Simulator, order, actions):
         self.sim, self.order = sim, order
         nt, n = len(sim.size), len(order)
-        self.swapped = [False] * nt  # SWAP
-        self.moved = [False] * nt  # not KEEP: gone after the forward readers, back for the backward ones
-        for k, a in zip(sim.candidates, actions):
-            if a != Action.KEEP:
-                self.moved[k] = True
-                self.swapped[k] = a == Action.SWAP
-        self.live = liveness(sim, order)
-        self.made = made = [0] * nt  # position of each tensor's producer (0 for inputs)
-        for p, i in enumerate(order):
-            for t in sim.op_out[i]:
-                made[t] = p
-        self.release_after = self.release_schedule()  # tensors to release after each position
+        order_array = np.fromiter(order, dtype=np.intp, count=n)
+        pos = _positions(sim, order_array)
+        last_use, last_fwd, first_bwd = _liveness(sim, pos, n)
+        made = pos[sim.made_by]  # position of each tensor's producer (0: inputs)
+        m = min(len(actions), len(sim.candidates))
+        acts = np.fromiter(actions, dtype=np.intp, count=m)
+        candidates = sim.candidate_ids[:m]
+        moved = np.zeros(nt, dtype=bool)  # not KEEP: gone after the forward readers, back for the backward ones
+        moved[candidates[acts != Action.KEEP]] = True
+        swapped = candidates[acts == Action.SWAP]  # in the order of the candidates
+        swaps = np.zeros(nt, dtype=bool)
+        swaps[swapped] = True
+        self.swapped = swaps.tolist()
+        self.last_use = last_use.tolist()
+        self.droppable = (moved | sim.transient).tolist()  # what a recomputation may drop after its last reader
+        self.first_bwd: dict[int, int] = {}  # swapped tensor -> position of its first backward reader
+        # released[release_at[p]:release_at[p + 1]]: the tensors to release after position p
+        self.released, self.release_at = self.release_schedule(made, last_use, last_fwd, moved)
         self.made_before: list[int] = []  # bytes allocated by the ops before each position (when swapping)
         self.inputs_out: list[int] = []  # swapped inputs: copied to the host as the step starts
-        self.prefetch = self.prefetch_schedule() if any(self.swapped) else [[] for _ in range(n)]
+        self.prefetch: dict[int, list[int]] = {}  # position -> swapped tensors whose copy back is tried there
+        if len(swapped):
+            self.prefetch_schedule(order_array, swapped, made, last_fwd, first_bwd)
         self.mem = sim.base_bytes
         self.peak = self.mem
         self.pending: list[tuple[float, int, int]] = []  # (time, tensor, bytes) frees waiting for a copy
-        self.resident = [p < 0 for p in sim.producer]  # parameters, buffers, inputs are there from the start
+        self.resident = sim.resident_at_start[:]
         self.on_host = [False] * nt
         self.ready = [0.0] * nt  # when a resident tensor's data is usable
         self.d2h_end = [0.0] * nt
@@ -182,42 +238,38 @@ class _Run:
         self.needed = [0] * nt  # inputs of the recomputations under way (nested)
 
     # --- schedules ---
-    def release_schedule(self) -> list[list[int]]:
+    def release_schedule(self, made, last_use, last_fwd, moved) -> tuple[list[int], list[int]]:
         """After which position each tensor is released: after its last reader, and a moved one also after
-        its last forward reader (never before it is made); persistent kept tensors never."""
-        sim, made, moved = self.sim, self.made, self.moved
-        last_use, last_fwd = self.live.last_use, self.live.last_fwd
-        release: list[list[int]] = [[] for _ in self.order]
-        for t in range(len(sim.size)):
-            if moved[t]:
-                release[max(last_fwd[t], made[t])].append(t)
-                release[max(last_use[t], made[t])].append(t)
-            elif not sim.persistent[t]:
-                release[max(last_use[t], made[t])].append(t)
-        return release
+        its last forward reader (never before it is made); persistent kept tensors never. Returns the
+        tensors by position (ascending tensor, the forward release first) and where each position begins."""
+        early = moved.nonzero()[0]
+        late = (moved | self.sim.transient).nonzero()[0]
+        nt2 = 2 * len(moved)  # sort key: (position, tensor, early before late)
+        key = np.concatenate((np.maximum(last_fwd[early], made[early]) * nt2 + 2 * early,
+                              np.maximum(last_use[late], made[late]) * nt2 + 2 * late + 1))
+        key.sort()
+        starts = key.searchsorted(self.sim.positions[:len(self.order)] * nt2)
+        return (key % nt2 // 2).tolist(), starts.tolist() + [len(key)]
 
-    def prefetch_schedule(self) -> list[list[int]]:
+    def prefetch_schedule(self, order, swapped, made, last_fwd, first_bwd) -> None:
         """At which position each swapped tensor's copy back is first tried: the latest op before its first
         backward reader whose preceding compute covers the copy (at the reader itself with serial copies),
         never before its last forward reader has run nor before it is made."""
-        sim, order, made = self.sim, self.order, self.made
-        last_fwd, first_bwd = self.live.last_fwd, self.live.first_bwd
-        prefetch: list[list[int]] = [[] for _ in order]
-        prefix, made_before = [0.0], [0]  # compute time and bytes allocated before each position
-        for i in order:
-            prefix.append(prefix[-1] + sim.op_time[i])
-            made_before.append(made_before[-1] + sim.out_bytes[i])
-        self.made_before = made_before
-        swapped = [t for t in sim.candidates if self.swapped[t]]
-        for t in sorted(swapped, key=first_bwd.__getitem__):  # same position: first needed, first copied
-            c = first_bwd[t]
-            p = min(c, bisect.bisect_right(prefix, prefix[c] - sim.h2d_time[t]) - 1)  # zero-time ops: not past c
-            if sim.serial_copies:
-                p = c
-            prefetch[max(p, last_fwd[t] + 1, made[t] + 1)].append(t)
+        sim = self.sim
+        prefix = np.concatenate(([0.0], np.cumsum(sim.op_time_array[order])))  # compute time before each position
+        if sim.budget is not None:
+            self.made_before = np.concatenate(([0], np.cumsum(sim.out_bytes_array[order]))).tolist()
+        reader = first_bwd[swapped]
+        self.first_bwd = dict(zip(swapped.tolist(), reader.tolist()))
+        at = reader
+        if not sim.serial_copies:  # zero-time ops: not past the reader
+            at = np.minimum(reader, prefix.searchsorted(prefix[reader] - sim.h2d_time_array[swapped], "right") - 1)
+        at = np.maximum(at, np.maximum(last_fwd[swapped], made[swapped]) + 1)
+        first_needed = reader.argsort(kind="stable")  # same position: first needed, first copied
+        for t, p in zip(swapped[first_needed].tolist(), at[first_needed].tolist()):
+            self.prefetch.setdefault(p, []).append(t)
             if sim.producer[t] < 0:
                 self.inputs_out.append(t)
-        return prefetch
 
     # --- the main loop ---
     def result(self) -> SimResult:
@@ -225,49 +277,81 @@ class _Run:
         return SimResult(max(self.clock, self.d2h_free, self.h2d_free), self.peak, self.compute)
 
     def execute(self) -> None:
-        """Run the ops in order: prefetches due, rematerializations, the op, swap-outs, releases."""
-        sim, order = self.sim, self.order
-        op_in, op_out, names = sim.op_in, sim.op_out, sim.op_names
-        first_bwd = self.live.first_bwd
-        budget = sim.budget
-        resident, ready, swapped = self.resident, self.ready, self.swapped
-        on_host, d2h_end = self.on_host, self.d2h_end
-        prefetch, release_after = self.prefetch, self.release_after
+        """Run the ops in order: prefetches due, rematerializations, the op, swap-outs, releases.
+
+        This is `_TracedRun.execute` with `run_op`, `swap_out`, `free` and `settle` written inline, as it
+        runs for every op of every evaluation (the traced run overrides those to record). The clock, memory,
+        peak and compute time live in local variables here, and in `self` around the calls that use them.
+        """
+        sim = self.sim
+        op_in, op_out, op_time, out_bytes, size, names = (sim.op_in, sim.op_out, sim.op_time, sim.out_bytes,
+                                                          sim.size, sim.op_names)
+        d2h_time, serial = sim.d2h_time, sim.serial_copies
+        resident, ready, swapped, on_host, d2h_end = self.resident, self.ready, self.swapped, self.on_host, self.d2h_end
+        prefetch, released, release_at, pending = self.prefetch, self.released, self.release_at, self.pending
         for t in self.inputs_out:  # an input's copy to the host starts with the step
             self.swap_out(t, 0.0)
-        for p, i in enumerate(order):
-            self.pos = p
-            for t in prefetch[p]:
-                if resident[t]:
-                    continue
-                if p < first_bwd[t]:
-                    if self.d2h_end[t] > self.clock:
-                        prefetch[p + 1].append(t)  # its device copy is still there: don't hold it twice
-                        continue
-                    if budget is not None and not self.room_until(t, p, first_bwd[t]):
-                        prefetch[p + 1].append(t)  # no room under the budget yet
-                        continue
-                self.swap_in(t, self.clock, "prefetch for", names[order[first_bwd[t]]])
-            inputs = op_in[i]
-            for t in inputs:
-                if not resident[t]:
-                    self.rematerialize(t, names[i])
-            start = self.clock
-            for t in inputs:
+        clock, mem, peak, compute = self.clock, self.mem, self.peak, self.compute
+        for p, i in enumerate(self.order):
+            if p in prefetch:
+                self.clock, self.mem, self.peak = clock, mem, peak
+                self.issue_prefetches(p)
+                clock, mem, peak = self.clock, self.mem, self.peak
+            start = clock
+            for t in op_in[i]:
+                if not resident[t]:  # bring back what is gone, then start when all has landed
+                    self.pos, self.clock, self.mem, self.peak, self.compute = p, clock, mem, peak, compute
+                    for u in op_in[i]:
+                        if not resident[u]:
+                            self.rematerialize(u, names[i])
+                    start = self.start_time(i)
+                    clock, mem, peak, compute = self.clock, self.mem, self.peak, self.compute
+                    break
                 if ready[t] > start:
                     start = ready[t]
-            self.run_op(i, start)
+            while pending and pending[0][0] <= start:  # copies to the host landed by then: their frees
+                mem -= heapq.heappop(pending)[2]
+            mem += out_bytes[i]
+            if mem > peak:
+                peak = mem
+            clock = start + op_time[i]
+            compute += op_time[i]
             for t in op_out[i]:
-                if swapped[t]:
-                    self.swap_out(t, self.clock)
-            clock = self.clock
-            for t in release_after[p]:  # after the last reader; a swapped tensor's device copy waits for its d2h copy
+                if resident[t]:
+                    mem -= size[t]
+                else:
+                    resident[t] = True
+                    ready[t] = clock
+            for t in op_out[i]:
+                if swapped[t]:  # its copy to the host starts
+                    copy = max(self.d2h_free, clock) + d2h_time[t]
+                    self.d2h_free = d2h_end[t] = copy
+                    on_host[t] = True
+                    if serial:
+                        clock = copy
+            # after the last reader; a swapped tensor's device copy waits for its copy to the host
+            for t in released[release_at[p]:release_at[p + 1]]:
                 if resident[t]:
                     if swapped[t] and on_host[t] and d2h_end[t] > clock:
                         self.retire(t)
                     else:
-                        self.free(t, clock)
+                        resident[t] = False
+                        mem -= size[t]
+        self.clock, self.mem, self.peak, self.compute = clock, mem, peak, compute
         self.settle(float("inf"))
+
+    def issue_prefetches(self, p: int) -> None:
+        """Copy back the swapped tensors due at position p, unless their device copy is still there or,
+        before their reader, there is no room under the budget yet: those are tried again at p + 1."""
+        first_bwd, resident, budget = self.first_bwd, self.resident, self.sim.budget
+        for t in self.prefetch.pop(p):
+            if resident[t]:
+                continue
+            c = first_bwd[t]
+            if p < c and (self.d2h_end[t] > self.clock or budget is not None and not self.room_until(t, p, c)):
+                self.prefetch.setdefault(p + 1, []).append(t)
+                continue
+            self.swap_in(t, self.clock, "prefetch for", self.sim.op_names[self.order[c]])
 
     # --- memory ---
     def settle(self, when: float) -> None:
@@ -286,12 +370,13 @@ class _Run:
         them, device copies of swapped tensors that go when their copies to the host land, and ops that wait
         for copies to the device (at least until the host copy has landed and been copied back); the memory
         of recomputations and of later prefetches is not foreseen."""
-        sim, order, swapped = self.sim, self.order, self.swapped
-        size, op_out, op_time, out_bytes = sim.size, sim.op_out, sim.op_time, sim.out_bytes
+        sim = self.sim
         self.settle(self.clock)
-        level = self.mem + size[t]
+        level = self.mem + sim.size[t]
         if level + self.made_before[c] - self.made_before[p] <= sim.budget:  # fits even if nothing is freed
             return True
+        order, swapped = self.order, self.swapped
+        size, op_out, op_time, out_bytes = sim.size, sim.op_out, sim.op_time, sim.out_bytes
         landing = sorted((when, nbytes) for when, _, nbytes in self.pending)
         born: dict[int, float] = {}  # tensors made in the window -> when their copy to the host lands
         gone = set()
@@ -317,7 +402,7 @@ class _Run:
                 if swapped[u]:
                     d2h_free = max(d2h_free, clock) + sim.d2h_time[u]
                 born[u] = d2h_free if swapped[u] else clock
-            for u in self.release_after[q]:
+            for u in self.released[self.release_at[q]:self.release_at[q + 1]]:
                 if u in gone or not (self.resident[u] or u in born):
                     continue
                 gone.add(u)
@@ -327,12 +412,6 @@ class _Run:
                 else:
                     level -= size[u]
         return True
-
-    def alloc(self, nbytes: int, when: float) -> None:
-        self.settle(when)
-        self.mem += nbytes
-        if self.mem > self.peak:
-            self.peak = self.mem
 
     def free(self, t: int, when: float) -> None:
         self.resident[t] = False
@@ -344,20 +423,21 @@ class _Run:
         heapq.heappush(self.pending, (self.d2h_end[t], t, self.sim.size[t]))
 
     # --- streams ---
-    def start_time(self, inputs) -> float:
-        """When an op reading `inputs` can start: compute is free and every input has landed."""
-        start = self.clock
-        for t in inputs:
-            if self.ready[t] > start:
-                start = self.ready[t]
+    def start_time(self, i: int) -> float:
+        """When op i can start: compute is free and every input has landed."""
+        start, ready = self.clock, self.ready
+        for t in self.sim.op_in[i]:
+            if ready[t] > start:
+                start = ready[t]
         return start
 
-    def run_op(self, i: int, start: float) -> None:
-        """Op i runs from `start`: its outputs are allocated; one already here (a recomputed op re-producing a
-        kept output) is made, then dropped, and the kept one stays, ready when it was."""
+    def run_op(self, i: int, start: float, reader: str = "") -> None:
+        """Op i runs from `start` (again, for `reader`, when one is named): its outputs are allocated; one
+        already here (a recomputed op re-producing a kept output) is made, then dropped, and the kept one
+        stays, ready when it was."""
         sim = self.sim
         end = start + sim.op_time[i]
-        if self.pending and self.pending[0][0] <= start:  # alloc(), inlined: this runs for every op
+        if self.pending and self.pending[0][0] <= start:  # frees of copies landed by then
             self.settle(start)
         mem = self.mem + sim.out_bytes[i]
         if mem > self.peak:
@@ -373,10 +453,6 @@ class _Run:
         self.clock = end
         self.compute += sim.op_time[i]
 
-    def rerun_op(self, i: int, start: float, reader: str) -> None:
-        """Op i runs again, for `reader`."""
-        self.run_op(i, start)
-
     def swap_out(self, t: int, when: float) -> float:
         """Start copying `t` to the host; returns when the copy starts."""
         sim = self.sim
@@ -391,7 +467,10 @@ class _Run:
         """Allocate `t` on the device and copy it back (`why` `reader`: "prefetch for b3"); returns when the
         copy starts."""
         sim = self.sim
-        self.alloc(sim.size[t], when)
+        self.settle(when)
+        self.mem += sim.size[t]
+        if self.mem > self.peak:
+            self.peak = self.mem
         self.resident[t] = True
         start = max(self.h2d_free, when, self.d2h_end[t], self.clock if sim.serial_copies else when)
         self.h2d_free = self.ready[t] = end = start + sim.h2d_time[t]
@@ -410,21 +489,27 @@ class _Run:
         if i < 0 or not sim.op_recomputable[i]:
             why = "its producer is random or mutates state" if i >= 0 else "it has no producer"
             raise Unrealizable(f"{sim.tensor_names[t]} is needed by {reader} but is gone and {why}")
-        needed, resident = self.needed, self.resident
-        inputs = sim.op_in[i]
+        resident = self.resident
+        for u in sim.op_in[i]:
+            if not resident[u]:
+                self.rematerialize_inputs(i)
+                break
+        self.run_op(i, self.start_time(i), reader)
+        last_use, needed, droppable = self.last_use, self.needed, self.droppable
+        for u in sim.op_touched[i]:  # drop what no later op reads, nor a recompute under way
+            if resident[u] and last_use[u] < self.pos and droppable[u] and u != t and not needed[u]:
+                self.free(u, self.clock)
+
+    def rematerialize_inputs(self, i: int) -> None:
+        """Make the inputs of op i resident before it runs again; re-producing one must not drop another."""
+        needed, resident, inputs = self.needed, self.resident, self.sim.op_in[i]
         for u in inputs:
-            needed[u] += 1  # re-producing another input must not drop this one
+            needed[u] += 1
         for u in inputs:
             if not resident[u]:
-                self.rematerialize(u, sim.op_names[i])
-        self.rerun_op(i, self.start_time(inputs), reader)
+                self.rematerialize(u, self.sim.op_names[i])
         for u in inputs:
             needed[u] -= 1
-        last_use, persistent, moved = self.live.last_use, sim.persistent, self.moved
-        for u in inputs + sim.op_out[i]:  # drop what no later op reads, nor a recompute under way
-            transient = not persistent[u] or moved[u]
-            if resident[u] and last_use[u] < self.pos and transient and u != t and not needed[u]:
-                self.free(u, self.clock)
 
 
 class _TracedRun(_Run):
@@ -452,15 +537,36 @@ class _TracedRun(_Run):
                          timeline=tuple(self.events), memory=tuple(self.memory), changes=tuple(self.changes),
                          program=tuple(self.program))
 
+    def execute(self) -> None:
+        """`_Run.execute` through the hooks `run_op` and `free`, which record."""
+        sim, resident, swapped = self.sim, self.resident, self.swapped
+        for t in self.inputs_out:
+            self.swap_out(t, 0.0)
+        for p, i in enumerate(self.order):
+            self.pos = p
+            if p in self.prefetch:
+                self.issue_prefetches(p)
+            for t in sim.op_in[i]:
+                if not resident[t]:
+                    self.rematerialize(t, sim.op_names[i])
+            self.run_op(i, self.start_time(i))
+            for t in sim.op_out[i]:
+                if swapped[t]:
+                    self.swap_out(t, self.clock)
+            clock = self.clock
+            for t in self.released[self.release_at[p]:self.release_at[p + 1]]:
+                if resident[t]:
+                    if swapped[t] and self.on_host[t] and self.d2h_end[t] > clock:
+                        self.retire(t)
+                    else:
+                        self.free(t, clock)
+        self.settle(float("inf"))
+
     def landed(self, when: float, t: int, nbytes: int) -> None:
         super().landed(when, t, nbytes)
         self.memory.append((when, self.mem))
         self.changes.append((when, self.category[t], -nbytes))
         self.program.append(Instruction(Verb.FREE, self.sim.tensor_names[t]))
-
-    def alloc(self, nbytes: int, when: float) -> None:
-        super().alloc(nbytes, when)
-        self.memory.append((when, self.mem))
 
     def free(self, t: int, when: float) -> None:
         super().free(t, when)
@@ -472,11 +578,11 @@ class _TracedRun(_Run):
         super().retire(t)
         self.program.append(Instruction(Verb.RETIRE, self.sim.tensor_names[t]))
 
-    def run_op(self, i: int, start: float) -> None:
-        self.record_op(i, start, Verb.RUN, f"position {self.pos} of the order")
-
-    def rerun_op(self, i: int, start: float, reader: str) -> None:
-        self.record_op(i, start, Verb.RECOMPUTE, f"recompute {self.sim.op_names[i]} for {reader}")
+    def run_op(self, i: int, start: float, reader: str = "") -> None:
+        if reader:
+            self.record_op(i, start, Verb.RECOMPUTE, f"recompute {self.sim.op_names[i]} for {reader}")
+        else:
+            self.record_op(i, start, Verb.RUN, f"position {self.pos} of the order")
 
     def record_op(self, i: int, start: float, verb: Verb, reason: str) -> None:
         sim = self.sim
@@ -509,6 +615,7 @@ class _TracedRun(_Run):
 
     def swap_in(self, t: int, when: float, why: str, reader: str) -> float:
         start = super().swap_in(t, when, why, reader)
+        self.memory.append((when, self.mem))  # after its allocation
         name = self.sim.tensor_names[t]
         self.category[t] = "swapped in"
         self.changes.append((when, "swapped in", self.sim.size[t]))

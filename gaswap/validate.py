@@ -22,6 +22,7 @@ from gaswap.files import write_atomic
 from gaswap.locate import experiment_file
 from gaswap.measure import device_name, resolve_device, sync, use_cpu
 from gaswap.memory import DeviceMemory
+from gaswap.arena_runtime import ArenaRunner, arena_figures
 from gaswap.runtime import StepRunner
 
 OPTIMIZERS = {
@@ -32,7 +33,7 @@ OPTIMIZERS = {
 
 
 def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, experiment: str | Path | None = None,
-             trust_factory: bool = False, progress=None) -> dict:
+             trust_factory: bool = False, progress=None, arena: bool = False) -> dict:
     """Train `steps` steps under the policy; return (and write beside it) predicted vs measured figures.
 
     The model comes from `experiment` when given, else from the experiment file the policy names; a factory
@@ -40,7 +41,9 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, e
     must not choose code to run). The first step warms up and creates the optimizer state. Step time is the
     median of the later steps; the peak is the allocator's (CUDA, every later step) or the storage tracker's
     (CPU, the last step, which is left out of the timing because tracking slows it). `progress(done, steps)`
-    after each step.
+    after each step. With `arena`, the step's activations and gradients live in one buffer made beforehand at
+    the offsets `arena.plan` gives (gaswap.arena_runtime), counted in the peak; the report says how big it is
+    and which ops had their results copied into it.
     """
     if steps < 3:
         raise config.ConfigError(f"--steps {steps}: validate needs at least 3 steps: one warms up and creates the "
@@ -54,6 +57,9 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, e
     if policy.provenance.get("form") == "compiled":  # trained inside torch.compile: gaswap.compiled_validate
         from gaswap.compiled_validate import validate_compiled
 
+        if arena:
+            raise config.ConfigError(f"{policy_path}: --arena runs gaswap's own runtime; this policy runs inside "
+                                     f"torch.compile, whose inductor allocates its own buffers")
         exp = _experiment(policy, policy_path, experiment, trust_factory)
         return validate_compiled(policy, policy_path, exp, steps, device, progress)
     if not policy.program:
@@ -75,7 +81,10 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, e
             "torch_version": str(torch.__version__)}
     policies.check_matches(policy, captured.graph, policy_path, provenance=policy.provenance | here,
                            torch_version=str(torch.__version__))
-    runner = StepRunner(captured, policy.program, dev)
+    if arena:  # gradients too: this loop drops them before the next step
+        runner = ArenaRunner(captured, policy.program, dev, results_in_arena=True)
+    else:
+        runner = StepRunner(captured, policy.program, dev)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = OPTIMIZERS[exp.optimizer](trainable)
     peaks, times = [], []
@@ -90,7 +99,7 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, e
         started = time.perf_counter()
         with DeviceMemory(dev) if tracked else nullcontext() as memory:
             if memory is not None:
-                memory.hold(held)
+                memory.hold(held + ([runner.buffer] if arena else []))
             del held  # the step owns its inputs: a swapped-out input must be free to go
             loss, *grads = runner(args)
         sync(dev)
@@ -117,6 +126,8 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, e
     }
     report["peak_ratio"] = report["measured"]["peak_bytes"] / report["predicted"]["peak_bytes"]
     report["time_ratio"] = report["measured"]["step_time_s"] / report["predicted"]["step_time_s"]
+    if arena:
+        report["arena"] = arena_figures(runner)
     write_atomic(policy_path.with_name("validation.json"), json.dumps(report, indent=2) + "\n")
     return report
 

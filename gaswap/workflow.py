@@ -16,11 +16,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from gaswap import checkpoint as checkpoints
-from gaswap import config, costfile, results
+from gaswap import allocator, config, costfile, results
 from gaswap.experiment import build_model, make_inputs, output_gradient
 from gaswap.results import Refused  # noqa: F401  (what check_results_folder raises)
 from gaswap import policy as policies
 from gaswap.costs import Costs, estimate, load_profile
+from gaswap.allocator import ReservedProblem
 from gaswap.graph import Graph
 from gaswap.problem import Evaluated, Problem, SearchResult
 from gaswap.search import search
@@ -121,6 +122,22 @@ def keep_all(prepared: Prepared) -> Evaluated:
     return Problem(prepared.graph, prepared.costs).keep_all()
 
 
+def allocator_options(experiment: config.Experiment) -> dict:
+    """How `allocator.replay` models the experiment's GPU memory (its `memory` key): two steps (the second is
+    the steady state the budget must hold in), the optimizer step's temporaries included."""
+    memory = experiment.memory or config.MemorySpec()
+    return {"steps": 2, "expandable_segments": memory.expandable_segments, "optimizer": experiment.optimizer}
+
+
+def planning_problem(prepared: Prepared, budget: int | None = None) -> Problem:
+    """The experiment's problem: peaks in live bytes, or with `memory: {target: reserved}` the allocator
+    model's reserved peak (`allocator.ReservedProblem`), which the budget then bounds."""
+    exp = prepared.experiment
+    if exp.memory is not None and exp.memory.target == "reserved":
+        return ReservedProblem(prepared.graph, prepared.costs, budget, exp.search_space, **allocator_options(exp))
+    return Problem(prepared.graph, prepared.costs, budget, exp.search_space)
+
+
 def results_folder(root: str | Path, experiment: config.Experiment) -> Path:
     """`root/<experiment name>`, the folder the experiment's results go to."""
     return results.folder_of(root, experiment.name)
@@ -151,9 +168,9 @@ def run_search(prepared: Prepared, out: str | Path, *, on_generation=None, resum
 
 def _search_and_write(prepared: Prepared, out: Path, on_generation, resume: bool, stop) -> tuple[SearchResult, dict]:
     exp, graph, costs = prepared.experiment, prepared.graph, prepared.costs
-    reference = keep_all(prepared)
+    reference = planning_problem(prepared).keep_all()
     budget = exp.budget.resolve(reference.peak_bytes)
-    problem = Problem(graph, costs, budget, exp.search_space)
+    problem = planning_problem(prepared, budget)
     result = search(problem, exp.ga, exp.seed, on_generation=on_generation, checkpoint=out / checkpoints.NAME,
                     resume=resume, stop=stop, about={"experiment": exp.name, "experiment_file": exp.path})
     if result.best is None and result.complete:
@@ -166,15 +183,20 @@ def _search_and_write(prepared: Prepared, out: Path, on_generation, resume: bool
         )
     provenance = describe(prepared) | {"budget_bytes": budget}
 
+    def memory(e: Evaluated) -> dict:  # live, allocated and reserved peaks, with the experiment's `memory` key
+        return allocator.figures(graph, problem.simulate(e.chromosome, trace=True), **allocator_options(exp)) \
+            if exp.memory is not None else {}
+
     def make_policy(e: Evaluated) -> policies.Policy:
         program = problem.simulate(e.chromosome, trace=True).program  # what the runtime replays
         return policies.from_result(graph, problem.encoding.candidates, problem.order(e.chromosome),
-                                    e.chromosome.actions, results.point(e, reference), provenance, program)
+                                    e.chromosome.actions, results.point(e, reference) | memory(e), provenance,
+                                    program)
 
     summary = describe(prepared) | {
         "budget_bytes": budget,
         "budget": str(exp.budget),
-        "keep_all": {"peak_bytes": reference.peak_bytes, "step_time_s": reference.step_time},
+        "keep_all": {"peak_bytes": reference.peak_bytes, "step_time_s": reference.step_time} | memory(reference),
         "generations": exp.ga.generations,
     }
     if costs.source == "measured":  # ops that could not be timed got a roofline figure: say which
@@ -202,6 +224,7 @@ def describe(prepared: Prepared) -> dict:
         "optimizer": exp.optimizer,
         "counts": list(exp.counts),
         "autocast": exp.autocast,
+        **({"memory": asdict(exp.memory)} if exp.memory is not None else {}),
         "search_space": exp.search_space.name,
         "seed": exp.seed,
         "device": prepared.costs.device,

@@ -2,16 +2,34 @@
 # The GPU check in one command, on a machine with CUDA (see gaswap/gpu_check.py):
 #   scripts/gpu_check.sh [REPORT.json]
 # Needs torch, numpy, pyyaml, tqdm, seaborn and pytest installed, and deap: if it is not, a deap wheel is
-# installed from $GASWAP_WHEELS (default: .whl in the repository) into a private folder, nothing else.
-# Exit status: 0 when every stage ran (or there is no GPU: the report says so), 1 when a stage failed.
+# installed from $GASWAP_WHEELS (default: .whl in the repository) into a private folder, nothing else
+# (fetch it beforehand with `pip download deap --no-deps -d .whl`: deap 1.4.4 is a py3-none-any wheel).
+# deap 1.4.2 and later import moocore (for deap's hypervolume indicator, which gaswap does not use: it
+# computes its own); without moocore a stand-in module that refuses to be called goes in that folder.
+# Exit status: 0 when every stage ran (or there is no GPU: the report says so), 1 when a stage failed,
+# 2 when deap cannot be imported.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 report=${1:-gpu_check.json}
+site=$(mktemp -d)
+export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if ! python3 -c "import deap" 2>/dev/null; then
   wheels=${GASWAP_WHEELS:-.whl}
-  site=$(mktemp -d)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$wheels"/deap-*.whl
-  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if ! python3 -c "import moocore" 2>/dev/null; then
+  mkdir -p "$site/moocore"
+  cat > "$site/moocore/__init__.py" <<'PY'
+"""A stand-in for moocore (scripts/gpu_check.sh): deap.tools imports it for its hypervolume indicator,
+which gaswap does not call."""
+
+
+def hypervolume(*args, **kwargs):
+    raise NotImplementedError("moocore is not installed: this is scripts/gpu_check.sh's stand-in")
+PY
+fi
+if ! python3 -c "from deap import base, creator, tools" 2>"$site/deap.err"; then
+  echo "gpu_check.sh: deap cannot be imported: $(tail -n 1 "$site/deap.err")" >&2
+  exit 2
+fi
 exec python3 -m gaswap check-gpu --out "$report"

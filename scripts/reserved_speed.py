@@ -1,21 +1,31 @@
-"""CPU time per evaluation of Problem.evaluate and allocator.ReservedProblem.evaluate (reserved-memory target),
+"""CPU time per evaluation of Problem.evaluate and allocator.ReservedProblem.evaluate (reserved-memory target): one
+replayed step, and two with the optimizer step as `memory: {target: reserved}` searches (workflow.allocator_options),
 on 20 random policies of alexnet_4gb and gpt_bench, six rounds with the order rotated: median and range.
 Run from the repository root: PYTHONPATH=$PWD python scripts/reserved_speed.py"""
-import time, statistics, random
+import random
+import statistics
+import time
+
 from gaswap import config, workflow
 from gaswap.allocator import ReservedProblem
 from gaswap.problem import Problem
+
 for name in ["alexnet_4gb", "gpt_bench"]:
     exp = config.load_experiment(f"experiments/{name}.yaml")
     p = workflow.prepare(exp)
-    plain = Problem(p.graph, p.costs, None, exp.search_space); reserved = ReservedProblem(p.graph, p.costs, None, exp.search_space)
+    problems = {"Problem": Problem(p.graph, p.costs, None, exp.search_space),
+                "ReservedProblem, 1 step": ReservedProblem(p.graph, p.costs, None, exp.search_space),
+                "ReservedProblem, as searched": ReservedProblem(p.graph, p.costs, None, exp.search_space,
+                                                                **workflow.allocator_options(exp))}
     rng = random.Random(0)
-    pols = [plain.encoding.random(rng) for _ in range(20)]
-    runs = {"Problem.evaluate": plain.evaluate, "ReservedProblem.evaluate": reserved.evaluate}
-    per = {k: [] for k in runs}
+    policies = [problems["Problem"].encoding.random(rng) for _ in range(20)]
+    per = {k: [] for k in problems}
+    names = list(problems)
     for r in range(6):
-        for k in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+        for k in names[r % len(names):] + names[:r % len(names)]:
             t = time.process_time()
-            for c in pols: runs[k](c)
-            per[k].append((time.process_time() - t) / len(pols))
-    print(name, {k: f"{statistics.median(v)*1e3:.2f} ms (range {min(v)*1e3:.2f}-{max(v)*1e3:.2f})" for k, v in per.items()})
+            for c in policies:
+                problems[k].evaluate(c)
+            per[k].append((time.process_time() - t) / len(policies))
+    print(name, {k: f"{statistics.median(v) * 1e3:.2f} ms (range {min(v) * 1e3:.2f}-{max(v) * 1e3:.2f})"
+                 for k, v in per.items()})

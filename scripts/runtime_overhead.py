@@ -2,13 +2,14 @@
 plainly (and eager PyTorch, for reference), on a GRU language model whose cell is unrolled over 24 steps
 (`gaswap.zoo:gru`, small widths: many small ops), CPU, one thread.
 
-    PYTHONPATH=. python scripts/runtime_overhead.py [--steps 24] [--width 32] [--rounds 15] [--block 20]
+    PYTHONPATH=. python scripts/runtime_overhead.py [--steps 24] [--width 32] [--rounds 15] [--block 20] [--arena]
 
 Each round runs `--block` training steps of each method back to back, the order rotated from round to
 round, and takes the process CPU time of each block. Printed: CPU ms per step (median and range over the
 rounds) and the per-round ratio to the plain graph (median and range). Then the step time the costs
 `profile_step` measures in place predict (they include the runtime's own per-op overhead) against the
-measured one.
+measured one. With `--arena`, the same keep-all policy run from a preallocated arena (gaswap.arena_runtime,
+gradients in it too) is timed as well.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--block", type=int, default=20, help="training steps per method per round")
+    parser.add_argument("--arena", action="store_true", help="also time the policy run from a preallocated arena")
     a = parser.parse_args()
     use_cpu(threads=1)
     torch.manual_seed(0)
@@ -60,6 +62,11 @@ def main() -> None:
         F.cross_entropy(model(x).reshape(-1, a.width), y.reshape(-1)).backward()
 
     methods = {"plain graph": plain, "keep-all policy": policy, "eager PyTorch": eager}
+    if a.arena:
+        from gaswap.arena_runtime import ArenaRunner
+
+        from_arena = ArenaRunner(cap, program, results_in_arena=True)
+        methods["keep-all, arena"] = lambda: from_arena(args())
     print(f"GRU cell unrolled over {a.steps} steps, width {a.width}, batch {a.batch}: {len(cap.graph.ops)} ops, "
           f"{sum(1 for n in cap.gm.graph.nodes if n.op == 'call_function')} calls with views; "
           f"1 thread; {a.rounds} rounds x {a.block} steps per method, order rotated")

@@ -326,6 +326,30 @@ def test_cuda_swaps_give_the_same_values_and_the_allocator_sees_the_predicted_pe
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_runs_a_policy_from_one_device_arena_with_the_plain_runtimes_values(deterministic):
+    """gaswap.arena_runtime on CUDA: the activations (and here the gradients) in one device buffer the size of
+    the plan, swap-ins landing in it through the copy streams; bitwise the plain runtime's results."""
+    from gaswap.arena_runtime import ArenaRunner
+
+    for model_name in ("cnn", "gpt"):
+        model, inputs, target, cap = setup(model_name, batch=16)
+        model = model.cuda()
+        inputs, target = [x.cuda() for x in inputs], target.cuda()
+        costs = estimate(cap.graph, load_profile("v100-pcie-16gb"))
+        for name, (order, actions) in policies_for(cap.graph).items():
+            program = Simulator(cap.graph, costs).run(order, actions, trace=True).program
+            arena = ArenaRunner(cap, program, "cuda", results_in_arena=True)
+            assert arena.buffer.is_cuda and arena.buffer.numel() == arena.plan.size, (model_name, name)
+            results = []
+            for runner in (StepRunner(cap, program, "cuda"), arena, arena):  # the arena reused by a second step
+                torch.manual_seed(5)
+                results.append([t.clone() for t in runner(fresh_args(cap, model, inputs, target))])
+            for got in results[1:]:
+                assert all(torch.equal(a, b) for a, b in zip(results[0], got)), (model_name, name)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_cuda_runner_makes_its_copy_streams_once_on_its_device_and_pins_one_arena(deterministic):
     model, inputs, target, cap = setup("cnn")
     model = model.cuda()
@@ -374,3 +398,28 @@ def test_apply_trains_like_the_unchanged_step(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(reference, trained))
     with pytest.raises(policies.PolicyError, match="made for graph"):
         gaswap.apply_step(model, tmp_path / "policy.yaml", inputs[0][:2], target[:2])
+
+
+def test_a_tensor_retired_twice_keeps_both_device_copies_until_their_frees():
+    """Over a slow link, a recompute re-makes a swapped tensor (another output of its op) while the first device
+    copy still waits for its copy to the host: the program retires it twice and frees it twice. Both copies are
+    held until their frees (the runtime refused such a program before, and the allocator replay lost a copy)."""
+    import collections
+
+    from gaswap import allocator
+    from gaswap.costs import Costs
+
+    model, inputs, target, cap = setup("gpt")
+    slow_link = Costs(dict.fromkeys((op.name for op in cap.graph.ops), 1e-3), 1e5, 1e5, "any", "any")
+    enc = Encoding(cap.graph)
+    c = enc.random(random.Random(59))
+    sim = Simulator(cap.graph, slow_link).run(enc.decode(c.keys), c.actions, trace=True)
+    retires = collections.Counter(name for verb, name in sim.program if verb.value == "retire")
+    assert sim.valid and max(retires.values()) == 2
+    assert allocator.replay(cap.graph, sim).requested == sim.peak_bytes
+    expected = plain_step(cap, model, inputs, target)
+    for prompt in ((), ("h2d",), ("d2h",)):
+        runner = StepRunner(cap, sim.program, streams=LaggingStreams(prompt))
+        torch.manual_seed(5)
+        got = runner(fresh_args(cap, model, inputs, target))
+        assert all(torch.equal(a, b) for a, b in zip(expected, got)), prompt

@@ -1,11 +1,17 @@
-"""Exact timelines of the simulator on hand-worked graphs (sizes in bytes, times in seconds)."""
+"""Exact timelines of the simulator on hand-worked graphs (sizes in bytes, times in seconds); the fast
+untraced run against the traced one, and liveness against a plain walk, on random graphs and policies."""
 import dataclasses
+import random
 
 from helpers import trace, unit_costs
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from strategies import chromosomes, costs_for, training_graphs
 
+from gaswap.costs import Costs
 from gaswap.encoding import Action, Encoding
-from gaswap.graph import Graph, Op, Tensor, chain
-from gaswap.simulator import Simulator
+from gaswap.graph import Graph, Op, Tensor, chain, residual_graph
+from gaswap.simulator import Simulator, liveness
 
 K, S, R = Action.KEEP, Action.SWAP, Action.RECOMPUTE
 
@@ -170,3 +176,62 @@ def test_memory_by_category_adds_up_to_the_total():
     assert max(sum(level.values()) for _, level in levels) == r.peak_bytes
     seen = {c for _, level in levels for c, b in level.items() if b}
     assert {"inputs and buffers", "activations", "swapped in", "recomputed"} <= seen
+
+
+def answers(result):
+    return result.step_time, result.peak_bytes, result.compute_time, result.valid, result.reason
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_the_untraced_run_agrees_with_the_traced_one(data):
+    """The untraced main loop is the traced one with its hooks written inline: whatever the graph (random and
+    state-mutating ops included), order, policy, budget and copy mode, both give the same answers."""
+    graph = data.draw(training_graphs())
+    encoding = Encoding(graph)
+    costs = dataclasses.replace(data.draw(costs_for(graph)), copies_overlap=data.draw(st.booleans()))
+    c = data.draw(chromosomes(encoding))
+    sim = Simulator(graph, costs, data.draw(st.none() | st.integers(0, 200)))
+    order = encoding.decode(c.keys)
+    assert answers(sim.run(order, c.actions)) == answers(sim.run(order, c.actions, trace=True))
+
+
+def test_the_untraced_run_agrees_with_the_traced_one_on_a_large_graph():
+    """The same on a 300-op residual graph: random orders and policies, budgets from none to a third of
+    keep-all's peak, overlapping and serial copies."""
+    g = residual_graph(300)
+    enc = Encoding(g)
+    rng = random.Random(0)
+    for overlap in (True, False):
+        costs = Costs({op.name: 1e-4 * (1 + k % 3) for k, op in enumerate(g.ops)}, 12e9, 6e9, "t", "t",
+                      copy_latency=1e-5, copies_overlap=overlap)
+        keep = enc.uniform(K)
+        peak = Simulator(g, costs).run(enc.decode(keep.keys), keep.actions).peak_bytes
+        for budget in (None, peak, peak // 2, peak // 3):
+            sim = Simulator(g, costs, budget)
+            for c in [enc.random(rng) for _ in range(4)] + [enc.uniform(a) for a in (S, R)]:
+                order = enc.decode(c.keys)
+                assert answers(sim.run(order, c.actions)) == answers(sim.run(order, c.actions, trace=True))
+
+
+@settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_liveness_is_where_tensors_are_read(data):
+    """`liveness` (computed on arrays) against a walk over the order: last reader, last forward reader,
+    first backward reader."""
+    graph = data.draw(training_graphs())
+    encoding = Encoding(graph)
+    order = encoding.decode(data.draw(chromosomes(encoding)).keys)
+    sim = Simulator(graph, data.draw(costs_for(graph)))
+    names = list(graph.tensors)
+    last_use, last_fwd, first_bwd = ({t: -1 for t in names}, {t: -1 for t in names}, {t: len(order) for t in names})
+    for p, i in enumerate(order):
+        op = graph.ops[i]
+        for t in op.inputs:
+            last_use[t] = p
+            if op.phase == "fwd":
+                last_fwd[t] = p
+            else:
+                first_bwd[t] = min(first_bwd[t], p)
+    assert liveness(sim, order) == ([last_use[t] for t in names], [last_fwd[t] for t in names],
+                                     [first_bwd[t] for t in names])
