@@ -10,10 +10,11 @@ One flat package in three layers; a module imports only from its own layer or th
   SearchResult), `parallel`, `checkpoint`, `search`, `baselines`, `milp`, `policy`, `costfile` (the costs a
   search used), `planned` (whether a policy runs on the device it was planned for), `allocator` (the CUDA
   caching allocator's model);
-- the torch side: `capture`, `measure`, `memory`, `runtime`, `zoo`, `arena`, `arena_runtime` (and any module not
-  named here);
+- the torch side: `capture`, `measure`, `memory`, `runtime`, `zoo`, `arena`, `arena_runtime`, `compiled`
+  (policies inside torch.compile), `compiled_costs` (the compiled step's cost and memory model) (and any
+  module not named here);
 - the application: `config`, `experiment` (an experiment's model and inputs), `results`, `signals`, `workflow`,
-  `validate`, `report`, `bench`, `speed`, `gpu_memory`, `gpu_check`, `cli`.
+  `validate`, `compiled_validate`, `report`, `bench`, `speed`, `compare`, `gpu_memory`, `gpu_check`, `cli`.
 
 A flat package rather than sub-packages: every import path users and notebooks know (`gaswap.search`,
 `gaswap.policy`, ...) stays, and the layers are enforced by a test instead of by folders.

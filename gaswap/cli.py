@@ -380,7 +380,7 @@ def validate(args) -> int:
         print(f"  arena      {format_size(a['bytes'])} (bound {format_size(a['lower_bound_bytes'])}), counted in the "
               f"peak; {a['ops_out']} ops wrote into it, {copied} kinds of op copied their results in (largest "
               f"{format_size(a['largest_transient_bytes'])})")
-    print(f"wrote {Path(args.policy).with_name('validation.json')}")
+    print(f"wrote {r.get('written') or Path(args.policy).with_name('validation.json')}")
     return 0
 
 

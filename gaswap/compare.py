@@ -6,6 +6,10 @@ For one experiment, in one process: the model trained eagerly; compiled by torch
 simulated peaks of torch's own partitions (each partition read back as keep/recompute actions and
 simulated on the same graph and costs), plus `--below` fractions of the lowest of them; the GA
 (search space `compiled`: keep / recompute, the compiler's order) is seeded with torch's partitions.
+Policies are simulated as inductor runs them (`gaswap.compiled_costs`): standalone op costs in CPU
+seconds, fused intermediates not counted, the generated kernels' cost and the step's fixed overhead
+calibrated on keep-all and recompute-all compiled and timed first. The table shows those predictions
+beside the ones of the joint graph's ops one by one (every op alone, every tensor counted).
 
 Each method trains its own copy of the model from the same weights. After warm-up (the compile), rounds
 run the methods in rotated order: for each, one step under the peak meter, one untimed step (the meter
@@ -33,18 +37,19 @@ from pathlib import Path
 
 import torch
 
-from gaswap import compiled, config, experiment, policy as policies
+from gaswap import compiled, compiled_costs, config, experiment, policy as policies
 from gaswap.capture import _loss_fn, _output_tensor
 from gaswap.config import format_size
 from gaswap.encoding import Action, Chromosome, Encoding
 from gaswap.files import csv_text, write_atomic
-from gaswap.measure import device_name, measure, resolve_device, sync, use_cpu
+from gaswap.measure import device_name, resolve_device, sync, use_cpu
 from gaswap.problem import Problem
 from gaswap.search import search
 
 TORCH_BUDGETS = (1.0, 0.5, 0.2)
 COLUMNS = ("method", "knob", "predicted_peak_bytes", "predicted_step_s", "peak_bytes", "peak_min", "peak_max",
-           "step_s", "step_min", "step_max", "wall_step_s", "compile_s", "recomputed")  # step_*: CPU seconds
+           "step_s", "step_min", "step_max", "wall_step_s", "compile_s", "recomputed", "opwise_peak_bytes",
+           "opwise_step_s")  # step_*: CPU seconds; opwise_*: the joint graph's ops one by one (no fusion model)
 OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.01),
     "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
@@ -61,7 +66,7 @@ class Method:
     model: torch.nn.Module
     run: object
     optimizer: object
-    predicted: tuple = (None, None)  # simulated (peak bytes above resident, step seconds), where there is a policy
+    predicted: tuple = (None,) * 4  # (peak bytes above resident, step s) predicted: compiled model, ops one by one
     recomputed: int | None = None
     compile_s: float = 0.0
 
@@ -81,35 +86,50 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), resul
     inputs, target = experiment.make_inputs(exp, str(device), torch.Generator(device).manual_seed(exp.seed))
     progress(f"{exp.name} on {device_name(device)}: capturing torch.compile's joint graph")
     graph = compiled.capture(model, *inputs, optimizer=exp.optimizer, counted=exp.counts)
-    costs = measure(graph, device, cache_dir, threads=exp.costs.threads)
+    costs = compiled_costs.measure_costs(graph, device, cache_dir, threads=exp.costs.threads)
     space = config.load_search_space(compiled.SPACE)
-    unbounded = Problem(graph, costs, None, space)
+    progress("  calibrating the compiled model: keep-all and recompute-all, compiled and timed")
+    calibration = compiled_costs.calibrate(graph, costs, lambda ps: _cpu_times(ps, model, inputs, target, exp, device),
+                                           {"optimizer": exp.optimizer, "counts": sorted(exp.counts)})
+    progress(f"  generated kernels cost {calibration.scale:.2f}x their ops one by one; "
+             f"{calibration.overhead * 1e3:.2f} ms per step outside the graph")
+    unbounded = compiled_costs.CompiledProblem(graph, calibration.costs(graph, costs), None, space)
+    opwise = Problem(graph, costs, None, space)  # the model before: every op alone, every tensor counted
     encoding = unbounded.encoding
     torch_points = {}
     for budget in TORCH_BUDGETS:
         _, actions = compiled.torch_partition(model, *inputs, budget=budget, optimizer=exp.optimizer, counted=exp.counts)
         chromosome = Chromosome(encoding.captured_keys(), _actions(encoding, actions))
         torch_points[budget] = (chromosome, unbounded.simulate(chromosome))
-    ours = _search(exp, graph, costs, space, torch_points, below, progress)
+    ours = _search(exp, graph, unbounded.costs, space, torch_points, below, progress)
     folder = Path(results_root) / exp.name
     resident = graph.resident_bytes()  # the meter measures above what is resident before a step
+
+    def predicted(chromosome, r) -> tuple:
+        o = opwise.simulate(chromosome)
+        return r.peak_bytes - resident, r.step_time + calibration.overhead, o.peak_bytes - resident, o.step_time
+
     eager, opt = _fresh(model, exp)
     methods = [Method("eager", "-", eager, eager, opt)]
     for budget, (chromosome, r) in torch_points.items():
         m, opt = _fresh(model, exp)
         methods.append(Method("torch.compile", f"{budget:g}", m, _torch_compiled(m, budget), opt,
-                              (r.peak_bytes - resident, r.step_time), _count(chromosome)))
+                              predicted(chromosome, r), _count(chromosome)))
+    budget_of = dict(_budgets(torch_points, below))
     for k, (label, evaluated) in enumerate(ours):
-        policy = compiled.make_policy(graph, dict(zip(encoding.candidates, (Action(a).name.lower() for a in
-                                                                               evaluated.chromosome.actions))),
-                                      {"peak_bytes": evaluated.peak_bytes, "step_time_s": evaluated.step_time},
+        r = unbounded.simulate(evaluated.chromosome)
+        policy = compiled.make_policy(graph, unbounded.actions_of(evaluated.chromosome),
+                                      {"peak_bytes": r.peak_bytes, "step_time_s": r.step_time + calibration.overhead,
+                                       "resident_bytes": resident},
                                       {"experiment": exp.name, "experiment_file": str(exp.path), "budget": label,
+                                       "budget_bytes": budget_of[label],
                                        "optimizer": exp.optimizer, "counts": sorted(exp.counts),
-                                       "cost_source": costs.source, "torch_version": str(torch.__version__)})
+                                       "cost_source": unbounded.costs.source, "calibration": calibration.to_dict(),
+                                       "torch_version": str(torch.__version__)})
         policies.save(policy, folder / "compiled" / f"p{k:02d}.yaml")
         m, opt = _fresh(model, exp)
-        methods.append(Method("gaswap", label, m, compiled.compile(m, policy), opt,
-                              (evaluated.peak_bytes - resident, evaluated.step_time), _count(evaluated.chromosome)))
+        methods.append(Method("gaswap", label, m, compiled.compile(m, policy), opt, predicted(evaluated.chromosome, r),
+                              _count(evaluated.chromosome)))
     rows = _measure(methods, inputs, target, exp, device, rounds, steps, progress)
     write_atomic(folder / "compare.csv", csv_text(rows, COLUMNS))
     write_atomic(folder / "compare.md", to_markdown(rows, exp.name, device_name(device)))
@@ -130,17 +150,21 @@ def _search(exp, graph, costs, space, torch_points, below, progress) -> list[tup
     """gaswap's fastest policy at each distinct simulated peak of torch's partitions, and at `below` times
     the lowest of them: (label, Evaluated) pairs, skipping budgets where nothing fits."""
     seeds = {f"torch_{b:g}": c for b, (c, _) in torch_points.items()}
-    peaks = sorted({r.peak_bytes for _, r in torch_points.values()}, reverse=True)
-    budgets = [(format_size(p), p) for p in peaks] + [(f"{f:g}x {format_size(peaks[-1])}", int(f * peaks[-1]))
-                                                      for f in below]
     out = []
-    for label, budget in budgets:
-        result = search(Problem(graph, costs, budget, space), exp.ga, exp.seed, seeds=seeds)
+    for label, budget in _budgets(torch_points, below):
+        result = search(compiled_costs.CompiledProblem(graph, costs, budget, space), exp.ga, exp.seed, seeds=seeds)
         progress(f"  gaswap search at {label}: " + ("nothing fits" if result.best is None else
                  f"{format_size(result.best.peak_bytes)}, {result.best.step_time * 1e3:.2f} ms predicted"))
         if result.best is not None:
             out.append((label, result.best))
     return out
+
+
+def _budgets(torch_points, below) -> list[tuple[str, int]]:
+    """(label, bytes): the distinct simulated peaks of torch's partitions, then `below` times the lowest."""
+    peaks = sorted({r.peak_bytes for _, r in torch_points.values()}, reverse=True)
+    return [(format_size(p), p) for p in peaks] + [(f"{f:g}x {format_size(peaks[-1])}", int(f * peaks[-1]))
+                                                   for f in below]
 
 
 def _fresh(model, exp) -> tuple[torch.nn.Module, object]:
@@ -158,6 +182,22 @@ def _torch_compiled(model, budget: float):
             return compile_fx(gm, example_inputs)
 
     return torch.compile(model, backend=inductor_at_budget, fullgraph=True, dynamic=False)
+
+
+def _cpu_times(policies_, model, inputs, target, exp, device, rounds: int = 4, steps: int = 3) -> list[float]:
+    """Median CPU seconds per training step of `model` compiled under each policy (timed in rotated rounds)."""
+    methods = []
+    for k, policy in enumerate(policies_):
+        m, opt = _fresh(model, exp)
+        methods.append(Method("calibration", str(k), m, compiled.compile(m, policy), opt))
+    for m in methods:
+        for _ in range(2):
+            _step(m, inputs, target, exp.loss, device)
+    times: list[list[float]] = [[] for _ in methods]
+    for r in range(rounds):
+        for k in [(k + r) % len(methods) for k in range(len(methods))]:
+            times[k] += [_step(methods[k], inputs, target, exp.loss, device)[1] for _ in range(steps)]
+    return [statistics.median(t) for t in times]
 
 
 def _count(chromosome) -> int:
@@ -191,7 +231,8 @@ def _measure(methods, inputs, target, exp, device, rounds, steps, progress) -> l
     for m in methods:
         t, c, p = times[m.name + m.knob], cpu_times[m.name + m.knob], peaks[m.name + m.knob]
         rows.append({"method": m.name, "knob": m.knob, "predicted_peak_bytes": m.predicted[0],
-                     "predicted_step_s": m.predicted[1], "peak_bytes": int(statistics.median(p)), "peak_min": min(p),
+                     "predicted_step_s": m.predicted[1], "opwise_peak_bytes": m.predicted[2],
+                     "opwise_step_s": m.predicted[3], "peak_bytes": int(statistics.median(p)), "peak_min": min(p),
                      "peak_max": max(p), "step_s": statistics.median(c), "step_min": min(c), "step_max": max(c),
                      "wall_step_s": statistics.median(t), "compile_s": m.compile_s, "recomputed": m.recomputed})
     return rows
@@ -250,19 +291,27 @@ def _status(key: str) -> int:
 # --- output ----------------------------------------------------------------------------------------------
 
 def to_markdown(rows: list[dict], name: str, device: str) -> str:
-    """The table, and per torch.compile point the fastest gaswap policy at an equal or lower measured peak."""
+    """The table, and per torch.compile point the fastest gaswap policy at an equal or lower measured peak.
+    Predictions: the compiled model (`gaswap.compiled_costs`), then the joint graph's ops one by one."""
     lines = [f"# gaswap compare: {name} ({device})", "",
-             "| method | budget | recomputed | predicted peak | measured peak | CPU time per step (median, range) "
-             "| vs torch 1.0 |",
-             "|---|---|---:|---:|---:|---|---:|"]
+             "| method | budget | recomputed | predicted peak (ops one by one) | measured peak "
+             "| predicted time (ops one by one) | CPU time per step (median, range) | vs torch 1.0 |",
+             "|---|---|---:|---:|---:|---:|---|---:|"]
     reference = next(r["step_s"] for r in rows if r["method"] == "torch.compile" and r["knob"] == "1")
     for r in rows:
-        predicted = "-" if r["predicted_peak_bytes"] is None else format_size(r["predicted_peak_bytes"])
+        peak = _pair(r.get("predicted_peak_bytes"), r.get("opwise_peak_bytes"), format_size)
+        step = _pair(r.get("predicted_step_s"), r.get("opwise_step_s"), lambda s: f"{s * 1e3:.2f} ms")
         lines.append(f"| {r['method']} | {r['knob']} | {'-' if r['recomputed'] is None else r['recomputed']} | "
-                     f"{predicted} | {format_size(r['peak_bytes'])} | {r['step_s'] * 1e3:.2f} ms "
+                     f"{peak} | {format_size(r['peak_bytes'])} | {step} | {r['step_s'] * 1e3:.2f} ms "
                      f"({r['step_min'] * 1e3:.2f}-{r['step_max'] * 1e3:.2f}) | {r['step_s'] / reference - 1:+.1%} |")
     lines += ["", *goal_lines(rows)]
     return "\n".join(lines) + "\n"
+
+
+def _pair(value, opwise, fmt) -> str:
+    if value is None:
+        return "-"
+    return fmt(value) + ("" if opwise is None else f" ({fmt(opwise)})")
 
 
 def goal_lines(rows: list[dict]) -> list[str]:

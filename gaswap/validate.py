@@ -54,6 +54,14 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, e
         raise config.ConfigError("--device cuda: this machine has no CUDA device (use cpu or auto)")
     policy_path = Path(policy_path)
     policy = policies.load(policy_path)
+    if policy.provenance.get("form") == "compiled":  # trained inside torch.compile: gaswap.compiled_validate
+        from gaswap.compiled_validate import validate_compiled
+
+        if arena:
+            raise config.ConfigError(f"{policy_path}: --arena runs gaswap's own runtime; this policy runs inside "
+                                     f"torch.compile, whose inductor allocates its own buffers")
+        exp = _experiment(policy, policy_path, experiment, trust_factory)
+        return validate_compiled(policy, policy_path, exp, steps, device, progress)
     if not policy.program:
         raise policies.PolicyError(f"{policy_path}: the policy has no program; re-run the search that made it")
     if not all(k in policy.predicted for k in ("peak_bytes", "step_time_s")):

@@ -10,7 +10,7 @@ FLOOR = {"program", "files", "step", "units", "locate"}
 CORE = {"graph", "costs", "encoding", "simulator", "problem", "parallel", "checkpoint", "search", "baselines",
         "milp", "policy", "allocator", "costfile", "planned", "blocks", "mincut"}
 APPLICATION = {"config", "experiment", "results", "signals", "workflow", "validate", "report", "bench", "speed",
-               "compare", "gpu_check", "gpu_memory", "cli", "__main__"}
+               "compare", "compiled_validate", "gpu_check", "gpu_memory", "cli", "__main__"}
 
 
 def layer(module: str) -> int:

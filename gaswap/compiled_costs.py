@@ -1,0 +1,227 @@
+"""A cost and memory model of the *compiled* training step, for the simulator to price compiled policies.
+
+gaswap's costs (`measure.measure`) time each op of a graph alone, and the simulator counts every tensor an
+op makes. Inductor does not run the joint graph that way: it runs matmuls and convolutions as library calls
+("extern" kernels), and fuses everything else (pointwise ops, reductions, concatenations, views) into a few
+generated C++ (or Triton) kernels whose intermediates never reach memory. This module turns the joint graph
+and its costs into what the compiled step does, leaving the simulator as it is:
+
+- `fused_graph(graph)`: the same graph, with the tensors that stay inside a fused kernel sized 0. A tensor
+  stays inside if a generated (non-extern) op makes it, only generated ops read it, and it is not a
+  candidate (a candidate may be saved for the backward, which materializes it) nor a gradient or the loss.
+- `calibrate(...)`: the cost of the generated kernels. Extern ops keep their measured standalone times;
+  generated ops are priced at `scale` times their standalone sum (a fused kernel reads and writes less than
+  its ops one by one), and the step pays a fixed `overhead` (the compiled module's call, the loss, the
+  optimizer step: work outside the joint graph). `scale` and `overhead` are fitted on two compiled runs
+  whose generated work differs most (keep-all and recompute-all); every other policy is a prediction.
+- `measure_cpu_time(graph, ...)`: standalone op times on a CPU in CPU seconds, not wall seconds (wall
+  time taken on a loaded machine is several times the op's cost: that made the first compiled predictions
+  9-13x too slow on DenseNet), cached apart from wall-time figures.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, replace
+
+from gaswap.costs import CostCache, Costs
+from gaswap.encoding import Action, Chromosome
+from gaswap.graph import Graph, Tensor
+from gaswap.problem import Problem
+from gaswap.simulator import SimResult, Simulator
+
+# Ops inductor runs as library calls on CPU and CUDA (matmul, convolution, attention families); the rest
+# it generates and fuses. Prefixes of the aten target names.
+EXTERN = ("aten.convolution.", "aten.convolution_backward.", "aten.mm.", "aten.addmm.", "aten.bmm.",
+          "aten.baddbmm.", "aten._scaled_dot_product", "aten._flash_attention", "aten._efficient_attention",
+          "aten.randint.", "aten._cudnn_", "aten.mkldnn_", "aten._convolution")
+
+
+def is_extern(target: str) -> bool:
+    """Whether inductor runs an op of this aten target as a library call (not fused)."""
+    return target.startswith(EXTERN)
+
+
+def fused_graph(graph: Graph, actions: dict[str, str] | None = None) -> Graph:
+    """`graph` as inductor runs it under `actions` (keep / recompute per candidate; None: keep all), for the
+    simulator:
+
+    - a tensor stays inside a fused kernel (sized 0) if a generated op makes it, generated ops alone read it,
+      and it is neither the loss nor a candidate (a kept one is saved; a recomputed one is counted too:
+      measured on DenseNet, counting recomputed tensors as fused predicted peaks up to 2.2x too low, since
+      inductor materializes much of what the backward recomputes);
+    - an op reading such a tensor reads what it is computed from instead (inductor inlines it), so those
+      tensors live until the op runs;
+    - a kept candidate lives until the backward ends (the compiled backward receives the saved tensors
+      together; measured: freeing them at their last reader predicted the CNN's keep-all peak 17 % low).
+    """
+    candidates = set(graph.candidates())
+    kept = {t for t in candidates if (actions or {}).get(t, "keep") == "keep"}
+    extern = {op.name for op in graph.ops if is_extern(op.target)}
+    readers: dict[str, list[str]] = {t: [] for t in graph.tensors}
+    for op in graph.ops:
+        for t in set(op.inputs):
+            readers[t].append(op.name)
+    inside = {name for name, t in graph.tensors.items()
+              if t.kind == "activation" and t.producer not in extern and name not in candidates and name != graph.loss
+              and readers[name] and not any(r in extern for r in readers[name])}
+    producer = {op.name: op for op in graph.ops}
+    sources: dict[str, tuple[str, ...]] = {}  # inside tensor -> the materialized tensors it is computed from
+
+    def source(t: str) -> tuple[str, ...]:
+        if t not in inside:
+            return (t,)
+        if t not in sources:
+            sources[t] = tuple(dict.fromkeys(s for i in producer[graph.tensors[t].producer].inputs for s in source(i)))
+        return sources[t]
+
+    ops = [replace(op, inputs=tuple(dict.fromkeys((*op.inputs, *(s for i in op.inputs for s in source(i))))))
+           for op in graph.ops]
+    ops[-1] = replace(ops[-1], inputs=tuple(dict.fromkeys((*ops[-1].inputs, *sorted(kept)))))
+    tensors = {name: Tensor(t.name, 0, t.kind, t.producer) if name in inside else t for name, t in graph.tensors.items()}
+    return Graph(tuple(ops), tensors, graph.resident, graph.counted, graph.loss)
+
+
+class CompiledProblem(Problem):
+    """A `Problem` whose policies are simulated as inductor runs them: each chromosome on its own
+    `fused_graph` (what materializes and how long it lives depends on what is kept)."""
+
+    def __init__(self, graph: Graph, costs: Costs, budget: int | None = None, space=None, *, actions=None):
+        super().__init__(graph, costs, budget, space, actions=actions)
+        self.joint = graph
+
+    def actions_of(self, c: Chromosome) -> dict[str, str]:
+        """`c`'s actions by candidate name ("keep" / "recompute")."""
+        return {t: Action(a).name.lower() for t, a in zip(self.encoding.candidates, c.actions)}
+
+    def simulate(self, c: Chromosome, *, trace: bool = False) -> SimResult:
+        return Simulator(fused_graph(self.joint, self.actions_of(c)), self.costs, self.budget).run(self.order(c), c.actions,
+                                                                                        trace=trace)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """How generated kernels and the rest of a compiled step cost: `scale` times the standalone time of the
+    generated ops, plus `overhead` seconds per step; `points` are the (policy, measured s) fitted on."""
+
+    scale: float
+    overhead: float
+    points: tuple = ()
+
+    def costs(self, graph: Graph, costs: Costs) -> Costs:
+        """`costs` with every generated op's time multiplied by `scale` (extern ops unchanged)."""
+        op_time = {op.name: costs.op_time[op.name] * (1.0 if is_extern(op.target) else self.scale)
+                   for op in graph.ops}
+        return replace(costs, op_time=op_time, source=f"{costs.source}+compiled(scale {self.scale:.3g})")
+
+    def to_dict(self) -> dict:
+        return {"scale": self.scale, "overhead_s": self.overhead, "points": [list(p) for p in self.points]}
+
+
+def split_time(graph: Graph, costs: Costs, simulate) -> tuple[float, float]:
+    """(extern seconds, generated seconds) of one simulated policy: `simulate(costs)` returns its step time;
+    run with generated ops zeroed, then with extern ops zeroed."""
+    only = lambda keep: replace(costs, op_time={op.name: costs.op_time[op.name] if is_extern(op.target) == keep  # noqa: E731
+                                                else 0.0 for op in graph.ops})
+    return simulate(only(True)), simulate(only(False))
+
+
+def fit(points: list[tuple[str, float, float, float]]) -> Calibration:
+    """Fit `measured = extern + scale * generated + overhead` on points (label, extern s, generated s,
+    measured s): least squares over two or more points with distinct generated work, else scale 1. Both
+    figures are clamped at 0 (a negative one is noise)."""
+    if len(points) >= 2 and len({round(g, 9) for _, _, g, _ in points}) >= 2:
+        xs = [g for _, _, g, _ in points]
+        ys = [m - e for _, e, _, m in points]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        scale = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        scale = max(scale, 0.0)
+        overhead = max(my - scale * mx, 0.0)
+    else:
+        scale = 1.0
+        overhead = max(statistics.fmean(m - e - g for _, e, g, m in points), 0.0) if points else 0.0
+    return Calibration(scale, overhead, tuple((label, m) for label, _, _, m in points))
+
+
+# --------------------------------------------------------------------------- standalone CPU time
+
+TIMING = "standalone cpu-time"  # the CostCache timing key of these figures (apart from wall-time ones)
+
+
+def measure_cpu_time(graph: Graph, cache_dir=None, *, threads: int | None = None, repeats: int = 5) -> Costs:
+    """`measure.measure` for a CPU, but each op's figure is the CPU time of the process per call (steady on a
+    loaded machine, where wall time counts the other processes' turns), cached under its own key."""
+    import torch
+
+    from gaswap import measure as m
+
+    m.use_cpu(threads)
+    name = m.device_name("cpu")
+    cache = CostCache(name, torch.__version__, cache_dir, timing=TIMING)
+    todo = sorted({op.signature for op in graph.ops} - cache.op_time.keys() - cache.failed.keys())
+    for signature in todo:
+        try:
+            cache.op_time[signature] = _cpu_seconds(signature, repeats)
+        except Exception as e:  # noqa: BLE001 - as measure: an op that cannot run alone gets a roofline figure
+            cache.failed[signature] = f"{type(e).__name__}: {e}"[:500]
+    if cache.link is None:
+        d2h, h2d = m.measure_link("cpu")
+        cache.link = {"d2h": d2h, "h2d": h2d, "latency": 0.0}
+    if todo:
+        cache.save()
+    return m._costs(graph, cache, name, m._fallback_profile(name), measured=len(todo), copies_overlap=False)
+
+
+def _cpu_seconds(signature: str, repeats: int) -> float:
+    """Median CPU seconds per call of the op a signature describes (batches of calls of at least ~2 ms)."""
+    import torch
+
+    from gaswap.measure import _decode, _resolve_target
+
+    spec = json.loads(signature)
+    fn = _resolve_target(spec["target"])
+    args = [_decode(a, torch.device("cpu")) for a in spec.get("args", [])]
+    kwargs = {k: _decode(v, torch.device("cpu")) for k, v in spec.get("kwargs", {}).items()}
+
+    def timed(calls: int) -> float:
+        start = time.process_time()
+        for _ in range(calls):
+            fn(*args, **kwargs)
+        return max(time.process_time() - start, 1e-9)
+
+    with torch.no_grad():
+        for _ in range(2):
+            fn(*args, **kwargs)
+        start = time.perf_counter()
+        fn(*args, **kwargs)
+        once = max(time.perf_counter() - start, 1e-7)
+        calls = min(1000, max(1, int(2e-3 / once) + 1))
+        return statistics.median(timed(calls) / calls for _ in range(repeats))
+
+
+def calibrate(graph: Graph, costs: Costs, cpu_times, provenance: dict) -> Calibration:
+    """Fit the compiled step's cost (`fit`) on `graph` compiled under keep-all and under recompute-all:
+    `cpu_times(policies)` compiles and trains under each policy and returns CPU seconds per step;
+    `provenance` must name the graph's optimizer and counts (see `compiled.make_policy`)."""
+    from gaswap import compiled
+
+    problem = CompiledProblem(graph, costs, None, actions=(Action.KEEP, Action.RECOMPUTE))
+    chromosomes = {label: problem.encoding.uniform(action) for label, action in
+                   (("keep-all", Action.KEEP), ("recompute-all", Action.RECOMPUTE))}
+    made = [compiled.make_policy(graph, problem.actions_of(c), provenance=provenance) for c in chromosomes.values()]
+    points = []
+    for (label, c), seconds in zip(chromosomes.items(), cpu_times(made)):
+        extern, generated = split_time(graph, costs, lambda cs: CompiledProblem(graph, cs, None, actions=(
+            Action.KEEP, Action.RECOMPUTE)).simulate(c).step_time)
+        points.append((label, extern, generated, seconds))
+    return fit(points)
+
+
+def measure_costs(graph: Graph, device, cache_dir=None, *, threads: int | None = None) -> Costs:
+    """Standalone op costs for the compiled model: CPU seconds on a CPU (`measure_cpu_time`), else `measure`."""
+    from gaswap.measure import measure, resolve_device
+
+    if resolve_device(device).type == "cpu":
+        return measure_cpu_time(graph, cache_dir, threads=threads)
+    return measure(graph, device, cache_dir, threads=threads)

@@ -1,0 +1,140 @@
+"""The model of the compiled step (gaswap.compiled_costs): what materializes, how long it lives, the fit of the
+generated kernels' cost. Hand-made graphs; the CPU-time measurement on a tiny op."""
+import pytest
+
+from gaswap import compiled_costs as cc
+from gaswap.encoding import Action
+from gaswap.graph import Graph, Op, Tensor
+from gaswap.problem import Problem
+from helpers import unit_costs
+
+MB = 1 << 20
+
+
+def _net() -> Graph:
+    """x -conv-> a -relu-> b -mul-> c -conv-> y; backward: relu mask from b, conv backward, mul reads the mask."""
+    t = {"x": Tensor("x", MB, "input"), "w": Tensor("w", MB, "param")}
+    for name, producer in (("a", "conv"), ("b", "relu"), ("c", "mul"), ("y", "conv2"), ("m", "le"),
+                           ("g1", "conv_bwd"), ("g2", "mask")):
+        t[name] = Tensor(name, MB, "activation", producer)
+    t["gw"] = Tensor("gw", MB, "grad", "wgrad")
+    ops = (Op("conv", "aten.convolution.default", ("x", "w"), ("a",)),
+           Op("relu", "aten.relu.default", ("a",), ("b",)),
+           Op("mul", "aten.mul.Tensor", ("b",), ("c",)),
+           Op("conv2", "aten.convolution.default", ("c", "w"), ("y",)),
+           Op("le", "aten.le.Scalar", ("b",), ("m",), phase="bwd"),
+           Op("conv_bwd", "aten.convolution_backward.default", ("y", "c"), ("g1",), phase="bwd"),
+           Op("mask", "aten.where.self", ("m", "g1"), ("g2",), phase="bwd"),
+           Op("wgrad", "aten.mm.default", ("g2", "a"), ("gw",), phase="bwd"))
+    return Graph(ops, t, loss="y")
+
+
+def test_tensors_inside_a_fused_kernel_take_no_memory_and_their_readers_read_their_sources():
+    g = _net()
+    assert set(g.candidates()) == {"a", "b", "c"}
+    keep_a = cc.fused_graph(g, {"a": "keep", "b": "recompute", "c": "keep"})
+    sizes = {n: t.size for n, t in keep_a.tensors.items()}
+    assert sizes["m"] == 0  # generated, read only by generated ops, not a candidate
+    assert sizes["b"] == MB  # a recomputed candidate is counted (inductor materializes much of what it recomputes)
+    assert sizes["c"] == MB and sizes["a"] == MB and sizes["g1"] == MB  # kept / made by or read by a library call
+    assert sizes["g2"] == MB  # read by the mm (extern)
+    ops = {op.name: op for op in keep_a.ops}
+    assert "b" in ops["mask"].inputs  # the mask m is recomputed inline from b: b lives until then
+    assert {"a", "c"} <= set(ops["wgrad"].inputs)  # kept tensors live until the backward ends
+    assert cc.fused_graph(g).tensors["b"].size == MB  # keep-all: b is saved
+
+
+def test_compiled_problem_simulates_each_policy_on_its_own_fused_graph():
+    g = _net()
+    costs = unit_costs(g)
+    problem = cc.CompiledProblem(g, costs, None, actions=(Action.KEEP, Action.RECOMPUTE))
+    for action in (Action.KEEP, Action.RECOMPUTE):
+        c = problem.encoding.uniform(action)
+        fused = cc.fused_graph(g, problem.actions_of(c))
+        assert problem.simulate(c).peak_bytes == Problem(fused, costs, None, actions=(Action.KEEP, Action.RECOMPUTE)
+                                                         ).simulate(c).peak_bytes
+    keep = problem.simulate(problem.encoding.uniform(Action.KEEP))
+    recompute = problem.simulate(problem.encoding.uniform(Action.RECOMPUTE))
+    assert recompute.peak_bytes < keep.peak_bytes and recompute.step_time > keep.step_time
+
+
+def test_fit_recovers_the_scale_and_overhead_of_generated_kernels():
+    truth = lambda e, g: e + 0.25 * g + 0.003  # noqa: E731
+    points = [("keep", 0.05, 0.04, truth(0.05, 0.04)), ("recompute", 0.07, 0.10, truth(0.07, 0.10))]
+    fit = cc.fit(points)
+    assert fit.scale == pytest.approx(0.25) and fit.overhead == pytest.approx(0.003)
+    assert cc.fit([("a", 0.1, 0.01, 0.05), ("b", 0.1, 0.02, 0.05)]).scale == 0.0  # never negative
+    one = cc.fit([("keep", 0.05, 0.04, 0.1)])
+    assert one.scale == 1.0 and one.overhead == pytest.approx(0.01)
+
+
+def test_calibrated_costs_scale_generated_ops_only():
+    g = _net()
+    costs = cc.Calibration(0.5, 0.0).costs(g, unit_costs(g, 2.0))
+    assert costs.op_time["conv"] == 2.0 and costs.op_time["relu"] == 1.0 and costs.op_time["wgrad"] == 2.0
+    extern, generated = cc.split_time(g, unit_costs(g), lambda cs: sum(cs.op_time.values()))
+    assert (extern, generated) == (4.0, 4.0)
+
+
+def test_standalone_cpu_time_is_measured_and_cached(tmp_path):
+    pytest.importorskip("torch")
+    t = {"x": Tensor("x", 4 * 64 * 64, "input"), "y": Tensor("y", 4 * 64 * 64, "activation", "relu")}
+    signature = '{"args": [{"dtype": "float32", "shape": [64, 64]}], "kwargs": {}, "target": "aten.relu.default"}'
+    g = Graph((Op("relu", "aten.relu.default", ("x",), ("y",), signature=signature),), t, loss="y")
+    first = cc.measure_cpu_time(g, tmp_path, threads=1)
+    assert first.measured == 1 and 0 < first.op_time["relu"] < 0.01
+    again = cc.measure_cpu_time(g, tmp_path, threads=1)
+    assert again.measured == 0 and again.op_time == first.op_time
+
+
+def _experiment(tmp_path, batch: int):
+    path = tmp_path / f"cnn{batch}.yaml"
+    path.write_text("model: {factory: gaswap.zoo:tiny_cnn, kwargs: {num_classes: 10, width: 8}}\n"
+                    "inputs: [{shape: [batch, 3, 16, 16], dtype: float32}]\n"
+                    "target: {shape: [batch], dtype: int64, high: 10}\n"
+                    f"batch_size: {batch}\nloss: cross_entropy\noptimizer: sgd_momentum\nbudget: 0.5x\n"
+                    "costs: {source: measure, device: cpu, threads: 1}\nsearch_space: compiled\n")
+    return path
+
+
+@pytest.mark.slow
+def test_validate_trains_a_compiled_policy_and_reports_predicted_against_measured(tmp_path):
+    import torch
+
+    from gaswap import compiled, config, experiment, policy as policies
+    from gaswap.validate import validate
+
+    path = _experiment(tmp_path, 4)
+    exp = config.load_experiment(path)
+    model = experiment.build_model(exp, device="cpu")
+    inputs, _ = experiment.make_inputs(exp, "cpu", torch.Generator("cpu").manual_seed(0))
+    graph = compiled.capture(model, *inputs, counted=exp.counts)
+    costs = cc.measure_cpu_time(graph, tmp_path, threads=1)
+    problem = cc.CompiledProblem(graph, costs, None, actions=(Action.KEEP, Action.RECOMPUTE))
+    c = problem.encoding.uniform(Action.RECOMPUTE)
+    r = problem.simulate(c)
+    predicted = {"peak_bytes": r.peak_bytes, "step_time_s": r.step_time, "resident_bytes": graph.resident_bytes()}
+    policy = compiled.make_policy(graph, problem.actions_of(c), predicted, {"budget_bytes": r.peak_bytes})
+    policies.save(policy, tmp_path / "p00.yaml")
+    report = validate(tmp_path / "p00.yaml", steps=3, experiment=path)
+    assert report["compiled"] and report["predicted"]["peak_bytes"] == r.peak_bytes - graph.resident_bytes()
+    assert report["measured"]["peak_bytes"] > 0 and report["measured"]["step_time_s"] > 0
+    assert set(report["targets"]) == {"peak_within_5pc", "peak_within_budget", "time_within_15pc"}
+    assert (tmp_path / "p00.validation.json").exists()
+    with pytest.raises(policies.PolicyError):  # another batch size: another joint graph
+        validate(tmp_path / "p00.yaml", steps=3, experiment=_experiment(tmp_path, 8))
+
+
+@pytest.mark.slow
+def test_a_transformers_model_is_captured_and_modelled_compiled():
+    pytest.importorskip("transformers")
+    import torch
+
+    from gaswap import compiled, zoo
+
+    model = zoo.huggingface("GPT2LMHeadModel", vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2,
+                            use_cache=False, bos_token_id=0, eos_token_id=0)
+    graph = compiled.capture(model, torch.randint(0, 64, (2, 16)))
+    fused = cc.fused_graph(graph)
+    assert graph.candidates() and sum(t.size for t in fused.tensors.values()) < sum(
+        t.size for t in graph.tensors.values())  # some intermediates stay inside fused kernels
