@@ -168,10 +168,13 @@ def default_cache_dir() -> Path:
 
 class CostCache:
     """Measured figures for one (device, torch version, cost-model version, timing method), in one JSON file
-    under `root`. `timing` is "standalone" (each op timed alone) or "in place" (ops timed as a whole step runs).
+    under `root`. `timing` says how: "standalone" (each op timed alone) or "in place" (ops timed as a whole step
+    runs), and with which clock (e.g. "standalone, CPU time").
 
-    `op_time` maps signature -> seconds; `failed` maps signature -> why it could not run standalone (not
-    retried); `link` is None or {"d2h": bytes/s, "h2d": bytes/s, "latency": s}. The key picks the file name
+    `op_time` maps signature -> seconds; `load` maps signature -> the load per CPU while it was timed (the
+    conditions: `gaswap.measure` times wall-clock figures taken on a busy machine again); `failed` maps
+    signature -> why it could not run standalone (not retried); `link` is None or {"d2h": bytes/s, "h2d":
+    bytes/s, "latency": s}. The key picks the file name
     and is stored inside; an unreadable file, or one whose stored key differs, is moved aside to
     `<file>.bad` with a warning naming both files, and the cache starts empty (so figures are re-measured).
     `save()` writes atomically (temp file + os.replace); concurrent writers: the last one wins.
@@ -182,6 +185,7 @@ class CostCache:
         self.key = {"device": device, "torch": torch_version, "cost_model": COST_MODEL_VERSION, "timing": timing}
         self.path = Path(root or default_cache_dir()) / _file_name(self.key)
         self.op_time: dict[str, float] = {}
+        self.load: dict[str, float] = {}
         self.failed: dict[str, str] = {}
         self.link: dict[str, float] | None = None
         if self.path.exists():
@@ -193,11 +197,13 @@ class CostCache:
             if data.get("key") != self.key:
                 raise ValueError(f"it holds figures for {data.get('key')}, not {self.key}")
             self.op_time = {str(k): _seconds(v, f"op_time[{str(k)[:60]}...]") for k, v in data["op_time"].items()}
+            self.load = {str(k): _within(v, 0.0, MAX_LOAD, f"load[{str(k)[:60]}...]")
+                         for k, v in data.get("load", {}).items()}
             self.failed = {str(k): str(v) for k, v in data["failed"].items()}
             link = data["link"]
             self.link = None if link is None else {k: _link(k, link[k]) for k in ("d2h", "h2d", "latency")}
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
-            self.op_time, self.failed, self.link = {}, {}, None
+            self.op_time, self.load, self.failed, self.link = {}, {}, {}, None
             aside = self.path.with_name(self.path.name + ".bad")
             try:
                 os.replace(self.path, aside)
@@ -209,7 +215,7 @@ class CostCache:
     def save(self) -> None:
         """Write the cache atomically; a cache folder that cannot be written (read-only, full) is warned about
         and left as it is: the figures of this run are still used."""
-        body = {"key": self.key, "op_time": self.op_time, "failed": self.failed, "link": self.link}
+        body = {"key": self.key, "op_time": self.op_time, "load": self.load, "failed": self.failed, "link": self.link}
         try:
             write_atomic(self.path, json.dumps(body, indent=1, sort_keys=True))
         except OSError as err:
@@ -222,6 +228,7 @@ class CostCache:
 OP_SECONDS = (1e-12, 3600.0)
 LINK_BYTES_PER_S = (1e3, 1e14)
 MAX_LATENCY = 1.0
+MAX_LOAD = 1e6  # load per CPU
 
 
 def _seconds(value, what: str) -> float:

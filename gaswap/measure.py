@@ -21,6 +21,7 @@ import functools
 import json
 import logging
 import math
+import os
 import platform
 import statistics
 import time
@@ -33,13 +34,14 @@ from .costs import CostCache, Costs, HardwareProfile, load_profile, roofline
 from .encoding import Action, Encoding
 from .graph import Graph
 from .program import Verb
-from .runtime import StepRunner
+from .runtime import CLOCK_NAMES, StepRunner, device_clock
 from .simulator import Simulator
 
 log = logging.getLogger(__name__)
 MIN_REPEAT_SECONDS = 1e-3  # a timed repeat runs an op enough times to last at least this long
 MAX_CALLS_PER_REPEAT = 1000
 LINK_BYTES = 128 << 20
+BUSY = 1.0  # load per CPU above which wall-clock figures are timed again when it is quieter
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -112,8 +114,10 @@ def measure(graph: Graph, device: str = "auto", cache_dir=None, *, progress=None
         use_cpu(threads)
     in_place = in_place if dev.type == "cpu" else None
     name = device_name(dev)
-    cache = CostCache(name, torch.__version__, cache_dir, timing="in place" if in_place else "standalone")
-    todo = sorted({op.signature for op in graph.ops} - cache.op_time.keys() - cache.failed.keys())
+    cache = cost_cache(dev, cache_dir, in_place=bool(in_place))
+    busy = _busy_figures(cache, dev)
+    todo = sorted({op.signature for op in graph.ops} - cache.op_time.keys() - cache.failed.keys() | busy)
+    load = load_per_cpu()
     warm = not todo and cache.link is not None  # nothing to measure: a read-only cache is fine
     report = _reporter(progress, len(todo))
     try:
@@ -125,6 +129,7 @@ def measure(graph: Graph, device: str = "auto", cache_dir=None, *, progress=None
         for done, signature in enumerate([] if in_place else todo, 1):
             _measure_signature(signature, dev, cache, warmup, repeats)
             report(done)
+        cache.load |= dict.fromkeys((s for s in todo if s in cache.op_time), max(load, load_per_cpu()))
         if cache.link is None:
             d2h, h2d = measure_link(dev)
             cache.link = {"d2h": d2h, "h2d": h2d, "latency": _copy_latency(dev)}
@@ -132,6 +137,34 @@ def measure(graph: Graph, device: str = "auto", cache_dir=None, *, progress=None
         if not warm:
             cache.save()
     return _costs(graph, cache, name, _fallback_profile(name), measured=len(todo), copies_overlap=dev.type != "cpu")
+
+
+def cost_cache(device: str | torch.device, cache_dir=None, *, in_place: bool = False) -> CostCache:
+    """The cache `measure` keeps the figures of `device` in: one per device, torch version, way of timing
+    (ops alone or in place) and clock (`device_clock`)."""
+    dev = resolve_device(device)
+    timing = f"{'in place' if in_place else 'standalone'}, {CLOCK_NAMES.get(dev.type, 'wall time')}"
+    return CostCache(device_name(dev), torch.__version__, cache_dir, timing=timing)
+
+
+def load_per_cpu() -> float:
+    """The 1-minute load average over the number of CPUs (above 1: processes wait for a core)."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except OSError:
+        return 0.0
+
+
+def _busy_figures(cache: CostCache, dev: torch.device) -> set[str]:
+    """Figures of `cache` to time again: with a wall clock, those timed while processes waited for a core
+    (`BUSY`), if the machine is quieter now. CPU time does not count other processes' turns: kept."""
+    if device_clock(dev) is time.process_time:
+        return set()
+    now = load_per_cpu()
+    busy = {s for s, load in cache.load.items() if load > BUSY and load > now}
+    if busy:
+        log.info("timing %d ops again: they were timed under a load of more than %g per CPU", len(busy), BUSY)
+    return busy
 
 
 def _by_signature(graph: Graph, op_time: dict[str, float]) -> dict[str, float]:
@@ -284,13 +317,14 @@ def _median_time(fn, dev: torch.device, warmup: int, repeats: int) -> float:
 
 
 def _timed(fn, calls: int, dev: torch.device) -> float:
-    """Wall seconds for `calls` calls of fn, synchronizing the device before and after."""
+    """Seconds (`device_clock`) for `calls` calls of fn, synchronizing the device before and after."""
+    clock = device_clock(dev)
     sync(dev)
-    start = time.perf_counter()
+    start = clock()
     for _ in range(calls):
         fn()
     sync(dev)
-    return max(time.perf_counter() - start, 1e-9)
+    return max(clock() - start, 1e-9)
 
 
 def sync(dev: torch.device) -> None:

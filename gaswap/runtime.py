@@ -45,6 +45,16 @@ class ProgramError(RuntimeError):
     """The program and the graph disagree (a tensor the program should have kept is missing)."""
 
 
+def device_clock(device: torch.device):
+    """The clock steps and ops are timed with on `device`: on a CPU the process's CPU time (all intra-op threads
+    summed: steady while other processes share the cores, where wall time counts their turns too), on a GPU
+    the wall time around a synchronized device (the kernels' time, which host load barely moves)."""
+    return time.process_time if device.type == "cpu" else time.perf_counter
+
+
+CLOCK_NAMES = {"cpu": "CPU time", "cuda": "wall time"}  # what `device_clock` reads, as cost caches record it
+
+
 class StepRunner:
     """Runs `program` over `captured.gm` on `device`: `runner(args) -> (loss, *grads)`.
 
@@ -266,7 +276,7 @@ class _Codegen:
         if self.r.device.type == "cuda":
             sync, device = self.constant(torch.cuda.synchronize, "synchronize"), self.constant(self.r.device, "device")
             self.emit(f"{sync}({device})")
-        now = f"{self.constant(time.perf_counter, 'perf_counter')}()"
+        now = f"{self.constant(device_clock(self.r.device), 'clock')}()"
         if times is None:
             self.emit(f"{self.started} = {now}")
         else:

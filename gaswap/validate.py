@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -20,10 +19,10 @@ from gaswap.capture import capture
 from gaswap.experiment import build_model, make_inputs, output_gradient
 from gaswap.files import write_atomic
 from gaswap.locate import experiment_file
-from gaswap.measure import device_name, resolve_device, sync, use_cpu
+from gaswap.measure import device_name, load_per_cpu, resolve_device, sync, use_cpu
 from gaswap.memory import DeviceMemory
 from gaswap.arena_runtime import ArenaRunner, arena_figures
-from gaswap.runtime import StepRunner
+from gaswap.runtime import CLOCK_NAMES, StepRunner, device_clock
 
 OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.01),
@@ -88,6 +87,7 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, e
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = OPTIMIZERS[exp.optimizer](trainable)
     peaks, times = [], []
+    clock, load = device_clock(dev), load_per_cpu()  # CPU: the process's CPU time
     for step in range(steps):
         # CUDA's allocator counts for free; the CPU tracker slows a step, so it runs on the last one only.
         tracked = dev.type == "cuda" or step == steps - 1
@@ -96,7 +96,7 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, e
         if "optimizer_state" in exp.counts:
             held += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
         sync(dev)
-        started = time.perf_counter()
+        started = clock()
         with DeviceMemory(dev) if tracked else nullcontext() as memory:
             if memory is not None:
                 memory.hold(held + ([runner.buffer] if arena else []))
@@ -104,7 +104,7 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, e
             loss, *grads = runner(args)
         sync(dev)
         if step > 0:  # the first step creates the optimizer state and warms up
-            times += [] if tracked and dev.type != "cuda" else [time.perf_counter() - started]
+            times += [] if tracked and dev.type != "cuda" else [clock() - started]
             peaks += [memory.peak] if tracked else []
         for p, g in zip(trainable, grads):
             p.grad = g
@@ -123,6 +123,8 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, e
         "predicted": {"peak_bytes": policy.predicted["peak_bytes"], "step_time_s": policy.predicted["step_time_s"]},
         "measured": {"peak_bytes": max(peaks), "step_time_s": statistics.median(times)},
         "budget_bytes": policy.provenance.get("budget_bytes"),
+        "clock": CLOCK_NAMES.get(dev.type, "wall time"),
+        "load_per_cpu": round(max(load, load_per_cpu()), 2),
     }
     report["peak_ratio"] = report["measured"]["peak_bytes"] / report["predicted"]["peak_bytes"]
     report["time_ratio"] = report["measured"]["step_time_s"] / report["predicted"]["step_time_s"]

@@ -2,13 +2,15 @@
 import dataclasses
 import json
 import re
+import time
 
 import pytest
 import torch
 
+from gaswap import measure as measuring
 from gaswap.costs import CostCache, Costs, HardwareProfile, estimate, load_profile, profile_names
 from gaswap.graph import Graph, Op, Tensor
-from gaswap.measure import device_name, measure, measure_link
+from gaswap.measure import cost_cache, device_name, measure, measure_link
 
 SHIPPED = {"v100-pcie-16gb", "a100-pcie-40gb", "h100-sxm-80gb"}
 
@@ -150,7 +152,7 @@ def test_measure_cpu_and_cache(tmp_path, caplog):
 def test_corrupted_cache_is_moved_aside(tmp_path):
     graph = small_graph()
     measure(graph, "cpu", tmp_path, warmup=0, repeats=1)
-    path = CostCache(device_name("cpu"), torch.__version__, tmp_path).path
+    path = cost_cache("cpu", tmp_path).path
     path.write_text(path.read_text()[:50])  # truncated
     with pytest.warns(UserWarning, match=re.escape(str(path))):
         again = measure(graph, "cpu", tmp_path, warmup=0, repeats=1)
@@ -170,7 +172,7 @@ def test_cache_of_another_device_or_torch_is_not_used(tmp_path):
     assert costs.measured == 4 and 123.0 not in costs.op_time.values()
 
     # A file at the right name whose stored key is another one is not trusted either.
-    path = CostCache(device_name("cpu"), torch.__version__, tmp_path).path
+    path = cost_cache("cpu", tmp_path).path
     body = json.loads(path.read_text())
     body["key"]["torch"] = "0.0"
     path.write_text(json.dumps(body))
@@ -226,7 +228,7 @@ def test_measure_in_place_times_every_op_of_the_running_step(tmp_path):
     assert first.measured == len(signatures) and not first.estimated and not first.copies_overlap
     assert set(first.op_time) == {op.name for op in graph.ops}
     assert measure(graph, "cpu", tmp_path, in_place=(captured, make_args)).measured == 0  # cached
-    assert CostCache(device_name("cpu"), torch.__version__, tmp_path).op_time == {}  # standalone: another cache
+    assert cost_cache("cpu", tmp_path).op_time == {}  # standalone: another cache
 
 
 def test_copies_timed_in_place_are_fitted_as_a_latency_plus_bandwidths():
@@ -243,3 +245,39 @@ def test_copies_timed_in_place_are_fitted_as_a_latency_plus_bandwidths():
     link = _fit_link(graph, times, torch.device("cpu"))
     assert link == pytest.approx({"d2h": 1e9, "h2d": 4e9, "latency": 2e-6}, rel=1e-6)
     assert all(type(v) is float for v in link.values())  # plain floats: they go into YAML policy files
+
+
+def test_cpu_figures_are_process_cpu_time_and_record_the_load_they_were_timed_under(tmp_path, monkeypatch):
+    monkeypatch.setattr(measuring, "load_per_cpu", lambda: 5.0)  # a busy machine
+    graph = small_graph()
+    measure(graph, "cpu", tmp_path, warmup=0, repeats=1)
+    cache = cost_cache("cpu", tmp_path)
+    assert cache.key["timing"] == "standalone, CPU time"
+    assert cache.load == dict.fromkeys(cache.op_time, 5.0) and cache.op_time
+    monkeypatch.setattr(measuring, "load_per_cpu", lambda: 0.1)
+    assert measure(graph, "cpu", tmp_path).measured == 0  # CPU time does not count the others' turns: kept
+
+
+def test_wall_clock_figures_timed_on_a_busy_machine_are_timed_again_once_it_is_quieter(tmp_path, monkeypatch):
+    """As on a GPU, where ops are timed by the wall clock: figures taken while processes waited for a core are
+    not trusted once the machine is quieter, and are timed again (and then kept)."""
+    monkeypatch.setattr(measuring, "device_clock", lambda dev: time.perf_counter)
+    graph = small_graph()
+    signatures = len({op.signature for op in graph.ops})
+    load = [3.0]
+    monkeypatch.setattr(measuring, "load_per_cpu", lambda: load[0])
+    measure(graph, "cpu", tmp_path, warmup=0, repeats=1)
+    assert measure(graph, "cpu", tmp_path).measured == 0  # as busy now as then: nothing better to get
+    load[0] = 0.2
+    assert measure(graph, "cpu", tmp_path, warmup=0, repeats=1).measured == signatures - 1  # one op cannot run alone
+    assert set(cost_cache("cpu", tmp_path).load.values()) == {0.2}
+    assert measure(graph, "cpu", tmp_path).measured == 0
+
+
+@pytest.mark.parametrize("load", [-1, float("nan"), "busy"])
+def test_a_cache_with_an_implausible_load_is_moved_aside(tmp_path, load):
+    cache = cost_cache("cpu", tmp_path)
+    cache.op_time, cache.load = {"sig": 1e-3}, {"sig": load}
+    cache.save()
+    with pytest.warns(UserWarning, match="load"):
+        assert cost_cache("cpu", tmp_path).op_time == {}
