@@ -42,7 +42,7 @@ from gaswap.capture import _loss_fn, _output_tensor
 from gaswap.config import format_size
 from gaswap.encoding import Action, Chromosome, Encoding
 from gaswap.files import csv_text, write_atomic
-from gaswap.measure import device_name, resolve_device, sync, use_cpu
+from gaswap.measure import device_name, measure, resolve_device, sync, use_cpu
 from gaswap.problem import Problem
 from gaswap.search import search
 
@@ -86,7 +86,7 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), resul
     inputs, target = experiment.make_inputs(exp, str(device), torch.Generator(device).manual_seed(exp.seed))
     progress(f"{exp.name} on {device_name(device)}: capturing torch.compile's joint graph")
     graph = compiled.capture(model, *inputs, optimizer=exp.optimizer, counted=exp.counts)
-    costs = compiled_costs.measure_costs(graph, device, cache_dir, threads=exp.costs.threads)
+    costs = measure(graph, device, cache_dir, threads=exp.costs.threads)
     space = config.load_search_space(compiled.SPACE)
     progress("  calibrating the compiled model: keep-all and recompute-all, compiled and timed")
     calibration = compiled_costs.calibrate(graph, costs, lambda ps: _cpu_times(ps, model, inputs, target, exp, device),

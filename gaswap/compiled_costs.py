@@ -14,18 +14,16 @@ and its costs into what the compiled step does, leaving the simulator as it is:
   its ops one by one), and the step pays a fixed `overhead` (the compiled module's call, the loss, the
   optimizer step: work outside the joint graph). `scale` and `overhead` are fitted on two compiled runs
   whose generated work differs most (keep-all and recompute-all); every other policy is a prediction.
-- `measure_cpu_time(graph, ...)`: standalone op times on a CPU in CPU seconds, not wall seconds (wall
+- The standalone op times are `gaswap.measure`'s, which on a CPU are CPU seconds, not wall seconds (wall
   time taken on a loaded machine is several times the op's cost: that made the first compiled predictions
-  9-13x too slow on DenseNet), cached apart from wall-time figures.
+  9-13x too slow on DenseNet).
 """
 from __future__ import annotations
 
-import json
 import statistics
-import time
 from dataclasses import dataclass, replace
 
-from gaswap.costs import CostCache, Costs
+from gaswap.costs import Costs
 from gaswap.encoding import Action, Chromosome
 from gaswap.graph import Graph, Tensor
 from gaswap.problem import Problem
@@ -144,62 +142,6 @@ def fit(points: list[tuple[str, float, float, float]]) -> Calibration:
     return Calibration(scale, overhead, tuple((label, m) for label, _, _, m in points))
 
 
-# --------------------------------------------------------------------------- standalone CPU time
-
-TIMING = "standalone cpu-time"  # the CostCache timing key of these figures (apart from wall-time ones)
-
-
-def measure_cpu_time(graph: Graph, cache_dir=None, *, threads: int | None = None, repeats: int = 5) -> Costs:
-    """`measure.measure` for a CPU, but each op's figure is the CPU time of the process per call (steady on a
-    loaded machine, where wall time counts the other processes' turns), cached under its own key."""
-    import torch
-
-    from gaswap import measure as m
-
-    m.use_cpu(threads)
-    name = m.device_name("cpu")
-    cache = CostCache(name, torch.__version__, cache_dir, timing=TIMING)
-    todo = sorted({op.signature for op in graph.ops} - cache.op_time.keys() - cache.failed.keys())
-    for signature in todo:
-        try:
-            cache.op_time[signature] = _cpu_seconds(signature, repeats)
-        except Exception as e:  # noqa: BLE001 - as measure: an op that cannot run alone gets a roofline figure
-            cache.failed[signature] = f"{type(e).__name__}: {e}"[:500]
-    if cache.link is None:
-        d2h, h2d = m.measure_link("cpu")
-        cache.link = {"d2h": d2h, "h2d": h2d, "latency": 0.0}
-    if todo:
-        cache.save()
-    return m._costs(graph, cache, name, m._fallback_profile(name), measured=len(todo), copies_overlap=False)
-
-
-def _cpu_seconds(signature: str, repeats: int) -> float:
-    """Median CPU seconds per call of the op a signature describes (batches of calls of at least ~2 ms)."""
-    import torch
-
-    from gaswap.measure import _decode, _resolve_target
-
-    spec = json.loads(signature)
-    fn = _resolve_target(spec["target"])
-    args = [_decode(a, torch.device("cpu")) for a in spec.get("args", [])]
-    kwargs = {k: _decode(v, torch.device("cpu")) for k, v in spec.get("kwargs", {}).items()}
-
-    def timed(calls: int) -> float:
-        start = time.process_time()
-        for _ in range(calls):
-            fn(*args, **kwargs)
-        return max(time.process_time() - start, 1e-9)
-
-    with torch.no_grad():
-        for _ in range(2):
-            fn(*args, **kwargs)
-        start = time.perf_counter()
-        fn(*args, **kwargs)
-        once = max(time.perf_counter() - start, 1e-7)
-        calls = min(1000, max(1, int(2e-3 / once) + 1))
-        return statistics.median(timed(calls) / calls for _ in range(repeats))
-
-
 def calibrate(graph: Graph, costs: Costs, cpu_times, provenance: dict) -> Calibration:
     """Fit the compiled step's cost (`fit`) on `graph` compiled under keep-all and under recompute-all:
     `cpu_times(policies)` compiles and trains under each policy and returns CPU seconds per step;
@@ -216,12 +158,3 @@ def calibrate(graph: Graph, costs: Costs, cpu_times, provenance: dict) -> Calibr
             Action.KEEP, Action.RECOMPUTE)).simulate(c).step_time)
         points.append((label, extern, generated, seconds))
     return fit(points)
-
-
-def measure_costs(graph: Graph, device, cache_dir=None, *, threads: int | None = None) -> Costs:
-    """Standalone op costs for the compiled model: CPU seconds on a CPU (`measure_cpu_time`), else `measure`."""
-    from gaswap.measure import measure, resolve_device
-
-    if resolve_device(device).type == "cpu":
-        return measure_cpu_time(graph, cache_dir, threads=threads)
-    return measure(graph, device, cache_dir, threads=threads)

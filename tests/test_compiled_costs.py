@@ -76,17 +76,6 @@ def test_calibrated_costs_scale_generated_ops_only():
     assert (extern, generated) == (4.0, 4.0)
 
 
-def test_standalone_cpu_time_is_measured_and_cached(tmp_path):
-    pytest.importorskip("torch")
-    t = {"x": Tensor("x", 4 * 64 * 64, "input"), "y": Tensor("y", 4 * 64 * 64, "activation", "relu")}
-    signature = '{"args": [{"dtype": "float32", "shape": [64, 64]}], "kwargs": {}, "target": "aten.relu.default"}'
-    g = Graph((Op("relu", "aten.relu.default", ("x",), ("y",), signature=signature),), t, loss="y")
-    first = cc.measure_cpu_time(g, tmp_path, threads=1)
-    assert first.measured == 1 and 0 < first.op_time["relu"] < 0.01
-    again = cc.measure_cpu_time(g, tmp_path, threads=1)
-    assert again.measured == 0 and again.op_time == first.op_time
-
-
 def _experiment(tmp_path, batch: int):
     path = tmp_path / f"cnn{batch}.yaml"
     path.write_text("model: {factory: gaswap.zoo:tiny_cnn, kwargs: {num_classes: 10, width: 8}}\n"
@@ -102,6 +91,7 @@ def test_validate_trains_a_compiled_policy_and_reports_predicted_against_measure
     import torch
 
     from gaswap import compiled, config, experiment, policy as policies
+    from gaswap.measure import measure
     from gaswap.validate import validate
 
     path = _experiment(tmp_path, 4)
@@ -109,7 +99,7 @@ def test_validate_trains_a_compiled_policy_and_reports_predicted_against_measure
     model = experiment.build_model(exp, device="cpu")
     inputs, _ = experiment.make_inputs(exp, "cpu", torch.Generator("cpu").manual_seed(0))
     graph = compiled.capture(model, *inputs, counted=exp.counts)
-    costs = cc.measure_cpu_time(graph, tmp_path, threads=1)
+    costs = measure(graph, "cpu", tmp_path, threads=1)
     problem = cc.CompiledProblem(graph, costs, None, actions=(Action.KEEP, Action.RECOMPUTE))
     c = problem.encoding.uniform(Action.RECOMPUTE)
     r = problem.simulate(c)
