@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import time
 from pathlib import Path
@@ -97,7 +98,8 @@ def _milp_row(problem: Problem, budget: int, keep_time: float, time_limit: float
         note += " (nothing faster found)" if m.warm_start else ""
     if m.chromosome is None:
         return _row("milp", False, None, None, keep_time, m.seconds, note)
-    note += f"; MIP gap {m.gap:.3%}; {_counts(m.chromosome.actions)}"
+    gap = f"{m.gap:.3%}" if math.isfinite(m.gap) else "unknown (the solver proved no bound)"
+    note += f"; MIP gap {gap}; {_counts(m.chromosome.actions)}"
     note += "" if m.verified else "; the simulator disagrees"
     return _simulated_row("milp", m.simulated, budget, keep_time, m.seconds, note)
 
