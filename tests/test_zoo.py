@@ -4,6 +4,7 @@ U-Net) the traced step against eager PyTorch's loss and gradients."""
 import copy
 import resource
 import sys
+import time
 import types
 from collections import defaultdict
 from contextlib import nullcontext
@@ -291,11 +292,12 @@ def test_configurations_bigger_than_the_host_capture_in_seconds(name, factory, s
     with torch.device("meta"):
         model = factory()
     inputs, target = make_inputs(specs, target, batch)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss, cpu = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.process_time()
     c = capture(model, inputs, target, optimizer="adam")
+    cpu_seconds = time.process_time() - cpu  # not wall time: a loaded CI machine must not fail it
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss) / 1024
     activations = sum(t.size for t in c.graph.tensors.values() if t.kind == "activation")
-    assert activations > 100e9 and grown_mib < 256 and c.seconds < 30
+    assert activations > 100e9 and grown_mib < 256 and cpu_seconds < 30
 
 
 @pytest.mark.parametrize("name", SHIPPED)
