@@ -87,3 +87,15 @@ def test_sharing_changes_nothing_where_the_graph_has_no_repeated_blocks():
     plain = search(Problem(g, costs, 2400, hybrid), ga, 0)
     shared = search(Problem(g, costs, 2400, dataclasses.replace(hybrid, share_blocks=0.5)), ga, 0)
     assert [e.chromosome for e in plain.front] == [e.chromosome for e in shared.front]
+
+
+
+def test_blocks_smaller_than_min_block_ops_form_no_class(monkeypatch):
+    """AlexNet's ReLUs `features.9` and `features.11` look alike (one op forward, one backward): too small to
+    tie. Here the residual blocks hold 5 ops each: a class at the threshold 4, none above 5."""
+    from gaswap import blocks
+
+    encoding = Encoding(numbered(residual_graph(40)))
+    assert blocks.MIN_BLOCK_OPS <= 5 and len(repeated_blocks(encoding)) == 1
+    monkeypatch.setattr(blocks, "MIN_BLOCK_OPS", 6)
+    assert repeated_blocks(encoding) == []
