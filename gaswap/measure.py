@@ -115,8 +115,8 @@ def measure(graph: Graph, device: str = "auto", cache_dir=None, *, progress=None
     in_place = in_place if dev.type == "cpu" else None
     name = device_name(dev)
     cache = cost_cache(dev, cache_dir, in_place=bool(in_place))
-    busy = _busy_figures(cache, dev)
-    todo = sorted({op.signature for op in graph.ops} - cache.op_time.keys() - cache.failed.keys() | busy)
+    signatures = {op.signature for op in graph.ops}
+    todo = sorted(signatures - cache.op_time.keys() - cache.failed.keys() | signatures & _busy_figures(cache, dev))
     load = load_per_cpu()
     warm = not todo and cache.link is not None  # nothing to measure: a read-only cache is fine
     report = _reporter(progress, len(todo))
