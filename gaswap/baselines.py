@@ -14,7 +14,7 @@ from gaswap.encoding import Action, Chromosome, Encoding
 from gaswap.graph import Graph
 from gaswap.problem import Problem
 from gaswap.simulator import SimResult, Simulator, liveness
-from gaswap.mincut import min_cut_policies
+from gaswap.mincut import min_cut_policies, recompute_seconds_per_byte
 
 
 def keep_all(graph: Graph, costs: Costs, budget: int) -> Chromosome:
@@ -121,12 +121,9 @@ def knapsack(graph: Graph, costs: Costs, budget: int) -> Chromosome:
     room = budget - Problem(graph, costs).keep_all().peak_bytes
     room += sum(sizes[k] for k in movable)
 
-    def ratio(k: int) -> float:
-        seconds = costs.op_time[graph.tensors[encoding.candidates[k]].producer]
-        return seconds / sizes[k] if sizes[k] else math.inf
-
     recomputed = []
-    for k in sorted(movable, key=ratio, reverse=True):
+    for k in sorted(movable, key=lambda k: recompute_seconds_per_byte(graph, costs, encoding.candidates[k]),
+                    reverse=True):
         if sizes[k] <= room:
             room -= sizes[k]
         else:

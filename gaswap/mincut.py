@@ -23,7 +23,9 @@ import numpy as np
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
+from gaswap.costs import Costs
 from gaswap.encoding import Action, Chromosome, Encoding
+from gaswap.graph import Graph
 from gaswap.problem import Problem
 
 COMPUTE_BOUND = ("mm", "conv", "scaled_dot_product", "_flash_attention", "_efficient_attention")  # target parts
@@ -34,6 +36,13 @@ def compute_bound(target: str) -> bool:
     """Whether an op (by ATen target, e.g. "aten.addmm.default") is one torch's partitioner never recomputes."""
     name = target.split(".")[1] if target.count(".") >= 2 else target
     return any(part in name for part in COMPUTE_BOUND)
+
+
+def recompute_seconds_per_byte(graph: Graph, costs: Costs, tensor: str) -> float:
+    """What recomputing `tensor` costs per byte it frees: its producer's time over its size (inf when empty);
+    torch's partitioners save the highest first."""
+    size = graph.tensors[tensor].size
+    return costs.op_time[graph.tensors[tensor].producer] / size if size else float("inf")
 
 
 def min_cut_saved(encoding: Encoding, pinned=compute_bound) -> set[int]:
@@ -98,8 +107,7 @@ def min_cut_policies(problem: Problem) -> list[Chromosome]:
     sizes = [graph.tensors[t].size for t in encoding.candidates]
 
     def ratio(k: int) -> float:
-        seconds = costs.op_time[graph.tensors[encoding.candidates[k]].producer]
-        return seconds / sizes[k] if sizes[k] else float("inf")
+        return recompute_seconds_per_byte(graph, costs, encoding.candidates[k])
 
     saving = [Action.KEEP] + ([Action.SWAP] if any(Action.SWAP in a for a in encoding.allowed) else [])
     policies = {}

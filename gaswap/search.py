@@ -91,8 +91,9 @@ def seed_policies(problem: Problem, milp_ops: int = 0) -> dict[str, Chromosome]:
     if len(graph.ops) <= milp_ops and any(Action.RECOMPUTE in a for a in problem.encoding.allowed):
         m = milp.solve(graph, costs, budget, time_limit=MILP_SEED_SECONDS, node_limit=MILP_SEED_NODES,
                        rel_gap=MILP_SEED_GAP)
-        if m.chromosome is not None and problem.evaluate(problem.restrict(m.chromosome)).feasible(budget):
-            seeds["milp"] = problem.restrict(m.chromosome)
+        c = None if m.chromosome is None else problem.restrict(m.chromosome)
+        if c is not None and problem.evaluate(c).feasible(budget):
+            seeds["milp"] = c
     return seeds
 
 
@@ -133,7 +134,7 @@ class Search:
         self.seconds_before = 0.0  # search time spent before this process took over
         self.reference = (math.inf, float(problem.budget))  # hypervolume reference point
         self.started = time.perf_counter()
-        self.share_blocks = getattr(problem.space, "share_blocks", 0.0)
+        self.share_blocks = problem.space.share_blocks
         self.classes = repeated_blocks(problem.encoding) if self.share_blocks else []
 
     # --- the loop ---

@@ -51,27 +51,28 @@ def test_share_gives_every_block_of_a_class_one_block_s_genes():
     assert all(s.keys[i] == c.keys[i] for i in outside)
 
 
-def test_a_search_sharing_every_child_keeps_its_random_individuals_tied():
+def shared_search(space_name: str, generations: int) -> tuple[Problem, Search]:
+    """A search of a numbered residual graph in `space_name` that shares blocks in every new individual, run
+    for `generations` generations."""
     g = numbered(residual_graph(40, size=100))
-    space = dataclasses.replace(load_search_space("hybrid"), share_blocks=1.0)
+    space = dataclasses.replace(load_search_space(space_name), share_blocks=1.0)
     problem = Problem(g, unit_costs(g, bandwidth=200.0), 2400, space)
-    s = Search(problem, GASettings(population=16, generations=5, patience=None), seed=0)
+    s = Search(problem, GASettings(population=16, generations=generations, patience=None), seed=0)
     s.initial()
-    for _ in range(5):
+    for _ in range(generations):
         s.step()
+    return problem, s
+
+
+def test_a_search_sharing_every_child_keeps_its_random_individuals_tied():
+    problem, s = shared_search("hybrid", 5)
     classes = repeated_blocks(problem.encoding)
     seeds = set(s.seed_chromosomes.values())
     assert all(tied(ind[0], classes) or ind[0] in seeds for ind in s.population)
 
 
 def test_in_a_space_without_order_sharing_keeps_the_captured_order():
-    g = numbered(residual_graph(40, size=100))
-    space = dataclasses.replace(load_search_space("recompute_only"), share_blocks=1.0)
-    problem = Problem(g, unit_costs(g, bandwidth=200.0), 2400, space)
-    s = Search(problem, GASettings(population=16, generations=3, patience=None), seed=0)
-    s.initial()
-    for _ in range(3):
-        s.step()
+    problem, s = shared_search("recompute_only", 3)
     captured = problem.encoding.captured_keys()
     classes = repeated_blocks(problem.encoding)
     assert all(ind[0].keys == captured for ind in s.population)
