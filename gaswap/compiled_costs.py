@@ -27,7 +27,7 @@ from gaswap.costs import Costs
 from gaswap.encoding import Action, Chromosome
 from gaswap.graph import Graph, Tensor
 from gaswap.problem import Problem
-from gaswap.simulator import SimResult, Simulator
+from gaswap.simulator import Simulator
 
 # Ops inductor runs as library calls on CPU and CUDA (matmul, convolution, attention families); the rest
 # it generates and fuses. Prefixes of the aten target names.
@@ -41,21 +41,21 @@ def is_extern(target: str) -> bool:
     return target.startswith(EXTERN)
 
 
-def fused_graph(graph: Graph, actions: dict[str, str] | None = None) -> Graph:
-    """`graph` as inductor runs it under `actions` (keep / recompute per candidate; None: keep all), for the
-    simulator:
+def fused_graph(graph: Graph) -> Graph:
+    """`graph` as inductor runs it, for the simulator (the same under every policy):
 
     - a tensor stays inside a fused kernel (sized 0) if a generated op makes it, generated ops alone read it,
       and it is neither the loss nor a candidate (a kept one is saved; a recomputed one is counted too:
       measured on DenseNet, counting recomputed tensors as fused predicted peaks up to 2.2x too low, since
       inductor materializes much of what the backward recomputes);
     - an op reading such a tensor reads what it is computed from instead (inductor inlines it), so those
-      tensors live until the op runs;
-    - a kept candidate lives until the backward ends (the compiled backward receives the saved tensors
-      together; measured: freeing them at their last reader predicted the CNN's keep-all peak 17 % low).
+      tensors live until the op runs.
+
+    Saved tensors are freed after their last reader, as the compiled backward frees its inputs. (Holding
+    them to the backward's end matched the resident-set meter on the CNN, but torch's allocator counts
+    show the frees: that variant predicted keep-all 15 % high on the CNN and 12 % high on DenseNet.)
     """
     candidates = set(graph.candidates())
-    kept = {t for t in candidates if (actions or {}).get(t, "keep") == "keep"}
     extern = {op.name for op in graph.ops if is_extern(op.target)}
     readers: dict[str, list[str]] = {t: [] for t in graph.tensors}
     for op in graph.ops:
@@ -76,26 +76,21 @@ def fused_graph(graph: Graph, actions: dict[str, str] | None = None) -> Graph:
 
     ops = [replace(op, inputs=tuple(dict.fromkeys((*op.inputs, *(s for i in op.inputs for s in source(i))))))
            for op in graph.ops]
-    ops[-1] = replace(ops[-1], inputs=tuple(dict.fromkeys((*ops[-1].inputs, *sorted(kept)))))
     tensors = {name: Tensor(t.name, 0, t.kind, t.producer) if name in inside else t for name, t in graph.tensors.items()}
     return Graph(tuple(ops), tensors, graph.resident, graph.counted, graph.loss)
 
 
 class CompiledProblem(Problem):
-    """A `Problem` whose policies are simulated as inductor runs them: each chromosome on its own
-    `fused_graph` (what materializes and how long it lives depends on what is kept)."""
+    """A `Problem` whose policies are simulated as inductor runs them: on the joint graph's `fused_graph`
+    (same candidates, so the joint graph's chromosomes apply); `graph` stays the joint graph."""
 
     def __init__(self, graph: Graph, costs: Costs, budget: int | None = None, space=None, *, actions=None):
         super().__init__(graph, costs, budget, space, actions=actions)
-        self.joint = graph
+        self.simulator = Simulator(fused_graph(graph), costs, budget)
 
     def actions_of(self, c: Chromosome) -> dict[str, str]:
         """`c`'s actions by candidate name ("keep" / "recompute")."""
         return {t: Action(a).name.lower() for t, a in zip(self.encoding.candidates, c.actions)}
-
-    def simulate(self, c: Chromosome, *, trace: bool = False) -> SimResult:
-        return Simulator(fused_graph(self.joint, self.actions_of(c)), self.costs, self.budget).run(self.order(c), c.actions,
-                                                                                        trace=trace)
 
 
 @dataclass(frozen=True)

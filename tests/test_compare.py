@@ -4,27 +4,41 @@ import pytest
 import torch
 
 from gaswap import compare
+from gaswap.meter import PeakMeter
 
 
 def test_cpu_peak_meter_sees_what_a_block_holds_at_once():
     keep = torch.ones(8 << 20)  # resident before: not counted
-    with compare.PeakMeter("cpu") as meter:
+    with PeakMeter("cpu") as meter:
         a = torch.ones(16 << 20)  # 64 MiB
         b = a * 2  # another 64 MiB while a lives
         del a, b
+        c = torch.ones(4 << 20)  # 16 MiB after both are freed: not a new peak
+        del c
+    assert 128 << 20 <= meter.peak < (128 << 20) + 64  # the allocator counts bytes (and the scalar 2's)
     # An RSS meter reads the whole process: pages of the rest of it may go back to the system while the block
     # runs (seen: 0.2 MiB), so the bounds allow 4 MiB below the block's bytes; missing a 64 MiB tensor still fails.
-    assert 124 << 20 <= meter.peak < 140 << 20
-    with compare.PeakMeter("cpu") as meter:
+    assert 124 << 20 <= meter.rss_peak < 140 << 20
+    with PeakMeter("cpu") as meter:
         torch.ones(16 << 20).sum()
-    assert 60 << 20 <= meter.peak < 76 << 20  # memory freed and kept by malloc before is handed back first
+    assert 64 << 20 <= meter.peak < (64 << 20) + 64  # and the sum's one float
+    assert 60 << 20 <= meter.rss_peak < 76 << 20  # memory freed and kept by malloc before is handed back first
     del keep
+
+
+def test_cpu_peak_meter_ignores_frees_of_what_was_allocated_before():
+    before = torch.ones(16 << 20)
+    with PeakMeter("cpu") as meter:
+        del before  # its size is unknown to the profiler: the meter can only err high, never miss bytes
+        a = torch.ones(4 << 20)
+        del a
+    assert 16 << 20 <= meter.peak < (16 << 20) + 64
 
 
 def _row(method, knob, peak, step):
     return {"method": method, "knob": knob, "predicted_peak_bytes": None, "predicted_step_s": None, "peak_bytes": peak,
             "peak_min": peak, "peak_max": peak, "step_s": step, "step_min": step, "step_max": step, "wall_step_s": step,
-            "compile_s": 0.0, "recomputed": None}
+            "compile_s": 0.0, "recomputed": None, "rss_peak_bytes": peak}
 
 
 def test_goal_compares_each_torch_point_with_the_fastest_gaswap_policy_at_or_below_its_peak():

@@ -1,0 +1,82 @@
+"""Predicted against measured peaks of compiled policies: keep-all, recompute-all, torch's partitions at
+activation_memory_budget 1.0 / 0.5 / 0.2, and random keep/recompute policies, each compiled and trained.
+
+    PYTHONPATH=. python scripts/compiled_peaks.py experiments/compare_cnn_cpu.yaml [--random 2] [--steps 3]
+
+The measured peak is `gaswap.meter`'s (torch's allocator, above what is allocated before the step; on a CPU
+the resident-set high-water mark beside it); the predicted ones are the compiled model's
+(`compiled_costs.CompiledProblem`) and the joint graph's ops one by one (`Problem`), less the resident bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+
+import torch
+
+from gaswap import compiled, compiled_costs, config, experiment
+from gaswap.compare import Method, _actions, fresh_copy, train_step
+from gaswap.config import format_size
+from gaswap.encoding import Action, Chromosome
+from gaswap.measure import measure, resolve_device, use_cpu
+from gaswap.meter import PeakMeter
+from gaswap.problem import Problem
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("experiment")
+    parser.add_argument("--random", type=int, default=2, help="random policies besides the named ones")
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    exp = config.load_experiment(args.experiment)
+    device = resolve_device("auto")
+    if device.type == "cpu":
+        use_cpu(exp.costs.threads)
+    torch.manual_seed(exp.seed)
+    model = experiment.build_model(exp, device=str(device))
+    inputs, target = experiment.make_inputs(exp, str(device), torch.Generator(device).manual_seed(exp.seed))
+    graph = compiled.capture(model, *inputs, optimizer=exp.optimizer, counted=exp.counts)
+    costs = measure(graph, device, threads=exp.costs.threads)
+    space = config.load_search_space(compiled.SPACE)
+    fused = compiled_costs.CompiledProblem(graph, costs, None, space)
+    opwise = Problem(graph, costs, None, space)
+    encoding, resident = fused.encoding, graph.resident_bytes()
+    policies = {"keep-all": encoding.uniform(Action.KEEP), "recompute-all": encoding.uniform(Action.RECOMPUTE)}
+    for budget in (1.0, 0.5, 0.2):
+        _, actions = compiled.torch_partition(model, *inputs, budget=budget, optimizer=exp.optimizer,
+                                              counted=exp.counts)
+        policies[f"torch {budget:g}"] = Chromosome(encoding.captured_keys(), _actions(encoding, actions))
+    rng = random.Random(0)
+    for k in range(args.random):
+        c = encoding.random(rng, order=False)
+        policies[f"random {k}"] = Chromosome(encoding.captured_keys(), c.actions)
+    print(f"{exp.name}: {len(graph.ops)} ops, {len(encoding.candidates)} candidates, resident {format_size(resident)}")
+    print("| policy | recomputed | predicted (compiled model) | predicted (ops one by one) | measured allocated "
+          "| error | measured resident |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    provenance = {"optimizer": exp.optimizer, "counts": sorted(exp.counts)}
+    for label, c in policies.items():
+        policy = compiled.make_policy(graph, fused.actions_of(c), provenance=provenance)
+        m, opt = fresh_copy(model, exp)
+        method = Method("gaswap", label, m, compiled.compile(m, policy), opt)
+        for _ in range(2):
+            train_step(method, inputs, target, exp.loss, device)
+        peaks, rss = [], []
+        for _ in range(args.steps):
+            with PeakMeter(device) as meter:
+                train_step(method, inputs, target, exp.loss, device)
+            peaks.append(meter.peak)
+            rss.append(meter.rss_peak)
+            train_step(method, inputs, target, exp.loss, device)
+        predicted = fused.simulate(c).peak_bytes - resident
+        measured = statistics.median(peaks)
+        print(f"| {label} | {sum(a == Action.RECOMPUTE for a in c.actions)} | {format_size(predicted)} | "
+              f"{format_size(opwise.simulate(c).peak_bytes - resident)} | {format_size(measured)} | "
+              f"{measured / predicted - 1:+.1%} | {'-' if None in rss else format_size(statistics.median(rss))} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
