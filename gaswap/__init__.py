@@ -9,11 +9,12 @@ One flat package in three layers; a module imports only from its own layer or th
 - the torch-free planning core: `graph`, `costs`, `encoding`, `simulator`, `problem` (Problem, Evaluated,
   SearchResult), `parallel`, `checkpoint`, `search`, `baselines`, `milp`, `policy`, `costfile` (the costs a
   search used), `planned` (whether a policy runs on the device it was planned for), `allocator` (the CUDA
-  caching allocator's model);
-- the torch side: `capture`, `measure`, `memory`, `runtime`, `zoo`, `arena`, `arena_runtime`, `compiled`
-  (policies inside torch.compile), `compiled_costs` (the compiled step's cost and memory model), `meter` (peak memory measured independently
-  of gaswap) (and any
-  module not named here);
+  caching allocator's model), `blocks` (identical blocks sharing one policy), `mincut` (torch-style minimum-cut
+  policies, a seed of the search);
+- the torch side: `capture`, `dropout` (masks drawn as eager draws them), `measure`, `memory`, `runtime`,
+  `streams` (the runtime's copy streams), `zoo`, `arena`, `arena_runtime`, `compiled` (policies inside
+  torch.compile), `compiled_costs` (the compiled step's cost and memory model), `meter` (peak memory measured
+  independently of gaswap) (and any module not named here);
 - the application: `config`, `experiment` (an experiment's model and inputs), `results`, `signals`, `workflow`,
   `validate`, `compiled_validate`, `report`, `bench`, `speed`, `compare`, `gpu_memory`, `gpu_check`, `cli`.
 
