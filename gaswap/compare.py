@@ -92,7 +92,7 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), resul
                                            {"optimizer": exp.optimizer, "counts": sorted(exp.counts)})
     progress(f"  generated kernels cost {calibration.scale:.2f}x their ops one by one; "
              f"{calibration.overhead * 1e3:.2f} ms per step outside the graph")
-    unbounded = compiled_costs.CompiledProblem(graph, calibration.costs(graph, costs), None, space)
+    unbounded = compiled_costs.CompiledProblem(graph, calibration.costs(graph, costs), None, space, loss=exp.loss)
     opwise = Problem(graph, costs, None, space)  # the model before: every op alone, every tensor counted
     encoding = unbounded.encoding
     torch_points = {}
@@ -102,12 +102,14 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), resul
         torch_points[budget] = (chromosome, unbounded.simulate(chromosome))
     ours = _search(exp, graph, unbounded.costs, space, torch_points, below, progress)
     folder = Path(results_root) / exp.name
-    resident = graph.resident_bytes()  # the meter measures above what is resident before a step
+    resident = unbounded.fused.resident_bytes()  # the meter measures above what is allocated before a step
 
     def predicted(chromosome, r) -> tuple:
         o = opwise.simulate(chromosome)
         return r.peak_bytes - resident, r.step_time + calibration.overhead, o.peak_bytes - resident, o.step_time
 
+    for stale in [*folder.glob("compiled/p[0-9]*.yaml"), *folder.glob("compiled/p[0-9]*.validation.json")]:
+        stale.unlink()  # an earlier run's policies and their validations
     eager, opt = fresh_copy(model, exp)
     methods = [Method("eager", "-", eager, eager, opt)]
     for budget, (chromosome, r) in torch_points.items():
@@ -151,7 +153,8 @@ def _search(exp, graph, costs, space, torch_points, below, progress) -> list[tup
     seeds = {f"torch_{b:g}": c for b, (c, _) in torch_points.items()}
     out = []
     for label, budget in _budgets(torch_points, below):
-        result = search(compiled_costs.CompiledProblem(graph, costs, budget, space), exp.ga, exp.seed, seeds=seeds)
+        result = search(compiled_costs.CompiledProblem(graph, costs, budget, space, loss=exp.loss), exp.ga, exp.seed,
+                        seeds=seeds)
         progress(f"  gaswap search at {label}: " + ("nothing fits" if result.best is None else
                  f"{format_size(result.best.peak_bytes)}, {result.best.step_time * 1e3:.2f} ms predicted"))
         if result.best is not None:

@@ -25,9 +25,9 @@ from dataclasses import dataclass, replace
 
 from gaswap.costs import Costs
 from gaswap.encoding import Action, Chromosome
-from gaswap.graph import Graph, Tensor
+from gaswap.graph import Graph, Op, Tensor
 from gaswap.problem import Problem
-from gaswap.simulator import Simulator
+from gaswap.simulator import SimResult, Simulator
 
 # Ops inductor runs as library calls on CPU and CUDA (matmul, convolution, attention families); the rest
 # it generates and fuses. Prefixes of the aten target names.
@@ -41,8 +41,15 @@ def is_extern(target: str) -> bool:
     return target.startswith(EXTERN)
 
 
-def fused_graph(graph: Graph) -> Graph:
-    """`graph` as inductor runs it, for the simulator (the same under every policy):
+# What the eager loss between the compiled forward and backward holds besides the model's output and its
+# gradient, in units of the output's size: cross entropy saves log_softmax's result and makes nll_loss's
+# gradient before log_softmax's backward makes the output's; mse saves its input; sum saves nothing.
+LOSS_TEMPORARIES = {"cross_entropy": 1, "mse": 0, "sum": 0}
+
+
+def fused_graph(graph: Graph, loss: str = "sum") -> Graph:
+    """`graph` as inductor runs it, for the simulator (the same under every policy), with the step's `loss`
+    computed eagerly between the compiled forward and backward (`with_loss`):
 
     - a tensor stays inside a fused kernel (sized 0) if a generated op makes it, generated ops alone read it,
       and it is neither the loss nor a candidate (a kept one is saved; a recomputed one is counted too:
@@ -77,16 +84,65 @@ def fused_graph(graph: Graph) -> Graph:
     ops = [replace(op, inputs=tuple(dict.fromkeys((*op.inputs, *(s for i in op.inputs for s in source(i))))))
            for op in graph.ops]
     tensors = {name: Tensor(t.name, 0, t.kind, t.producer) if name in inside else t for name, t in graph.tensors.items()}
-    return Graph(tuple(ops), tensors, graph.resident, graph.counted, graph.loss)
+    return with_loss(Graph(tuple(ops), tensors, graph.resident, graph.counted, graph.loss), loss)
+
+
+LOSS_OP = "gaswap.loss"
+
+
+def with_loss(graph: Graph, loss: str) -> Graph:
+    """`graph` (a compiled joint graph, whose output's gradient arrives from outside) with the eager loss
+    that makes that gradient: an op `LOSS_OP`, between the forward and backward ops, reads the output (which
+    is then freed: the graph has no loss tensor held to the end), makes the gradient and holds the loss's
+    temporaries (`LOSS_TEMPORARIES`) while it runs. The gradient is a new activation its readers read; the
+    resident `grad_output` placeholder is sized 0 (the meter sees the gradient appear, not resident all
+    step). The output becomes a candidate, to be kept (see `CompiledProblem`)."""
+    grad_output = next((t for t in graph.tensors.values() if t.kind == "grad_output"), None)
+    if grad_output is None or graph.loss is None:
+        return graph
+    made = Tensor(f"{LOSS_OP}.grad_output", grad_output.size, "activation", LOSS_OP)
+    temporary = Tensor(f"{LOSS_OP}.temporaries", LOSS_TEMPORARIES[loss] * grad_output.size, "activation", LOSS_OP)
+    tensors = dict(graph.tensors) | {grad_output.name: replace(grad_output, size=0), made.name: made,
+                                     temporary.name: temporary}
+    ops = [replace(op, inputs=(*op.inputs, made.name)) if grad_output.name in op.inputs else op for op in graph.ops]
+    loss_op = Op(LOSS_OP, f"loss.{loss}", (graph.loss,), (made.name, temporary.name), phase="bwd")
+    ops = [o for o in ops if o.phase == "fwd"] + [loss_op] + [o for o in ops if o.phase != "fwd"]
+    return Graph(tuple(ops), tensors, graph.resident, graph.counted, None)
 
 
 class CompiledProblem(Problem):
-    """A `Problem` whose policies are simulated as inductor runs them: on the joint graph's `fused_graph`
-    (same candidates, so the joint graph's chromosomes apply); `graph` stays the joint graph."""
+    """A `Problem` whose policies are simulated as inductor runs them, the eager `loss` around them: on the
+    joint graph's `fused_graph` (`fused`: the joint graph's candidates, whose actions a chromosome gives, and
+    the output, kept until the loss op, run where the backward starts, reads it); `graph` stays the joint
+    graph."""
 
-    def __init__(self, graph: Graph, costs: Costs, budget: int | None = None, space=None, *, actions=None):
+    def __init__(self, graph: Graph, costs: Costs, budget: int | None = None, space=None, *, actions=None,
+                 loss: str = "sum"):
         super().__init__(graph, costs, budget, space, actions=actions)
-        self.simulator = Simulator(fused_graph(graph), costs, budget)
+        self.loss = loss
+        self.fused = fused_graph(graph, loss)
+        index = self.fused.op_index()
+        self._position = [index[op.name] for op in graph.ops]  # joint graph's op k -> the fused graph's op
+        self._loss = index.get(LOSS_OP)
+        joint = {t: k for k, t in enumerate(self.encoding.candidates)}
+        self._action = [joint.get(t) for t in self.fused.candidates()]  # None: the output the loss reads, kept
+        loss_time = {LOSS_OP: 0.0} if self._loss is not None else {}  # in the calibrated overhead
+        self.simulator = Simulator(self.fused, replace(costs, op_time=costs.op_time | loss_time), budget)
+
+    def __getstate__(self) -> dict:
+        return super().__getstate__() | {"loss": self.loss}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["graph"], state["costs"], state["budget"], state["space"], actions=state["actions"],
+                      loss=state["loss"])
+
+    def simulate(self, c: Chromosome, *, trace: bool = False) -> SimResult:
+        order = [self._position[k] for k in self.order(c)]
+        if self._loss is not None:  # where the backward starts
+            start = next((i for i, k in enumerate(order) if self.fused.ops[k].phase == "bwd"), len(order))
+            order.insert(start, self._loss)
+        actions = tuple(int(Action.KEEP) if k is None else c.actions[k] for k in self._action)
+        return self.simulator.run(order, actions, trace=trace)
 
     def actions_of(self, c: Chromosome) -> dict[str, str]:
         """`c`'s actions by candidate name ("keep" / "recompute")."""

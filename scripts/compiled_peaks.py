@@ -40,9 +40,9 @@ def main() -> None:
     graph = compiled.capture(model, *inputs, optimizer=exp.optimizer, counted=exp.counts)
     costs = measure(graph, device, threads=exp.costs.threads)
     space = config.load_search_space(compiled.SPACE)
-    fused = compiled_costs.CompiledProblem(graph, costs, None, space)
+    fused = compiled_costs.CompiledProblem(graph, costs, None, space, loss=exp.loss)
     opwise = Problem(graph, costs, None, space)
-    encoding, resident = fused.encoding, graph.resident_bytes()
+    encoding, resident = fused.encoding, fused.fused.resident_bytes()
     policies = {"keep-all": encoding.uniform(Action.KEEP), "recompute-all": encoding.uniform(Action.RECOMPUTE)}
     for budget in (1.0, 0.5, 0.2):
         _, actions = compiled.torch_partition(model, *inputs, budget=budget, optimizer=exp.optimizer,

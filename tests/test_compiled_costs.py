@@ -58,6 +58,34 @@ def test_compiled_problem_simulates_policies_on_the_fused_graph():
     assert problem.graph is g  # policies are made for the joint graph
 
 
+def _with_grad_output() -> Graph:
+    """x -mm-> y (the output, 4 MB); backward: mm of the output's gradient `go` (arriving from the loss)."""
+    t = {"x": Tensor("x", MB, "input"), "w": Tensor("w", MB, "param"), "go": Tensor("go", 4 * MB, "grad_output"),
+         "y": Tensor("y", 4 * MB, "activation", "mm"), "gw": Tensor("gw", MB, "grad", "mm_bwd")}
+    ops = (Op("mm", "aten.mm.default", ("x", "w"), ("y",)),
+           Op("mm_bwd", "aten.mm.default", ("go", "x"), ("gw",), phase="bwd"))
+    return Graph(ops, t, loss="y")
+
+
+def test_the_eager_loss_makes_the_gradient_between_forward_and_backward_with_its_temporaries():
+    g = _with_grad_output()
+    fused = cc.fused_graph(g, "cross_entropy")
+    assert [op.name for op in fused.ops] == ["mm", cc.LOSS_OP, "mm_bwd"]
+    assert fused.tensors["go"].size == 0 and fused.resident_bytes() == g.resident_bytes() - 4 * MB
+    made = f"{cc.LOSS_OP}.grad_output"
+    assert fused.tensors[made].size == 4 * MB and made in fused.ops[2].inputs
+    assert fused.tensors[f"{cc.LOSS_OP}.temporaries"].size == 4 * MB  # log_softmax's output, saved
+    assert fused.candidates() == g.candidates() + ["y"]  # the output, until the loss reads it
+    peaks = {}
+    for loss in ("sum", "cross_entropy"):
+        problem = cc.CompiledProblem(g, unit_costs(g), None, actions=(Action.KEEP, Action.RECOMPUTE), loss=loss)
+        r = problem.simulate(problem.encoding.uniform(Action.KEEP))
+        peaks[loss] = r.peak_bytes - problem.fused.resident_bytes()
+    # the loss op holds the output, the gradient it makes, and (cross entropy) log_softmax's output; then the
+    # output is freed before the backward's mm makes its 1 MB
+    assert peaks == {"sum": 8 * MB, "cross_entropy": 12 * MB}
+
+
 def test_fit_recovers_the_scale_and_overhead_of_generated_kernels():
     truth = lambda e, g: e + 0.25 * g + 0.003  # noqa: E731
     points = [("keep", 0.05, 0.04, truth(0.05, 0.04)), ("recompute", 0.07, 0.10, truth(0.07, 0.10))]
