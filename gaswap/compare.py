@@ -7,8 +7,9 @@ simulated peaks of torch's own partitions (each partition read back as keep/reco
 simulated on the same graph and costs), plus `--below` fractions of the lowest of them; the GA
 (search space `compiled`: keep / recompute, the compiler's order) is seeded with torch's partitions.
 Policies are simulated as inductor runs them (`gaswap.compiled_costs`): standalone op costs in CPU
-seconds, fused intermediates not counted, the generated kernels' cost and the step's fixed overhead
-calibrated on keep-all and recompute-all compiled and timed first. The table shows those predictions
+seconds, fused intermediates not counted, the generated kernels' and library calls' cost and the step's
+fixed overhead calibrated on keep-all, recompute-generated and recompute-all compiled and timed first. The
+table shows those predictions
 beside the ones of the joint graph's ops one by one (every op alone, every tensor counted).
 
 Each method trains its own copy of the model from the same weights. After warm-up (the compile), rounds
@@ -87,10 +88,11 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), resul
     graph = compiled.capture(model, *inputs, optimizer=exp.optimizer, counted=exp.counts)
     costs = measure(graph, device, cache_dir, threads=exp.costs.threads)
     space = config.load_search_space(compiled.SPACE)
-    progress("  calibrating the compiled model: keep-all and recompute-all, compiled and timed")
+    progress("  calibrating the compiled model: keep-all, recompute-generated and recompute-all, compiled and timed")
     calibration = compiled_costs.calibrate(graph, costs, lambda ps: _cpu_times(ps, model, inputs, target, exp, device),
                                            {"optimizer": exp.optimizer, "counts": sorted(exp.counts)})
-    progress(f"  generated kernels cost {calibration.scale:.2f}x their ops one by one; "
+    progress(f"  generated kernels cost {calibration.scale:.2f}x their ops one by one, library calls "
+             f"{calibration.extern_scale:.2f}x; "
              f"{calibration.overhead * 1e3:.2f} ms per step outside the graph")
     unbounded = compiled_costs.CompiledProblem(graph, calibration.costs(graph, costs), None, space, loss=exp.loss)
     opwise = Problem(graph, costs, None, space)  # the model before: every op alone, every tensor counted

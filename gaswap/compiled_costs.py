@@ -9,19 +9,23 @@ and its costs into what the compiled step does, leaving the simulator as it is:
 - `fused_graph(graph)`: the same graph, with the tensors that stay inside a fused kernel sized 0. A tensor
   stays inside if a generated (non-extern) op makes it, only generated ops read it, and it is not a
   candidate (a candidate may be saved for the backward, which materializes it) nor a gradient or the loss.
-- `calibrate(...)`: the cost of the generated kernels. Extern ops keep their measured standalone times;
-  generated ops are priced at `scale` times their standalone sum (a fused kernel reads and writes less than
-  its ops one by one), and the step pays a fixed `overhead` (the compiled module's call, the loss, the
-  optimizer step: work outside the joint graph). `scale` and `overhead` are fitted on two compiled runs
-  whose generated work differs most (keep-all and recompute-all); every other policy is a prediction.
+- `calibrate(...)`: the cost of the compiled kernels. Generated ops are priced at `scale` times their
+  standalone sum (a fused kernel reads and writes less than its ops one by one), extern ops at
+  `extern_scale` times theirs, and the step pays a fixed `overhead` (the compiled module's call, the loss,
+  the optimizer step: work outside the joint graph). The three are fitted on three compiled runs: keep-all,
+  recompute-generated (what generated ops make, recomputed) and recompute-all; every other policy is a
+  prediction. (Fitted on keep-all and recompute-all alone, the extra time of recompute-all was all put on
+  its recomputed convolutions on DenseNet: generated recomputation was priced free, and the search chose
+  80 recomputations that cost 14-18 % of the step.)
 - The standalone op times are `gaswap.measure`'s, which on a CPU are CPU seconds, not wall seconds (wall
   time taken on a loaded machine is several times the op's cost: that made the first compiled predictions
   9-13x too slow on DenseNet).
 """
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, replace
+
+import numpy as np
 
 from gaswap.costs import Costs
 from gaswap.encoding import Action, Chromosome
@@ -151,21 +155,25 @@ class CompiledProblem(Problem):
 
 @dataclass(frozen=True)
 class Calibration:
-    """How generated kernels and the rest of a compiled step cost: `scale` times the standalone time of the
-    generated ops, plus `overhead` seconds per step; `points` are the (policy, measured s) fitted on."""
+    """How a compiled step costs: `scale` times the standalone time of the generated ops, `extern_scale` times
+    that of the library calls, plus `overhead` seconds per step; `points` are the (policy, measured s)
+    fitted on."""
 
     scale: float
     overhead: float
     points: tuple = ()
+    extern_scale: float = 1.0
 
     def costs(self, graph: Graph, costs: Costs) -> Costs:
-        """`costs` with every generated op's time multiplied by `scale` (extern ops unchanged)."""
-        op_time = {op.name: costs.op_time[op.name] * (1.0 if is_extern(op.target) else self.scale)
+        """`costs` with every generated op's time multiplied by `scale`, every extern op's by `extern_scale`."""
+        op_time = {op.name: costs.op_time[op.name] * (self.extern_scale if is_extern(op.target) else self.scale)
                    for op in graph.ops}
-        return replace(costs, op_time=op_time, source=f"{costs.source}+compiled(scale {self.scale:.3g})")
+        return replace(costs, op_time=op_time,
+                       source=f"{costs.source}+compiled(scale {self.scale:.3g}, extern {self.extern_scale:.3g})")
 
     def to_dict(self) -> dict:
-        return {"scale": self.scale, "overhead_s": self.overhead, "points": [list(p) for p in self.points]}
+        return {"scale": self.scale, "extern_scale": self.extern_scale, "overhead_s": self.overhead,
+                "points": [list(p) for p in self.points]}
 
 
 def split_time(graph: Graph, costs: Costs, simulate) -> tuple[float, float]:
@@ -177,35 +185,44 @@ def split_time(graph: Graph, costs: Costs, simulate) -> tuple[float, float]:
 
 
 def fit(points: list[tuple[str, float, float, float]]) -> Calibration:
-    """Fit `measured = extern + scale * generated + overhead` on points (label, extern s, generated s,
-    measured s): least squares over two or more points with distinct generated work, else scale 1. Both
-    figures are clamped at 0 (a negative one is noise)."""
-    if len(points) >= 2 and len({round(g, 9) for _, _, g, _ in points}) >= 2:
-        xs = [g for _, _, g, _ in points]
-        ys = [m - e for _, e, _, m in points]
-        mx, my = statistics.fmean(xs), statistics.fmean(ys)
-        scale = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-        scale = max(scale, 0.0)
-        overhead = max(my - scale * mx, 0.0)
-    else:
-        scale = 1.0
-        overhead = max(statistics.fmean(m - e - g for _, e, g, m in points), 0.0) if points else 0.0
-    return Calibration(scale, overhead, tuple((label, m) for label, _, _, m in points))
+    """Fit `measured = extern_scale * extern + scale * generated + overhead` on points (label, extern s,
+    generated s, measured s) by non-negative least squares. A term that does not vary over the points cannot
+    be told from the overhead: its scale is 1."""
+    from scipy.optimize import nnls
+
+    fixed = {k: 1.0 for k in (1, 2) if len({round(p[k], 9) for p in points}) < 2}
+    free = [k for k in (1, 2) if k not in fixed]
+    rows = [[p[k] for k in free] + [1.0] for p in points]
+    ys = [p[3] - sum(p[k] * f for k, f in fixed.items()) for p in points]
+    solved, _ = nnls(np.array(rows), np.array(ys)) if points else ([], 0.0)
+    scales = fixed | dict(zip(free, solved))
+    return Calibration(float(scales[2]), float(solved[-1]) if points else 0.0,
+                       tuple((label, m) for label, _, _, m in points), float(scales[1]))
 
 
 def calibrate(graph: Graph, costs: Costs, cpu_times, provenance: dict) -> Calibration:
-    """Fit the compiled step's cost (`fit`) on `graph` compiled under keep-all and under recompute-all:
-    `cpu_times(policies)` compiles and trains under each policy and returns CPU seconds per step;
-    `provenance` must name the graph's optimizer and counts (see `compiled.make_policy`)."""
+    """Fit the compiled step's cost (`fit`) on `graph` compiled under keep-all, recompute-generated (every
+    candidate a generated op makes, recomputed) and recompute-all: `cpu_times(policies)` compiles and trains
+    under each policy and returns CPU seconds per step; `provenance` must name the graph's optimizer and
+    counts (see `compiled.make_policy`)."""
     from gaswap import compiled
 
     problem = CompiledProblem(graph, costs, None, actions=(Action.KEEP, Action.RECOMPUTE))
-    chromosomes = {label: problem.encoding.uniform(action) for label, action in
-                   (("keep-all", Action.KEEP), ("recompute-all", Action.RECOMPUTE))}
-    made = [compiled.make_policy(graph, problem.actions_of(c), provenance=provenance) for c in chromosomes.values()]
+    encoding, producer = problem.encoding, {op.name: op for op in graph.ops}
+    generated = tuple(int(Action.RECOMPUTE) if Action.RECOMPUTE in allowed
+                      and not is_extern(producer[graph.tensors[t].producer].target) else int(Action.KEEP)
+                      for t, allowed in zip(encoding.candidates, encoding.allowed))
+    chromosomes = {"keep-all": encoding.uniform(Action.KEEP),
+                   "recompute-generated": Chromosome(encoding.captured_keys(), generated),
+                   "recompute-all": encoding.uniform(Action.RECOMPUTE)}
+    distinct = {}
+    for label, c in chromosomes.items():
+        if c.actions not in {d.actions for d in distinct.values()}:
+            distinct[label] = c
+    made = [compiled.make_policy(graph, problem.actions_of(c), provenance=provenance) for c in distinct.values()]
     points = []
-    for (label, c), seconds in zip(chromosomes.items(), cpu_times(made)):
-        extern, generated = split_time(graph, costs, lambda cs: CompiledProblem(graph, cs, None, actions=(
+    for (label, c), seconds in zip(distinct.items(), cpu_times(made)):
+        extern, generated_s = split_time(graph, costs, lambda cs: CompiledProblem(graph, cs, None, actions=(
             Action.KEEP, Action.RECOMPUTE)).simulate(c).step_time)
-        points.append((label, extern, generated, seconds))
+        points.append((label, extern, generated_s, seconds))
     return fit(points)

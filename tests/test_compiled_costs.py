@@ -86,20 +86,24 @@ def test_the_eager_loss_makes_the_gradient_between_forward_and_backward_with_its
     assert peaks == {"sum": 8 * MB, "cross_entropy": 12 * MB}
 
 
-def test_fit_recovers_the_scale_and_overhead_of_generated_kernels():
-    truth = lambda e, g: e + 0.25 * g + 0.003  # noqa: E731
-    points = [("keep", 0.05, 0.04, truth(0.05, 0.04)), ("recompute", 0.07, 0.10, truth(0.07, 0.10))]
+def test_fit_recovers_the_scales_of_generated_and_extern_kernels_and_the_overhead():
+    truth = lambda e, g: 0.8 * e + 0.25 * g + 0.003  # noqa: E731
+    points = [("keep", 0.05, 0.04, truth(0.05, 0.04)), ("recompute-generated", 0.05, 0.10, truth(0.05, 0.10)),
+              ("recompute", 0.07, 0.12, truth(0.07, 0.12))]
     fit = cc.fit(points)
-    assert fit.scale == pytest.approx(0.25) and fit.overhead == pytest.approx(0.003)
+    assert fit.scale == pytest.approx(0.25) and fit.extern_scale == pytest.approx(0.8)
+    assert fit.overhead == pytest.approx(0.003)
     assert cc.fit([("a", 0.1, 0.01, 0.05), ("b", 0.1, 0.02, 0.05)]).scale == 0.0  # never negative
+    same_extern = cc.fit([("a", 0.1, 0.01, 0.2), ("b", 0.1, 0.03, 0.21)])
+    assert same_extern.extern_scale == 1.0 and same_extern.scale == pytest.approx(0.5)  # extern can't be told apart
     one = cc.fit([("keep", 0.05, 0.04, 0.1)])
-    assert one.scale == 1.0 and one.overhead == pytest.approx(0.01)
+    assert one.scale == 1.0 and one.extern_scale == 1.0 and one.overhead == pytest.approx(0.01)
 
 
-def test_calibrated_costs_scale_generated_ops_only():
+def test_calibrated_costs_scale_generated_and_extern_ops_apart():
     g = _net()
-    costs = cc.Calibration(0.5, 0.0).costs(g, unit_costs(g, 2.0))
-    assert costs.op_time["conv"] == 2.0 and costs.op_time["relu"] == 1.0 and costs.op_time["wgrad"] == 2.0
+    costs = cc.Calibration(0.5, 0.0, extern_scale=0.75).costs(g, unit_costs(g, 2.0))
+    assert costs.op_time["conv"] == 1.5 and costs.op_time["relu"] == 1.0 and costs.op_time["wgrad"] == 1.5
     extern, generated = cc.split_time(g, unit_costs(g), lambda cs: sum(cs.op_time.values()))
     assert (extern, generated) == (4.0, 4.0)
 
