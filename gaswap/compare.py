@@ -9,8 +9,8 @@ simulated on the same graph and costs), plus `--below` fractions of the lowest o
 Policies are simulated as inductor runs them (`gaswap.compiled_costs`): standalone op costs in CPU
 seconds, fused intermediates not counted, the generated kernels' and library calls' cost and the step's
 fixed overhead calibrated on keep-all, recompute-generated and recompute-all compiled and timed first. The
-table shows those predictions
-beside the ones of the joint graph's ops one by one (every op alone, every tensor counted).
+table shows those predictions beside the ones of the joint graph's ops one by one (every op alone, every
+tensor counted).
 
 Each method trains its own copy of the model from the same weights. After warm-up (the compile), rounds
 run the methods in rotated order: for each, one step under the peak meter, one untimed step (the meter
