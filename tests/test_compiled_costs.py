@@ -22,8 +22,8 @@ def _net() -> Graph:
            Op("relu", "aten.relu.default", ("a",), ("b",)),
            Op("mul", "aten.mul.Tensor", ("b",), ("c",)),
            Op("conv2", "aten.convolution.default", ("c", "w"), ("y",)),
-           Op("le", "aten.le.Scalar", ("b",), ("m",), phase="bwd"),
            Op("conv_bwd", "aten.convolution_backward.default", ("y", "c"), ("g1",), phase="bwd"),
+           Op("le", "aten.le.Scalar", ("b",), ("m",), phase="bwd"),
            Op("mask", "aten.where.self", ("m", "g1"), ("g2",), phase="bwd"),
            Op("wgrad", "aten.mm.default", ("g2", "a"), ("gw",), phase="bwd"))
     return Graph(ops, t, loss="y")
@@ -42,6 +42,9 @@ def test_tensors_inside_a_fused_kernel_take_no_memory_and_their_readers_read_the
     assert "b" in ops["mask"].inputs  # the mask m is recomputed inline from b: b lives until then
     assert ops["wgrad"].inputs == ("g2", "a")  # saved tensors are freed after their last reader
     assert fused.candidates() == g.candidates()
+    ops = list(g.ops)
+    ops[4], ops[5] = ops[5], ops[4]  # the mask made before the convolution's backward, read after it
+    assert cc.fused_graph(Graph(tuple(ops), g.tensors, loss="y")).tensors["m"].size == MB  # not fused across a library call
 
 
 def test_compiled_problem_simulates_policies_on_the_fused_graph():
