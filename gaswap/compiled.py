@@ -47,11 +47,12 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 from torch._functorch import config as functorch_config
-from torch._functorch.compile_utils import fx_graph_cse
-from torch._functorch.partitioners import _must_be_in_forward, min_cut_rematerialization_partition
+from torch._functorch.compile_utils import fx_graph_cse, raise_getitems
+from torch._functorch.partitioners import (_extract_fwd_bwd_modules, _is_primal, _must_be_in_forward, is_sym_node,
+                                           min_cut_rematerialization_partition, reordering_to_mimic_autograd_engine)
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
+from torch.utils._ordered_set import OrderedSet
 from torch.utils._pytree import arg_tree_leaves
-from torch.utils.checkpoint import CheckpointPolicy
 
 from gaswap import graph as graphs
 from gaswap import policy as policies
@@ -157,15 +158,14 @@ class PolicyPartitioner(CustomPartitionerFn):
         self.saved: list[str] = []  # storages the forward saved in the last partition (for tests and reports)
 
     def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs) -> tuple[fx.GraphModule, fx.GraphModule]:
-        joint = _joint(gm, kwargs["num_fwd_outputs"], kwargs.get("static_lifetime_input_indices") or [],
-                       self.policy.provenance.get("optimizer", "sgd_momentum"),
+        num_fwd_outputs = kwargs["num_fwd_outputs"]
+        static_indices = kwargs.get("static_lifetime_input_indices") or []
+        joint = _joint(gm, num_fwd_outputs, static_indices, self.policy.provenance.get("optimizer", "sgd_momentum"),
                        self.policy.provenance.get("counts", graphs.COUNTABLE))
         policies.check_matches(self.policy, joint.graph, "policy")
-        _tag(gm, joint, self.policy.actions)
-        with functorch_config.patch(activation_memory_budget=1.0):
-            fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-        self.saved = saved_storages(fw, kwargs["num_fwd_outputs"], joint)
-        _check_saved(self.saved, normalize(joint.graph, self.policy.actions))
+        fw, bw = partition(gm, saved_values(gm, joint, self.policy.actions), num_fwd_outputs, static_indices)
+        self.saved = saved_storages(fw, num_fwd_outputs, joint)
+        _check_saved(self.saved, self.policy.actions)
         return fw, bw
 
     def uuid(self) -> str:
@@ -212,8 +212,9 @@ def _joint(gm: fx.GraphModule, num_fwd_outputs: int, static_indices, optimizer: 
     storage: dict = {}
     tensors: dict[str, Tensor] = {}
     storage_of: dict[str, str] = {}
-    ops = []
-    for node in nodes:
+    ran_at: dict[str, int] = {}  # storage made in the forward -> where its op runs in the captured order (inputs -1)
+    ops = []  # (op, its place in the captured order)
+    for i, node in enumerate(nodes):
         val = node.meta.get("val")
         if node.op == "placeholder":
             if not isinstance(val, torch.Tensor):
@@ -221,11 +222,16 @@ def _joint(gm: fx.GraphModule, num_fwd_outputs: int, static_indices, optimizer: 
             kind = _placeholder_kind(node, primals, grads, static_indices)
             storage.setdefault(_key(val), node.name)
             tensors[node.name] = Tensor(node.name, _nbytes(val), kind)
+            if kind != "grad_output":
+                ran_at[node.name] = -1
         elif node.op == "call_function":
-            layer = _layer(node)
-            op = _make_op(node, storage, tensors, node in forward, layer)
+            read = [storage_of.get(a.name) for a in node.all_input_nodes]
+            mask = node not in forward and _is_mask(val, read, ran_at)
+            op = _make_op(node, storage, tensors, node in forward or mask, _layer(node))
             if op is not None:
-                ops.append(op)
+                at = max(ran_at[t] for t in read) if mask else i  # a mask runs right after what it reads
+                ops.append((op, (op.phase != "fwd", at, i)))
+                ran_at.update(dict.fromkeys(op.outputs, at) if op.phase == "fwd" else {})
         if isinstance(val, torch.Tensor) and _key(val) in storage:
             storage_of[node.name] = storage[_key(val)]
     for node in grads:
@@ -234,10 +240,17 @@ def _joint(gm: fx.GraphModule, num_fwd_outputs: int, static_indices, optimizer: 
             if tensors[name].producer is not None:
                 tensors[name] = Tensor(name, tensors[name].size, "grad", tensors[name].producer)
     param_bytes = sum(t.size for t in tensors.values() if t.kind == "param")
-    ops.sort(key=lambda op: op.phase != "fwd")
+    ops = [op for op, _ in sorted(ops, key=lambda pair: pair[1])]
     g = Graph(tuple(ops), tensors, resident={"optimizer_state": OPTIMIZER_STATE[optimizer] * param_bytes},
               counted=frozenset(counted), loss=storage_of[fwd_outputs[0].name])
     return Joint(g, storage_of)
+
+
+def _is_mask(val, read: list[str | None], ran_at: dict[str, int]) -> bool:
+    """Whether a backward node is a boolean mask computed from forward values alone (ReLU's `le = relu <= 0`):
+    gaswap makes it a forward op, so a policy may keep the mask and recompute (not save) what it reads."""
+    return (isinstance(val, torch.Tensor) and val.dtype == torch.bool and bool(read)
+            and all(t in ran_at for t in read))
 
 
 def _placeholder_kind(node: fx.Node, primals: list, grads: list, static_indices) -> str:
@@ -258,44 +271,40 @@ def _layer(node: fx.Node) -> str:
     return path.replace("L['self'].", "").replace("L['self']", "").replace("['", ".").replace("']", "")
 
 
-# --- tagging and checking ---------------------------------------------------------------------------------
+# --- the policy's partition ----------------------------------------------------------------------------
 
-def _tag(gm: fx.GraphModule, joint: Joint, actions: dict[str, str]) -> None:
-    """Set `meta["recompute"]` on every forward call_function node: a node whose storage is kept (or whose op may
-    not run twice) MUST_SAVE, every other MUST_RECOMPUTE. Views and getitems follow the op that made their
-    storage; an op of several outputs is saved whole if one of them is kept (see `normalize`)."""
-    ops = {op.name: op for op in joint.graph.ops}
-    actions = normalize(joint.graph, actions)
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        name = joint.storage_of.get(node.name)
-        op = ops.get(joint.graph.tensors[name].producer) if name in joint.graph.tensors else None
-        op = op or ops.get(node.name)  # an op of several outputs (its value is a tuple)
-        if op is None or op.phase != "fwd":
-            continue  # backward ops: computed in the backward, or hoisted by the partitioner (see the module doc)
-        if not op.recomputable or any(actions.get(t) == "keep" for t in op.outputs):
-            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-        else:
-            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+def saved_values(gm: fx.GraphModule, joint: Joint, actions: dict[str, str]) -> list[fx.Node]:
+    """The fx nodes of `gm` the forward may save under `actions`, in graph order: every kept candidate, every
+    output of a forward op that may not run twice (e.g. dropout's seeds: the backward regenerates a recomputed
+    mask from them), and the primal inputs (parameters, inputs, buffers). `partition` drops those the
+    backward does not read."""
+    kept = {t for t, a in actions.items() if a == "keep"}
+    kept |= {t for op in joint.graph.ops if op.phase == "fwd" and not op.recomputable for t in op.outputs}
+    return [n for n in gm.graph.nodes if n.name in kept or (n.op == "placeholder" and _is_primal(n))]
 
 
-def normalize(graph: Graph, actions: dict[str, str]) -> dict[str, str]:
-    """`actions` as a compiled graph can run them: the outputs of one op (e.g. var_mean's variance and mean) are
-    kept together if one of them is kept, since the partitioner saves or recomputes an fx node as a whole."""
-    out = dict(actions)
-    for op in graph.ops:
-        if len(op.outputs) > 1 and any(out.get(t) == "keep" for t in op.outputs):
-            out.update({t: "keep" for t in op.outputs if t in out})
-    return out
+def partition(gm: fx.GraphModule, saved: list[fx.Node], num_fwd_outputs: int,
+              static_indices) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Forward and backward modules of the joint graph `gm` where the forward saves `saved` (those the backward
+    reads) and the backward recomputes every other forward value it needs from them, as torch's min-cut
+    partitioner builds them once it has chosen what to save: its extraction, then the backward reordered as
+    the autograd engine would run it (a recomputation just before its first reader), getitems raised."""
+    primals = [n for n in gm.graph.nodes if n.op == "placeholder" and _is_primal(n)]
+    if any(is_sym_node(n) for n in gm.graph.nodes):
+        raise PolicyError("the joint graph has symbolic sizes: compiled policies need static shapes (dynamic=False)")
+    fw, bw = _extract_fwd_bwd_modules(gm, list(saved), saved_sym_nodes=[], num_fwd_outputs=num_fwd_outputs,
+                                      static_lifetime_input_nodes=OrderedSet(p for i, p in enumerate(primals)
+                                                                             if i in static_indices))
+    bw = reordering_to_mimic_autograd_engine(bw)
+    return raise_getitems(fw), raise_getitems(bw)
 
 
 def _check_saved(saved: list[str], actions: dict[str, str]) -> None:
-    """Refuse a partition that saves an activation the policy recomputes (the tags were not honoured)."""
+    """Refuse a partition that saves an activation the policy recomputes (torch's extraction saved more)."""
     wrong = [t for t in saved if actions.get(t) == "recompute"]
     if wrong:
-        raise PolicyError(f"torch's partitioner saved {len(wrong)} tensors the policy recomputes (e.g. {wrong[0]}); "
-                          f"this torch version does not honour the tags as gaswap expects")
+        raise PolicyError(f"the partition saved {len(wrong)} tensors the policy recomputes (e.g. {wrong[0]}); "
+                          f"this torch version does not extract forward and backward graphs as gaswap expects")
 
 
 # --- plumbing ---------------------------------------------------------------------------------------------
