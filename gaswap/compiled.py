@@ -3,8 +3,7 @@
 torch.compile (AOTAutograd) traces a model's forward and backward pass into one *joint graph*, then a
 partitioner splits it into a forward and a backward graph: what the forward saves for the backward is kept,
 everything else the backward needs is recomputed inside it. Inductor then compiles both and fuses their ops.
-The partitioner is pluggable (`torch._inductor.config.custom_partitioner_fn`), and it honours SAC tags
-(`node.meta["recompute"] = CheckpointPolicy.MUST_SAVE / MUST_RECOMPUTE`).
+The partitioner is pluggable (`torch._inductor.config.custom_partitioner_fn`).
 
 gaswap uses that graph itself, so the graph searched is the graph compiled:
 
@@ -12,7 +11,10 @@ gaswap uses that graph itself, so the graph searched is the graph compiled:
   graph inductor is about to partition (after its joint-graph passes, dead code removed, common
   subexpressions merged, as the partitioner does) and turns it into a gaswap `Graph`: op names are the
   joint graph's node names, stable for a given model, shapes and torch version. Forward ops are those the
-  forward must run (what the output needs, and the buffer updates); the rest is backward.
+  forward must run (what the output needs, and the buffer updates), and the backward's boolean masks that
+  read forward values alone (ReLU's `le = relu <= 0`, a quarter of relu's float32 bytes), placed right after
+  what they read: torch's min-cut partitioner saves such a mask instead of the activation, and as candidates
+  a policy can too. The rest is backward.
   The gradient of the output is a `grad_output` tensor (torch.compile's caller runs the loss, or the step
   returns it), so inputs are not candidates: the caller holds them.
 - Policies for it are searched in the `compiled` search space (keep / recompute per activation). The
@@ -20,15 +22,13 @@ gaswap uses that graph itself, so the graph searched is the graph compiled:
   graph in the order AOTAutograd mimics of the autograd engine), and the simulator replays the captured
   order. Swaps are refused (see below).
 - `backend(policy)` is a torch.compile backend (inductor with `PolicyPartitioner`): the partitioner checks
-  that the joint graph is the one the policy was made for, tags every forward op (kept or not
-  recomputable: MUST_SAVE; recomputed, and forward intermediates a recompute may need: MUST_RECOMPUTE),
-  partitions with the min-cut partitioner at memory budget 1.0, and checks that the forward saves no
-  tensor the policy recomputes. Backward ops that need no gradient (e.g. ReLU's mask `le = relu <= 0`)
-  are left to the min-cut partitioner, which may run them in the forward and save their (smaller)
-  result instead of recomputing what they read: that saves at most what the policy's plan holds, and the
-  simulator does not model it (it recomputes the chain), so a compiled step may hold less and run faster
-  than predicted. `compile(model, policy)` is `torch.compile(model, backend=backend(policy),
-  fullgraph=True, dynamic=False)`.
+  that the joint graph is the one the policy was made for, and partitions it as the policy says, with no
+  partitioner's choice left: the forward saves the kept candidates (and the outputs of forward ops that may
+  not run twice, such as dropout's seeds), the backward recomputes every other forward value it needs from
+  them and the primal inputs. The forward and backward modules are built by torch's own extraction, as its
+  min-cut partitioner does once it has chosen what to save (`partition`). It then checks that the forward
+  saves no tensor the policy recomputes. `compile(model, policy)` is `torch.compile(model,
+  backend=backend(policy), fullgraph=True, dynamic=False)`.
 
 Behaviour to know: a graph break (fullgraph=True) and dynamic shapes (dynamic=False) are refused by
 torch.compile; a recompilation (new shapes, dtypes, or a changed model) gives another joint graph, which the
@@ -151,7 +151,8 @@ def check_compiled(policy: Policy) -> None:
 
 
 class PolicyPartitioner(CustomPartitionerFn):
-    """Inductor's partitioner under a policy: tags the joint graph's nodes, then min-cut partitions it."""
+    """Inductor's partitioner under a policy: the forward saves what the policy keeps, the backward recomputes
+    the rest (`saved_values`, `partition`)."""
 
     def __init__(self, policy: Policy):
         self.policy = policy
@@ -184,8 +185,10 @@ def saved_storages(fw: fx.GraphModule, num_fwd_outputs: int, joint: Joint) -> li
 def policy_of_partition(joint: Joint, saved: list[str]) -> dict[str, str]:
     """The keep/recompute actions of a partition: a candidate is kept if the forward saved it, or if its op may
     not run twice (the partition saved something computed from it instead, e.g. a dropout mask from its seed).
-    Tensors the partition saves that are not candidates (a backward op hoisted into the forward, such as
-    ReLU's mask) have no action: the projection is approximate there."""
+    Tensors the partition saves that are not candidates have no action, and the projection is approximate
+    there: forward intermediates no backward op reads (torch may save a softmax's input, max and sum to
+    recompute its output) and backward values other than masks hoisted into the forward (e.g. a GELU's
+    derivative, or LayerNorm's `rsqrt / width`)."""
     kept = set(saved)
     ops = {op.name: op for op in joint.graph.ops}
     return {t: "keep" if t in kept or not ops[joint.graph.tensors[t].producer].recomputable else "recompute"
