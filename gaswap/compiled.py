@@ -49,7 +49,8 @@ from torch import fx
 from torch._functorch import config as functorch_config
 from torch._functorch.compile_utils import fx_graph_cse, raise_getitems
 from torch._functorch.partitioners import (_extract_fwd_bwd_modules, _is_primal, _must_be_in_forward, is_sym_node,
-                                           min_cut_rematerialization_partition, reordering_to_mimic_autograd_engine)
+                                           min_cut_rematerialization_partition, reordering_to_mimic_autograd_engine,
+                                           thread_graphsafe_rng_from_hops)
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch.utils._ordered_set import OrderedSet
 from torch.utils._pytree import arg_tree_leaves
@@ -234,7 +235,8 @@ def _joint(gm: fx.GraphModule, num_fwd_outputs: int, static_indices, optimizer: 
             if op is not None:
                 at = max(ran_at[t] for t in read) if mask else i  # a mask runs right after what it reads
                 ops.append((op, (op.phase != "fwd", at, i)))
-                ran_at.update(dict.fromkeys(op.outputs, at) if op.phase == "fwd" else {})
+                if op.phase == "fwd":
+                    ran_at.update(dict.fromkeys(op.outputs, at))
         if isinstance(val, torch.Tensor) and _key(val) in storage:
             storage_of[node.name] = storage[_key(val)]
     for node in grads:
@@ -291,7 +293,9 @@ def partition(gm: fx.GraphModule, saved: list[fx.Node], num_fwd_outputs: int,
     """Forward and backward modules of the joint graph `gm` where the forward saves `saved` (those the backward
     reads) and the backward recomputes every other forward value it needs from them, as torch's min-cut
     partitioner builds them once it has chosen what to save: its extraction, then the backward reordered as
-    the autograd engine would run it (a recomputation just before its first reader), getitems raised."""
+    the autograd engine would run it (a recomputation just before its first reader), getitems raised, the
+    random states of higher-order ops threaded through. (Its rng functionalization is for recomputed random
+    ops: a policy never recomputes those.)"""
     primals = [n for n in gm.graph.nodes if n.op == "placeholder" and _is_primal(n)]
     if any(is_sym_node(n) for n in gm.graph.nodes):
         raise PolicyError("the joint graph has symbolic sizes: compiled policies need static shapes (dynamic=False)")
@@ -299,7 +303,8 @@ def partition(gm: fx.GraphModule, saved: list[fx.Node], num_fwd_outputs: int,
                                       static_lifetime_input_nodes=OrderedSet(p for i, p in enumerate(primals)
                                                                              if i in static_indices))
     bw = reordering_to_mimic_autograd_engine(bw)
-    return raise_getitems(fw), raise_getitems(bw)
+    return (thread_graphsafe_rng_from_hops(raise_getitems(fw), is_backward=False),
+            thread_graphsafe_rng_from_hops(raise_getitems(bw), is_backward=True))
 
 
 def _check_saved(saved: list[str], actions: dict[str, str]) -> None:
