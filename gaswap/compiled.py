@@ -12,9 +12,10 @@ gaswap uses that graph itself, so the graph searched is the graph compiled:
   subexpressions merged, as the partitioner does) and turns it into a gaswap `Graph`: op names are the
   joint graph's node names, stable for a given model, shapes and torch version. Forward ops are those the
   forward must run (what the output needs, and the buffer updates), and the backward's boolean masks that
-  read forward values alone (ReLU's `le = relu <= 0`, a quarter of relu's float32 bytes), placed right after
-  what they read: torch's min-cut partitioner saves such a mask instead of the activation, and as candidates
-  a policy can too. The rest is backward.
+  read forward values alone, values no other backward op reads (ReLU's `le = relu <= 0` when the backward
+  reads relu only through it; a quarter of relu's float32 bytes), placed right after what they read: torch's
+  min-cut partitioner saves such a mask instead of the activation, and as candidates a policy can too. The
+  rest is backward.
   The gradient of the output is a `grad_output` tensor (torch.compile's caller runs the loss, or the step
   returns it), so inputs are not candidates: the caller holds them.
 - Policies for it are searched in the `compiled` search space (keep / recompute per activation). The
@@ -213,6 +214,8 @@ def _joint(gm: fx.GraphModule, num_fwd_outputs: int, static_indices, optimizer: 
                           f"(the model's output, or the loss)")
     primals = [n for n in nodes if n.op == "placeholder" and not n.target.startswith("tangents")]
     forward = _ancestors([*fwd_outputs, *(n for n in nodes if n.op == "call_function" and _must_be_in_forward(n))])
+    read_by_backward = {_key(a.meta["val"]) for n in nodes if n.op == "call_function" and n not in forward
+                        and not _is_bool(n.meta.get("val")) for a in n.all_input_nodes if _is_tensor(a)}
     storage: dict = {}
     tensors: dict[str, Tensor] = {}
     storage_of: dict[str, str] = {}
@@ -230,7 +233,7 @@ def _joint(gm: fx.GraphModule, num_fwd_outputs: int, static_indices, optimizer: 
                 ran_at[node.name] = -1
         elif node.op == "call_function":
             read = [storage_of.get(a.name) for a in node.all_input_nodes]
-            mask = node not in forward and _is_mask(val, read, ran_at)
+            mask = node not in forward and _is_mask(node, read, ran_at, read_by_backward)
             op = _make_op(node, storage, tensors, node in forward or mask, _layer(node))
             if op is not None:
                 at = max(ran_at[t] for t in read) if mask else i  # a mask runs right after what it reads
@@ -251,11 +254,20 @@ def _joint(gm: fx.GraphModule, num_fwd_outputs: int, static_indices, optimizer: 
     return Joint(g, storage_of)
 
 
-def _is_mask(val, read: list[str | None], ran_at: dict[str, int]) -> bool:
-    """Whether a backward node is a boolean mask computed from forward values alone (ReLU's `le = relu <= 0`):
-    gaswap makes it a forward op, so a policy may keep the mask and recompute (not save) what it reads."""
-    return (isinstance(val, torch.Tensor) and val.dtype == torch.bool and bool(read)
-            and all(t in ran_at for t in read))
+def _is_mask(node: fx.Node, read: list[str | None], ran_at: dict[str, int], read_by_backward: set) -> bool:
+    """Whether a backward node is a boolean mask that can stand in for what it reads: computed from forward values
+    alone (ReLU's `le = relu <= 0`), which no other backward op reads (masks aside). Made a forward op, it is
+    a candidate: a policy may keep the mask instead of the activation."""
+    return (_is_bool(node.meta.get("val")) and bool(read) and all(t in ran_at for t in read)
+            and not any(_key(a.meta["val"]) in read_by_backward for a in node.all_input_nodes))
+
+
+def _is_bool(val) -> bool:
+    return isinstance(val, torch.Tensor) and val.dtype == torch.bool
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
 
 
 def _placeholder_kind(node: fx.Node, primals: list, grads: list, static_indices) -> str:

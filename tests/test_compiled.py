@@ -48,14 +48,16 @@ def test_capture_is_the_joint_graph_torch_partitions():
 
 
 def test_a_kept_mask_is_saved_instead_of_the_activation_it_reads():
-    """ReLU's backward mask `le = relu_1 <= 0` reads only a forward activation: it is a forward op and a candidate
-    (a quarter of relu_1's bytes), and relu_1, which the backward reads only through it, is not a candidate.
+    """ReLU's backward mask `le = relu_1 <= 0` reads only a forward activation that the backward reads through it
+    alone: it is a forward op and a candidate (a quarter of relu_1's bytes), and relu_1 is not a candidate.
     Keeping the mask saves it and not relu_1; recomputing it saves neither (the backward recomputes relu_1)."""
     model, x, _ = _cnn()
     g = compiled.capture(model, x)
     ops = {op.name: op for op in g.ops}
     assert ops["le"].phase == "fwd" and ops["le"].target == "aten.le.Scalar"
     assert "le" in g.candidates() and "relu_1" not in g.candidates()
+    # relu's mask `le_1` stays in the backward: the backward reads relu anyway (the next convolution's gradient)
+    assert ops["le_1"].phase == "bwd" and "relu" in g.candidates()
     assert g.tensors["le"].size * 4 == g.tensors["relu_1"].size  # bool against float32
     order = [op.name for op in g.ops]
     assert order.index("le") == order.index("relu_1") + 1  # the mask runs right after what it reads
