@@ -3,8 +3,7 @@
 torch.compile (AOTAutograd) traces a model's forward and backward pass into one *joint graph*, then a
 partitioner splits it into a forward and a backward graph: what the forward saves for the backward is kept,
 everything else the backward needs is recomputed inside it. Inductor then compiles both and fuses their ops.
-The partitioner is pluggable (`torch._inductor.config.custom_partitioner_fn`), and it honours SAC tags
-(`node.meta["recompute"] = CheckpointPolicy.MUST_SAVE / MUST_RECOMPUTE`).
+The partitioner is pluggable (`torch._inductor.config.custom_partitioner_fn`).
 
 gaswap uses that graph itself, so the graph searched is the graph compiled:
 
@@ -12,7 +11,11 @@ gaswap uses that graph itself, so the graph searched is the graph compiled:
   graph inductor is about to partition (after its joint-graph passes, dead code removed, common
   subexpressions merged, as the partitioner does) and turns it into a gaswap `Graph`: op names are the
   joint graph's node names, stable for a given model, shapes and torch version. Forward ops are those the
-  forward must run (what the output needs, and the buffer updates); the rest is backward.
+  forward must run (what the output needs, and the buffer updates), and the backward's boolean masks that
+  read forward values alone, values no other backward op reads (ReLU's `le = relu <= 0` when the backward
+  reads relu only through it; a quarter of relu's float32 bytes), placed right after what they read: torch's
+  min-cut partitioner saves such a mask instead of the activation, and as candidates a policy can too. The
+  rest is backward.
   The gradient of the output is a `grad_output` tensor (torch.compile's caller runs the loss, or the step
   returns it), so inputs are not candidates: the caller holds them.
 - Policies for it are searched in the `compiled` search space (keep / recompute per activation). The
@@ -20,15 +23,13 @@ gaswap uses that graph itself, so the graph searched is the graph compiled:
   graph in the order AOTAutograd mimics of the autograd engine), and the simulator replays the captured
   order. Swaps are refused (see below).
 - `backend(policy)` is a torch.compile backend (inductor with `PolicyPartitioner`): the partitioner checks
-  that the joint graph is the one the policy was made for, tags every forward op (kept or not
-  recomputable: MUST_SAVE; recomputed, and forward intermediates a recompute may need: MUST_RECOMPUTE),
-  partitions with the min-cut partitioner at memory budget 1.0, and checks that the forward saves no
-  tensor the policy recomputes. Backward ops that need no gradient (e.g. ReLU's mask `le = relu <= 0`)
-  are left to the min-cut partitioner, which may run them in the forward and save their (smaller)
-  result instead of recomputing what they read: that saves at most what the policy's plan holds, and the
-  simulator does not model it (it recomputes the chain), so a compiled step may hold less and run faster
-  than predicted. `compile(model, policy)` is `torch.compile(model, backend=backend(policy),
-  fullgraph=True, dynamic=False)`.
+  that the joint graph is the one the policy was made for, and partitions it as the policy says, with no
+  partitioner's choice left: the forward saves the kept candidates (and the outputs of forward ops that may
+  not run twice, such as dropout's seeds), the backward recomputes every other forward value it needs from
+  them and the primal inputs. The forward and backward modules are built by torch's own extraction, as its
+  min-cut partitioner does once it has chosen what to save (`partition`). It then checks that the forward
+  saves no tensor the policy recomputes. `compile(model, policy)` is `torch.compile(model,
+  backend=backend(policy), fullgraph=True, dynamic=False)`.
 
 Behaviour to know: a graph break (fullgraph=True) and dynamic shapes (dynamic=False) are refused by
 torch.compile; a recompilation (new shapes, dtypes, or a changed model) gives another joint graph, which the
@@ -47,11 +48,13 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 from torch._functorch import config as functorch_config
-from torch._functorch.compile_utils import fx_graph_cse
-from torch._functorch.partitioners import _must_be_in_forward, min_cut_rematerialization_partition
+from torch._functorch.compile_utils import fx_graph_cse, raise_getitems
+from torch._functorch.partitioners import (_extract_fwd_bwd_modules, _is_primal, _must_be_in_forward, is_sym_node,
+                                           min_cut_rematerialization_partition, reordering_to_mimic_autograd_engine,
+                                           thread_graphsafe_rng_from_hops)
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
+from torch.utils._ordered_set import OrderedSet
 from torch.utils._pytree import arg_tree_leaves
-from torch.utils.checkpoint import CheckpointPolicy
 
 from gaswap import graph as graphs
 from gaswap import policy as policies
@@ -150,22 +153,22 @@ def check_compiled(policy: Policy) -> None:
 
 
 class PolicyPartitioner(CustomPartitionerFn):
-    """Inductor's partitioner under a policy: tags the joint graph's nodes, then min-cut partitions it."""
+    """Inductor's partitioner under a policy: the forward saves what the policy keeps, the backward recomputes
+    the rest (`saved_values`, `partition`)."""
 
     def __init__(self, policy: Policy):
         self.policy = policy
         self.saved: list[str] = []  # storages the forward saved in the last partition (for tests and reports)
 
     def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs) -> tuple[fx.GraphModule, fx.GraphModule]:
-        joint = _joint(gm, kwargs["num_fwd_outputs"], kwargs.get("static_lifetime_input_indices") or [],
-                       self.policy.provenance.get("optimizer", "sgd_momentum"),
+        num_fwd_outputs = kwargs["num_fwd_outputs"]
+        static_indices = kwargs.get("static_lifetime_input_indices") or []
+        joint = _joint(gm, num_fwd_outputs, static_indices, self.policy.provenance.get("optimizer", "sgd_momentum"),
                        self.policy.provenance.get("counts", graphs.COUNTABLE))
         policies.check_matches(self.policy, joint.graph, "policy")
-        _tag(gm, joint, self.policy.actions)
-        with functorch_config.patch(activation_memory_budget=1.0):
-            fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-        self.saved = saved_storages(fw, kwargs["num_fwd_outputs"], joint)
-        _check_saved(self.saved, normalize(joint.graph, self.policy.actions))
+        fw, bw = partition(gm, saved_values(gm, joint, self.policy.actions), num_fwd_outputs, static_indices)
+        self.saved = saved_storages(fw, num_fwd_outputs, joint)
+        _check_saved(self.saved, self.policy.actions)
         return fw, bw
 
     def uuid(self) -> str:
@@ -184,8 +187,10 @@ def saved_storages(fw: fx.GraphModule, num_fwd_outputs: int, joint: Joint) -> li
 def policy_of_partition(joint: Joint, saved: list[str]) -> dict[str, str]:
     """The keep/recompute actions of a partition: a candidate is kept if the forward saved it, or if its op may
     not run twice (the partition saved something computed from it instead, e.g. a dropout mask from its seed).
-    Tensors the partition saves that are not candidates (a backward op hoisted into the forward, such as
-    ReLU's mask) have no action: the projection is approximate there."""
+    Tensors the partition saves that are not candidates have no action, and the projection is approximate
+    there: forward intermediates no backward op reads (torch may save a softmax's input, max and sum to
+    recompute its output) and backward values other than masks hoisted into the forward (e.g. a GELU's
+    derivative, or LayerNorm's `rsqrt / width`)."""
     kept = set(saved)
     ops = {op.name: op for op in joint.graph.ops}
     return {t: "keep" if t in kept or not ops[joint.graph.tensors[t].producer].recomputable else "recompute"
@@ -209,11 +214,14 @@ def _joint(gm: fx.GraphModule, num_fwd_outputs: int, static_indices, optimizer: 
                           f"(the model's output, or the loss)")
     primals = [n for n in nodes if n.op == "placeholder" and not n.target.startswith("tangents")]
     forward = _ancestors([*fwd_outputs, *(n for n in nodes if n.op == "call_function" and _must_be_in_forward(n))])
+    read_by_backward = {_key(a.meta["val"]) for n in nodes if n.op == "call_function" and n not in forward
+                        and not _is_bool(n.meta.get("val")) for a in n.all_input_nodes if _is_tensor(a)}
     storage: dict = {}
     tensors: dict[str, Tensor] = {}
     storage_of: dict[str, str] = {}
-    ops = []
-    for node in nodes:
+    ran_at: dict[str, int] = {}  # storage made in the forward -> where its op runs in the captured order (inputs -1)
+    ops = []  # (op, its place in the captured order)
+    for i, node in enumerate(nodes):
         val = node.meta.get("val")
         if node.op == "placeholder":
             if not isinstance(val, torch.Tensor):
@@ -221,11 +229,17 @@ def _joint(gm: fx.GraphModule, num_fwd_outputs: int, static_indices, optimizer: 
             kind = _placeholder_kind(node, primals, grads, static_indices)
             storage.setdefault(_key(val), node.name)
             tensors[node.name] = Tensor(node.name, _nbytes(val), kind)
+            if kind != "grad_output":
+                ran_at[node.name] = -1
         elif node.op == "call_function":
-            layer = _layer(node)
-            op = _make_op(node, storage, tensors, node in forward, layer)
+            read = [storage_of.get(a.name) for a in node.all_input_nodes]
+            mask = node not in forward and _is_mask(node, read, ran_at, read_by_backward)
+            op = _make_op(node, storage, tensors, node in forward or mask, _layer(node))
             if op is not None:
-                ops.append(op)
+                at = max(ran_at[t] for t in read) if mask else i  # a mask runs right after what it reads
+                ops.append((op, (op.phase != "fwd", at, i)))
+                if op.phase == "fwd":
+                    ran_at.update(dict.fromkeys(op.outputs, at))
         if isinstance(val, torch.Tensor) and _key(val) in storage:
             storage_of[node.name] = storage[_key(val)]
     for node in grads:
@@ -234,10 +248,26 @@ def _joint(gm: fx.GraphModule, num_fwd_outputs: int, static_indices, optimizer: 
             if tensors[name].producer is not None:
                 tensors[name] = Tensor(name, tensors[name].size, "grad", tensors[name].producer)
     param_bytes = sum(t.size for t in tensors.values() if t.kind == "param")
-    ops.sort(key=lambda op: op.phase != "fwd")
+    ops = [op for op, _ in sorted(ops, key=lambda pair: pair[1])]
     g = Graph(tuple(ops), tensors, resident={"optimizer_state": OPTIMIZER_STATE[optimizer] * param_bytes},
               counted=frozenset(counted), loss=storage_of[fwd_outputs[0].name])
     return Joint(g, storage_of)
+
+
+def _is_mask(node: fx.Node, read: list[str | None], ran_at: dict[str, int], read_by_backward: set) -> bool:
+    """Whether a backward node is a boolean mask that can stand in for what it reads: computed from forward values
+    alone (ReLU's `le = relu <= 0`), which no other backward op reads (masks aside). Made a forward op, it is
+    a candidate: a policy may keep the mask instead of the activation."""
+    return (_is_bool(node.meta.get("val")) and bool(read) and all(t in ran_at for t in read)
+            and not any(_key(a.meta["val"]) in read_by_backward for a in node.all_input_nodes))
+
+
+def _is_bool(val) -> bool:
+    return isinstance(val, torch.Tensor) and val.dtype == torch.bool
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
 
 
 def _placeholder_kind(node: fx.Node, primals: list, grads: list, static_indices) -> str:
@@ -258,44 +288,43 @@ def _layer(node: fx.Node) -> str:
     return path.replace("L['self'].", "").replace("L['self']", "").replace("['", ".").replace("']", "")
 
 
-# --- tagging and checking ---------------------------------------------------------------------------------
+# --- the policy's partition ----------------------------------------------------------------------------
 
-def _tag(gm: fx.GraphModule, joint: Joint, actions: dict[str, str]) -> None:
-    """Set `meta["recompute"]` on every forward call_function node: a node whose storage is kept (or whose op may
-    not run twice) MUST_SAVE, every other MUST_RECOMPUTE. Views and getitems follow the op that made their
-    storage; an op of several outputs is saved whole if one of them is kept (see `normalize`)."""
-    ops = {op.name: op for op in joint.graph.ops}
-    actions = normalize(joint.graph, actions)
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        name = joint.storage_of.get(node.name)
-        op = ops.get(joint.graph.tensors[name].producer) if name in joint.graph.tensors else None
-        op = op or ops.get(node.name)  # an op of several outputs (its value is a tuple)
-        if op is None or op.phase != "fwd":
-            continue  # backward ops: computed in the backward, or hoisted by the partitioner (see the module doc)
-        if not op.recomputable or any(actions.get(t) == "keep" for t in op.outputs):
-            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-        else:
-            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+def saved_values(gm: fx.GraphModule, joint: Joint, actions: dict[str, str]) -> list[fx.Node]:
+    """The fx nodes of `gm` the forward may save under `actions`, in graph order: every kept candidate, every
+    output of a forward op that may not run twice (e.g. dropout's seeds: the backward regenerates a recomputed
+    mask from them), and the primal inputs (parameters, inputs, buffers). `partition` drops those the
+    backward does not read."""
+    kept = {t for t, a in actions.items() if a == "keep"}
+    kept |= {t for op in joint.graph.ops if op.phase == "fwd" and not op.recomputable for t in op.outputs}
+    return [n for n in gm.graph.nodes if n.name in kept or (n.op == "placeholder" and _is_primal(n))]
 
 
-def normalize(graph: Graph, actions: dict[str, str]) -> dict[str, str]:
-    """`actions` as a compiled graph can run them: the outputs of one op (e.g. var_mean's variance and mean) are
-    kept together if one of them is kept, since the partitioner saves or recomputes an fx node as a whole."""
-    out = dict(actions)
-    for op in graph.ops:
-        if len(op.outputs) > 1 and any(out.get(t) == "keep" for t in op.outputs):
-            out.update({t: "keep" for t in op.outputs if t in out})
-    return out
+def partition(gm: fx.GraphModule, saved: list[fx.Node], num_fwd_outputs: int,
+              static_indices) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Forward and backward modules of the joint graph `gm` where the forward saves `saved` (those the backward
+    reads) and the backward recomputes every other forward value it needs from them, as torch's min-cut
+    partitioner builds them once it has chosen what to save: its extraction, then the backward reordered as
+    the autograd engine would run it (a recomputation just before its first reader), getitems raised, the
+    random states of higher-order ops threaded through. (Its rng functionalization is for recomputed random
+    ops: a policy never recomputes those.)"""
+    primals = [n for n in gm.graph.nodes if n.op == "placeholder" and _is_primal(n)]
+    if any(is_sym_node(n) for n in gm.graph.nodes):
+        raise PolicyError("the joint graph has symbolic sizes: compiled policies need static shapes (dynamic=False)")
+    fw, bw = _extract_fwd_bwd_modules(gm, list(saved), saved_sym_nodes=[], num_fwd_outputs=num_fwd_outputs,
+                                      static_lifetime_input_nodes=OrderedSet(p for i, p in enumerate(primals)
+                                                                             if i in static_indices))
+    bw = reordering_to_mimic_autograd_engine(bw)
+    return (thread_graphsafe_rng_from_hops(raise_getitems(fw), is_backward=False),
+            thread_graphsafe_rng_from_hops(raise_getitems(bw), is_backward=True))
 
 
 def _check_saved(saved: list[str], actions: dict[str, str]) -> None:
-    """Refuse a partition that saves an activation the policy recomputes (the tags were not honoured)."""
+    """Refuse a partition that saves an activation the policy recomputes (torch's extraction saved more)."""
     wrong = [t for t in saved if actions.get(t) == "recompute"]
     if wrong:
-        raise PolicyError(f"torch's partitioner saved {len(wrong)} tensors the policy recomputes (e.g. {wrong[0]}); "
-                          f"this torch version does not honour the tags as gaswap expects")
+        raise PolicyError(f"the partition saved {len(wrong)} tensors the policy recomputes (e.g. {wrong[0]}); "
+                          f"this torch version does not extract forward and backward graphs as gaswap expects")
 
 
 # --- plumbing ---------------------------------------------------------------------------------------------

@@ -47,6 +47,27 @@ def test_capture_is_the_joint_graph_torch_partitions():
     assert set(actions) == set(cands)
 
 
+def test_a_kept_mask_is_saved_instead_of_the_activation_it_reads():
+    """ReLU's backward mask `le = relu_1 <= 0` reads only a forward activation that the backward reads through it
+    alone: it is a forward op and a candidate (a quarter of relu_1's bytes), and relu_1 is not a candidate.
+    Keeping the mask saves it and not relu_1; recomputing it saves neither (the backward recomputes relu_1)."""
+    model, x, _ = _cnn()
+    g = compiled.capture(model, x)
+    ops = {op.name: op for op in g.ops}
+    assert ops["le"].phase == "fwd" and ops["le"].target == "aten.le.Scalar"
+    assert "le" in g.candidates() and "relu_1" not in g.candidates()
+    # relu's mask `le_1` stays in the backward: the backward reads relu anyway (the next convolution's gradient)
+    assert ops["le_1"].phase == "bwd" and "relu" in g.candidates()
+    assert g.tensors["le"].size * 4 == g.tensors["relu_1"].size  # bool against float32
+    order = [op.name for op in g.ops]
+    assert order.index("le") == order.index("relu_1") + 1  # the mask runs right after what it reads
+    keep = compiled.saved_by(copy.deepcopy(model), compiled.make_policy(g, {}), x)
+    assert "le" in keep and "relu_1" not in keep
+    recompute = compiled.saved_by(copy.deepcopy(model), compiled.make_policy(g, {"le": "recompute"}), x)
+    assert not {"le", "relu_1"} & set(recompute)
+    assert set(keep) - set(recompute) == {"le"}  # the policy alone decides: nothing else changes
+
+
 def test_refusals_before_any_code_is_generated():
     model, x, _ = _cnn()
     g = compiled.capture(model, x)
@@ -79,14 +100,15 @@ def _train(fn, model, x, y, steps=3):
     return losses, grads, [t.clone() for t in model.state_dict().values()]
 
 
-def _policies(graph, names):
+def _policies(model, x, graph, names):
     recomputable = _recomputable(graph)
     rng = random.Random(0)
     every = {
-        "recompute": {t: "recompute" for t in recomputable},
-        "mixed": {t: rng.choice(["keep", "recompute"]) for t in recomputable},
+        "recompute": lambda: {t: "recompute" for t in recomputable},
+        "mixed": lambda: {t: rng.choice(["keep", "recompute"]) for t in recomputable},
+        "torch": lambda: compiled.torch_partition(model, x, budget=1.0)[1],  # torch's own partition, read back
     }
-    return {name: every[name] for name in names}
+    return {name: every[name]() for name in names}
 
 
 def _run_all(make, names):
@@ -95,7 +117,7 @@ def _run_all(make, names):
     graph = compiled.capture(model, x)
     reference = _train(torch.compile(m := copy.deepcopy(model), fullgraph=True, dynamic=False), m, x, y)
     out = {}
-    for name, actions in _policies(graph, names).items():
+    for name, actions in _policies(model, x, graph, names).items():
         m = copy.deepcopy(model)
         backend = compiled.backend(compiled.make_policy(graph, actions))
         out[name] = (_train(torch.compile(m, backend=backend, fullgraph=True, dynamic=False), m, x, y),
@@ -119,6 +141,8 @@ def test_mlp_with_dropout_trains_bitwise_as_plain_torch_compile():
     assert _equal(result, reference)
     assert "keep" in actions.values() and "recompute" in actions.values()
     assert not {t for t, a in actions.items() if a == "recompute"} & set(saved)  # recomputed, so not saved
+    # a recomputed dropout mask is drawn again in the backward from the seeds the forward saved
+    assert actions["gt"] == "recompute" and "inductor_seeds_default" in saved
 
 
 @pytest.mark.slow
@@ -136,5 +160,15 @@ def test_cnn_with_batchnorm_trains_as_plain_torch_compile():
             torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4 * float(r.abs().max()))
     for s, r in zip(state, reference[2]):  # parameters, BatchNorm running statistics and counters
         torch.testing.assert_close(s, r, rtol=1e-4, atol=1e-4 * float(r.abs().max().clamp(min=1e-30)))
-    recomputed = {t for t, a in compiled.normalize(graph, out["mixed"][2]).items() if a == "recompute"}
+    recomputed = {t for t, a in out["mixed"][2].items() if a == "recompute"}
     assert out["mixed"][1] and not recomputed & set(out["mixed"][1])
+
+
+@pytest.mark.slow
+def test_cnn_under_torchs_own_partition_read_back_trains_bitwise_as_plain_torch_compile():
+    """torch's partition at budget 1.0 saves ReLU's mask instead of the activation; read back as a gaswap policy
+    it saves the same tensors, so inductor compiles the same step: bitwise equal, BatchNorm and all."""
+    graph, reference, out = _run_all(_cnn, ["torch"])
+    result, saved, actions = out["torch"]
+    assert actions["le"] == "keep" and "le" in saved and "relu_1" not in saved
+    assert _equal(result, reference)
