@@ -50,7 +50,8 @@ def test_capture_is_the_joint_graph_torch_partitions():
 def test_a_kept_mask_is_saved_instead_of_the_activation_it_reads():
     """ReLU's backward mask `le = relu_1 <= 0` reads only a forward activation that the backward reads through it
     alone: it is a forward op and a candidate (a quarter of relu_1's bytes), and relu_1 is not a candidate.
-    Keeping the mask saves it and not relu_1; recomputing it saves neither (the backward recomputes relu_1)."""
+    The mask is always kept (recomputing it would re-make relu_1 in the backward and hold it there): it is saved,
+    relu_1 is not, and a policy recomputing it is refused."""
     model, x, _ = _cnn()
     g = compiled.capture(model, x)
     ops = {op.name: op for op in g.ops}
@@ -63,9 +64,9 @@ def test_a_kept_mask_is_saved_instead_of_the_activation_it_reads():
     assert order.index("le") == order.index("relu_1") + 1  # the mask runs right after what it reads
     keep = compiled.saved_by(copy.deepcopy(model), compiled.make_policy(g, {}), x)
     assert "le" in keep and "relu_1" not in keep
-    recompute = compiled.saved_by(copy.deepcopy(model), compiled.make_policy(g, {"le": "recompute"}), x)
-    assert not {"le", "relu_1"} & set(recompute)
-    assert set(keep) - set(recompute) == {"le"}  # the policy alone decides: nothing else changes
+    assert not ops["le"].recomputable
+    with pytest.raises(PolicyError, match="recomputes le, whose op may not run twice"):
+        compiled.make_policy(g, {"le": "recompute"})
 
 
 def test_refusals_before_any_code_is_generated():
