@@ -43,7 +43,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import fx
@@ -236,8 +236,6 @@ def _joint(gm: fx.GraphModule, num_fwd_outputs: int, static_indices, optimizer: 
             read = [storage_of.get(a.name) for a in node.all_input_nodes]
             mask = node not in forward and _is_mask(node, read, ran_at, read_by_backward)
             op = _make_op(node, storage, tensors, node in forward or mask, _layer(node))
-            if op is not None and mask:
-                op = replace(op, recomputable=False)  # kept: see _is_mask
             if op is not None:
                 at = max(ran_at[t] for t in read) if mask else i  # a mask runs right after what it reads
                 ops.append((op, (op.phase != "fwd", at, i)))
@@ -259,10 +257,10 @@ def _joint(gm: fx.GraphModule, num_fwd_outputs: int, static_indices, optimizer: 
 
 def _is_mask(node: fx.Node, read: list[str | None], ran_at: dict[str, int], read_by_backward: set) -> bool:
     """Whether a backward node is a boolean mask that can stand in for what it reads: computed from forward values
-    alone (ReLU's `le = relu <= 0`), which no other backward op reads (masks aside). Made a forward op that is
-    always kept, it stands in for the activation: recomputing it would re-make what it reads in the backward,
-    and the compiled backward holds that until the mask is made (measured on compare_cnn_cpu: 42.9 MB with
-    `le` recomputed, 36.6 MB with it kept, the simulator's 35.7 MB for both)."""
+    alone (ReLU's `le = relu <= 0`), which no other backward op reads (masks aside). Made a forward op, it is
+    a candidate: a policy may keep the mask instead of the activation. (A trade-off the model does not price:
+    on compare_cnn_cpu keeping `le` peaks at 36.6 MB and takes 123 ms a step on this CPU, recomputing it 42.9 MB
+    and 72 ms; inductor's CPU kernels that store and read the bool mask are that slow.)"""
     return (_is_bool(node.meta.get("val")) and bool(read) and all(t in ran_at for t in read)
             and not any(_key(a.meta["val"]) in read_by_backward for a in node.all_input_nodes))
 

@@ -50,8 +50,7 @@ def test_capture_is_the_joint_graph_torch_partitions():
 def test_a_kept_mask_is_saved_instead_of_the_activation_it_reads():
     """ReLU's backward mask `le = relu_1 <= 0` reads only a forward activation that the backward reads through it
     alone: it is a forward op and a candidate (a quarter of relu_1's bytes), and relu_1 is not a candidate.
-    The mask is always kept (recomputing it would re-make relu_1 in the backward and hold it there): it is saved,
-    relu_1 is not, and a policy recomputing it is refused."""
+    Keeping the mask saves it and not relu_1; recomputing it saves neither (the backward recomputes relu_1)."""
     model, x, _ = _cnn()
     g = compiled.capture(model, x)
     ops = {op.name: op for op in g.ops}
@@ -64,9 +63,9 @@ def test_a_kept_mask_is_saved_instead_of_the_activation_it_reads():
     assert order.index("le") == order.index("relu_1") + 1  # the mask runs right after what it reads
     keep = compiled.saved_by(copy.deepcopy(model), compiled.make_policy(g, {}), x)
     assert "le" in keep and "relu_1" not in keep
-    assert not ops["le"].recomputable
-    with pytest.raises(PolicyError, match="recomputes le, whose op may not run twice"):
-        compiled.make_policy(g, {"le": "recompute"})
+    recompute = compiled.saved_by(copy.deepcopy(model), compiled.make_policy(g, {"le": "recompute"}), x)
+    assert not {"le", "relu_1"} & set(recompute)
+    assert set(keep) - set(recompute) == {"le"}  # the policy alone decides: nothing else changes
 
 
 def test_refusals_before_any_code_is_generated():
@@ -173,3 +172,17 @@ def test_cnn_under_torchs_own_partition_read_back_trains_bitwise_as_plain_torch_
     result, saved, actions = out["torch"]
     assert actions["le"] == "keep" and "le" in saved and "relu_1" not in saved
     assert _equal(result, reference)
+
+
+def test_a_policy_recomputing_what_may_not_run_twice_is_refused():
+    from gaswap.graph import Graph, Op, Tensor
+
+    t = {"x": Tensor("x", 4, "input"), "r": Tensor("r", 4, "activation", "rand"),
+         "y": Tensor("y", 4, "activation", "mul"), "g": Tensor("g", 4, "activation", "mul_bwd")}
+    g = Graph((Op("rand", "aten.rand_like.default", ("x",), ("r",), recomputable=False),
+               Op("mul", "aten.mul.Tensor", ("x", "r"), ("y",)),
+               Op("mul_bwd", "aten.mul.Tensor", ("y", "r"), ("g",), phase="bwd")), t, loss="y")
+    assert "r" in g.candidates()
+    with pytest.raises(PolicyError, match="recomputes r, whose op may not run twice"):
+        compiled.make_policy(g, {"r": "recompute"})
+    assert compiled.make_policy(g, {"r": "keep"}).actions == {"r": "keep"}
