@@ -4,7 +4,7 @@
 
 For each depth: a GPT decoder (width 768, 12 heads, seq 1024, batch 8, Adam, A100 roofline costs) under
 0.4x its keep-all peak, searched in the hybrid space with the default GA settings (`config.GASettings`:
-population 64, converged when 20 generations gain no 0.1 %, at most 500 generations) once per seed
+population 64, converged when 50 generations gain no 0.1 %, at most 500 generations) once per seed
 (`12:5` = seeds 0-4). `--long` depths are also searched once more with patience 60 and tolerance 0 (seed
 100), which only counts toward the best known policy. Prints one Markdown row per search as it ends: ops,
 candidates, evaluations, CPU seconds (this process, capture excluded), what stopped it, the best overhead

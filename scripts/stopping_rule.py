@@ -1,22 +1,25 @@
-"""Which convergence rule: long fixed searches, with each (patience, tolerance) applied to their history.
+"""Which convergence rule: long fixed searches, with each rule applied to their history.
 
-    PYTHONPATH=. python scripts/stopping_rule.py [--graph gpt12|alexnet] [--generations 300] [--seeds 0,1]
+    PYTHONPATH=. python scripts/stopping_rule.py [--graph gpt12|gpt48|gpt96|alexnet] [--generations 300]
+        [--seeds 0,1] [--save histories.json | --load histories.json]
 
-Searches the 12-layer GPT of scripts/scaling.py at 0.4x (hybrid, population 64) or experiments/alexnet_4gb.yaml
-for exactly `--generations` (patience off), then, for each rule, finds the generation where it would have
-stopped and prints it with the evaluations spent and how many points of overhead over keep-all the best
-policy then was behind the whole run's.
+Searches a GPT stack of scripts/scaling.py (`gptN`: N layers) at 0.4x (hybrid, population 64) or
+experiments/alexnet_4gb.yaml for exactly `--generations` (patience off), then, for each rule, finds the
+generation where `search.converged` would have stopped it and prints it with the evaluations spent and how
+many points of overhead over keep-all the best policy then was behind the whole run's. `--save` writes the
+recorded histories (JSON) and `--load` replays saved ones without searching.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 from gaswap.config import GASettings, load_search_space
-from gaswap.problem import Problem
+from gaswap.problem import Generation, Problem
 from gaswap.search import converged, search
 
-RULES = [(p, t) for p in (10, 20, 30, 50) for t in (0.0, 0.001, 0.005)]
+RULES = [(p, t) for p in (20, 30, 40, 50, 60) for t in (0.0, 0.001)]
 
 
 def stopped_at(history, patience: int, tolerance: float) -> int:
@@ -25,38 +28,54 @@ def stopped_at(history, patience: int, tolerance: float) -> int:
                 len(history) - 1)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--graph", choices=("gpt12", "alexnet"), default="gpt12")
-    parser.add_argument("--generations", type=int, default=300)
-    parser.add_argument("--seeds", default="0,1")
-    args = parser.parse_args()
-    if args.graph == "alexnet":
+def problem_of(graph_name: str):
+    """(graph, costs, space, population, budget, keep-all step time) of a graph this script knows."""
+    if graph_name == "alexnet":
         from gaswap import config, workflow
 
         experiment = config.load_experiment("experiments/alexnet_4gb.yaml")
         prepared = workflow.prepare(experiment)
         keep = workflow.keep_all(prepared)
-        graph, costs, space, population = prepared.graph, prepared.costs, experiment.search_space, 128
-        budget = experiment.budget.resolve(keep.peak_bytes)
-    else:
-        from gaswap.speed import deep_gpt_graph
+        return (prepared.graph, prepared.costs, experiment.search_space, 128,
+                experiment.budget.resolve(keep.peak_bytes), keep.step_time)
+    from gaswap.speed import deep_gpt_graph
 
-        graph, costs = deep_gpt_graph(12, profile="a100-pcie-40gb")
-        keep = Problem(graph, costs).keep_all()
-        space, population, budget = load_search_space("hybrid"), 64, int(0.4 * keep.peak_bytes)
-    ga = dataclasses.replace(GASettings(), population=population, generations=args.generations, patience=None)
-    runs = {}
-    for seed in (int(s) for s in args.seeds.split(",")):
-        runs[seed] = search(Problem(graph, costs, budget, space), ga, seed).history
-        print(f"seed {seed}: {runs[seed][-1].best_time_s / keep.step_time - 1:+.2%} after {args.generations} "
-              "generations", flush=True)
+    graph, costs = deep_gpt_graph(int(graph_name.removeprefix("gpt")), profile="a100-pcie-40gb")
+    keep = Problem(graph, costs).keep_all()
+    return graph, costs, load_search_space("hybrid"), 64, int(0.4 * keep.peak_bytes), keep.step_time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--graph", default="gpt12", help="gptN (a GPT stack of N layers) or alexnet")
+    parser.add_argument("--generations", type=int, default=300)
+    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--save", help="write the recorded histories to this JSON file")
+    parser.add_argument("--load", help="replay the histories of this JSON file (no search)")
+    args = parser.parse_args()
+    if args.load:
+        with open(args.load) as f:
+            saved = json.load(f)
+        keep_time = saved["keep_step_time"]
+        runs = {int(s): [Generation(**g) for g in h] for s, h in saved["runs"].items()}
+    else:
+        graph, costs, space, population, budget, keep_time = problem_of(args.graph)
+        ga = dataclasses.replace(GASettings(), population=population, generations=args.generations, patience=None)
+        runs = {}
+        for seed in (int(s) for s in args.seeds.split(",")):
+            runs[seed] = list(search(Problem(graph, costs, budget, space), ga, seed).history)
+            if args.save:
+                with open(args.save, "w") as f:
+                    json.dump({"graph": args.graph, "keep_step_time": keep_time,
+                               "runs": {s: [dataclasses.asdict(g) for g in h] for s, h in runs.items()}}, f)
+    for seed, history in runs.items():
+        print(f"seed {seed}: {history[-1].best_time_s / keep_time - 1:+.2%} after {len(history)} generations")
     print("| patience | tolerance | " + " | ".join(f"seed {s}: generation, evaluations, behind" for s in runs) + " |")
     for patience, tolerance in RULES:
         cells = []
         for history in runs.values():
             g = stopped_at(history, patience, tolerance)
-            behind = (history[g].best_time_s - history[-1].best_time_s) / keep.step_time
+            behind = (history[g].best_time_s - history[-1].best_time_s) / keep_time
             cells.append(f"{g + 1}, {history[g].evaluations:,}, +{behind * 100:.2f} pp")
         print(f"| {patience} | {tolerance:g} | " + " | ".join(cells) + " |")
 
