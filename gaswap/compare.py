@@ -78,14 +78,8 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), resul
     if exp.loss == "external":
         raise config.ConfigError(f"{exp.path}: loss: compare computes the loss outside the compiled model; give a "
                                  f"loss (cross_entropy, mse or sum) and its target")
-    device = resolve_device("auto")
-    if device.type == "cpu":
-        use_cpu(exp.costs.threads)
-    torch.manual_seed(exp.seed)
-    model = experiment.build_model(exp, device=str(device))
-    inputs, target = experiment.make_inputs(exp, str(device), torch.Generator(device).manual_seed(exp.seed))
-    progress(f"{exp.name} on {device_name(device)}: capturing torch.compile's joint graph")
-    graph = compiled.capture(model, *inputs, optimizer=exp.optimizer, counted=exp.counts)
+    progress(f"{exp.name} on {device_name(resolve_device('auto'))}: capturing torch.compile's joint graph")
+    device, model, inputs, target, graph = prepare(exp)
     costs = measure(graph, device, cache_dir, threads=exp.costs.threads)
     space = config.load_search_space(compiled.SPACE)
     progress("  calibrating the compiled model: keep-all, recompute-generated and recompute-all, compiled and timed")
@@ -137,6 +131,19 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), resul
     write_atomic(folder / "compare.csv", csv_text(rows, COLUMNS))
     write_atomic(folder / "compare.md", to_markdown(rows, exp.name, device_name(device)))
     return rows
+
+
+def prepare(exp: config.Experiment, device="auto") -> tuple:
+    """(device, model, inputs, target, joint graph) of an experiment for compiled runs: its intra-op threads on
+    a CPU, the model and inputs made from its seed, torch.compile's joint graph captured."""
+    dev = resolve_device(device)
+    if dev.type == "cpu":
+        use_cpu(exp.costs.threads)
+    torch.manual_seed(exp.seed)
+    model = experiment.build_model(exp, device=str(dev))
+    inputs, target = experiment.make_inputs(exp, str(dev), torch.Generator(dev).manual_seed(exp.seed))
+    graph = compiled.capture(model, *inputs, optimizer=exp.optimizer, counted=exp.counts)
+    return dev, model, inputs, target, graph
 
 
 def _actions(encoding: Encoding, actions: dict[str, str]) -> tuple[int, ...]:

@@ -17,12 +17,10 @@ import json
 import statistics
 from pathlib import Path
 
-import torch
-
-from gaswap import compiled, config, experiment, policy as policies
-from gaswap.compare import Method, fresh_copy, train_step
+from gaswap import compiled, config, policy as policies
+from gaswap.compare import Method, fresh_copy, prepare, train_step
 from gaswap.files import write_atomic
-from gaswap.measure import device_name, load_per_cpu, resolve_device, use_cpu
+from gaswap.measure import device_name, load_per_cpu
 from gaswap.meter import PeakMeter
 
 PEAK_TOLERANCE = 0.05
@@ -36,13 +34,7 @@ def validate_compiled(policy: policies.Policy, policy_path: Path, exp: config.Ex
     predicted = policy.predicted
     if "resident_bytes" not in predicted:
         raise policies.PolicyError(f"{policy_path}: predicted: needs resident_bytes (re-run `gaswap compare`)")
-    dev = resolve_device(device)
-    if dev.type == "cpu":
-        use_cpu(exp.costs.threads)
-    torch.manual_seed(exp.seed)
-    model = experiment.build_model(exp, device=str(dev))
-    inputs, target = experiment.make_inputs(exp, str(dev), torch.Generator(dev).manual_seed(exp.seed))
-    graph = compiled.capture(model, *inputs, optimizer=exp.optimizer, counted=exp.counts)
+    dev, model, inputs, target, graph = prepare(exp, device)
     policies.check_matches(policy, graph, policy_path)
     m, opt = fresh_copy(model, exp)
     method = Method("gaswap", "", m, compiled.compile(m, policy), opt)

@@ -13,13 +13,11 @@ import argparse
 import random
 import statistics
 
-import torch
-
-from gaswap import compiled, compiled_costs, config, experiment
-from gaswap.compare import Method, _actions, fresh_copy, train_step
+from gaswap import compiled, compiled_costs, config
+from gaswap.compare import Method, _actions, fresh_copy, prepare, train_step
 from gaswap.config import format_size
 from gaswap.encoding import Action, Chromosome
-from gaswap.measure import measure, resolve_device, use_cpu
+from gaswap.measure import measure
 from gaswap.meter import PeakMeter
 from gaswap.problem import Problem
 
@@ -31,13 +29,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
     exp = config.load_experiment(args.experiment)
-    device = resolve_device("auto")
-    if device.type == "cpu":
-        use_cpu(exp.costs.threads)
-    torch.manual_seed(exp.seed)
-    model = experiment.build_model(exp, device=str(device))
-    inputs, target = experiment.make_inputs(exp, str(device), torch.Generator(device).manual_seed(exp.seed))
-    graph = compiled.capture(model, *inputs, optimizer=exp.optimizer, counted=exp.counts)
+    device, model, inputs, target, graph = prepare(exp)
     costs = measure(graph, device, threads=exp.costs.threads)
     space = config.load_search_space(compiled.SPACE)
     fused = compiled_costs.CompiledProblem(graph, costs, None, space, loss=exp.loss)
