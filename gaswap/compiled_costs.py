@@ -6,9 +6,9 @@ op makes. Inductor does not run the joint graph that way: it runs matmuls and co
 generated C++ (or Triton) kernels whose intermediates never reach memory. This module turns the joint graph
 and its costs into what the compiled step does, leaving the simulator as it is:
 
-- `fused_graph(graph)`: the same graph, with the tensors that stay inside a fused kernel sized 0. A tensor
-  stays inside if a generated (non-extern) op makes it, only generated ops read it, and it is not a
-  candidate (a candidate may be saved for the backward, which materializes it) nor a gradient or the loss.
+- `fused_graph(graph, loss)`: the same graph, with the tensors that stay inside a fused kernel sized 0 (made
+  and read only by generated ops, with no library call in between, and not a candidate, a gradient or the
+  loss), and the eager loss between the compiled forward and backward as an op of its own (`with_loss`).
 - `calibrate(...)`: the cost of the compiled kernels. Generated ops are priced at `scale` times their
   standalone sum (a fused kernel reads and writes less than its ops one by one), extern ops at
   `extern_scale` times theirs, and the step pays a fixed `overhead` (the compiled module's call, the loss,
@@ -59,9 +59,9 @@ def fused_graph(graph: Graph, loss: str = "sum") -> Graph:
     - a tensor stays inside a fused kernel (sized 0) if a generated op makes it, generated ops alone read it,
       no library call runs between its making and its last reading (inductor does not fuse across one: an
       unrolled GRU's gradient sums, chained across 24 matmuls, would otherwise keep every matmul's output
-      alive: predicted 13.7 MB, measured 6.3), and it is neither the loss nor a candidate (a kept one is saved; a recomputed one is counted too:
-      measured on DenseNet, counting recomputed tensors as fused predicted peaks up to 2.2x too low, since
-      inductor materializes much of what the backward recomputes);
+      alive: predicted 13.7 MB, measured 6.3), and it is neither the loss nor a candidate (a kept one is
+      saved; a recomputed one is counted too: measured on DenseNet, counting recomputed tensors as fused
+      predicted peaks up to 2.2x too low, since inductor materializes much of what the backward recomputes);
     - an op reading such a tensor reads what it is computed from instead (inductor inlines it), so those
       tensors live until the op runs.
 
@@ -97,7 +97,8 @@ def fused_graph(graph: Graph, loss: str = "sum") -> Graph:
 
     ops = [replace(op, inputs=tuple(dict.fromkeys((*op.inputs, *(s for i in op.inputs for s in source(i))))))
            for op in graph.ops]
-    tensors = {name: Tensor(t.name, 0, t.kind, t.producer) if name in inside else t for name, t in graph.tensors.items()}
+    tensors = {name: Tensor(t.name, 0, t.kind, t.producer) if name in inside else t
+               for name, t in graph.tensors.items()}
     return with_loss(Graph(tuple(ops), tensors, graph.resident, graph.counted, graph.loss), loss)
 
 
