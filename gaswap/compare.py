@@ -3,9 +3,9 @@
 For one experiment, in one process: the model trained eagerly; compiled by torch.compile (inductor) with
 `torch._functorch.config.activation_memory_budget` at 1.0, 0.5 and 0.2; and compiled under gaswap policies
 (`gaswap.compiled`) searched at the peaks torch's partitions reach and below. The gaswap budgets are the
-simulated peaks of torch's own partitions (each partition read back as keep/recompute actions and
-simulated on the same graph and costs), plus `--below` fractions of the lowest of them; the GA
-(search space `compiled`: keep / recompute, the compiler's order) is seeded with torch's partitions.
+peaks torch.compile's runs measure (one metered step each, after the compile), plus `--below` fractions of
+the lowest of them; the GA (search space `compiled`: keep / recompute, the compiler's order) is seeded with
+torch's partitions, each read back as keep/recompute actions.
 Policies are simulated as inductor runs them (`gaswap.compiled_costs`): standalone op costs in CPU
 seconds, fused intermediates not counted, the generated kernels' and library calls' cost and the step's
 fixed overhead calibrated on keep-all, recompute-generated and recompute-all compiled and timed first. The
@@ -96,23 +96,26 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), resul
         _, actions = compiled.torch_partition(model, *inputs, budget=budget, optimizer=exp.optimizer, counted=exp.counts)
         chromosome = Chromosome(encoding.captured_keys(), _actions(encoding, actions))
         torch_points[budget] = (chromosome, unbounded.simulate(chromosome))
-    ours = _search(exp, graph, unbounded.costs, space, torch_points, below, progress)
-    folder = Path(results_root) / exp.name
     resident = unbounded.fused.resident_bytes()  # the meter measures above what is allocated before a step
 
     def predicted(chromosome, r) -> tuple:
         o = opwise.simulate(chromosome)
         return r.peak_bytes - resident, r.step_time + calibration.overhead, o.peak_bytes - resident, o.step_time
 
-    for stale in [*folder.glob("compiled/p[0-9]*.yaml"), *folder.glob("compiled/p[0-9]*.validation.json")]:
-        stale.unlink()  # an earlier run's policies and their validations
     eager, opt = fresh_copy(model, exp)
     methods = [Method("eager", "-", eager, eager, opt)]
     for budget, (chromosome, r) in torch_points.items():
         m, opt = fresh_copy(model, exp)
         methods.append(Method("torch.compile", f"{budget:g}", m, _torch_compiled(m, budget), opt,
                               predicted(chromosome, r), _count(chromosome)))
-    budget_of = dict(_budgets(torch_points, below))
+    reached = [_peak_reached(m, inputs, target, exp, device, progress) for m in methods[1:]]
+    budgets = _budgets([peak + resident for peak in reached], below, resident)
+    seeds = {f"torch_{b:g}": c for b, (c, _) in torch_points.items()}
+    ours = _search(exp, graph, unbounded.costs, space, seeds, budgets, progress)
+    folder = Path(results_root) / exp.name
+    for stale in [*folder.glob("compiled/p[0-9]*.yaml"), *folder.glob("compiled/p[0-9]*.validation.json")]:
+        stale.unlink()  # an earlier run's policies and their validations
+    budget_of = dict(budgets)
     for k, (label, evaluated) in enumerate(ours):
         r = unbounded.simulate(evaluated.chromosome)
         policy = compiled.make_policy(graph, unbounded.actions_of(evaluated.chromosome),
@@ -156,12 +159,11 @@ def _actions(encoding: Encoding, actions: dict[str, str]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _search(exp, graph, costs, space, torch_points, below, progress) -> list[tuple[str, object]]:
-    """gaswap's fastest policy at each distinct simulated peak of torch's partitions, and at `below` times
-    the lowest of them: (label, Evaluated) pairs, skipping budgets where nothing fits."""
-    seeds = {f"torch_{b:g}": c for b, (c, _) in torch_points.items()}
+def _search(exp, graph, costs, space, seeds, budgets, progress) -> list[tuple[str, object]]:
+    """gaswap's fastest policy at each of `budgets` ((label, bytes) pairs), the GA seeded with `seeds`:
+    (label, Evaluated) pairs, skipping budgets where nothing fits."""
     out = []
-    for label, budget in _budgets(torch_points, below):
+    for label, budget in budgets:
         result = search(compiled_costs.CompiledProblem(graph, costs, budget, space, loss=exp.loss), exp.ga, exp.seed,
                         seeds=seeds)
         progress(f"  gaswap search at {label}: " + ("nothing fits" if result.best is None else
@@ -171,11 +173,32 @@ def _search(exp, graph, costs, space, torch_points, below, progress) -> list[tup
     return out
 
 
-def _budgets(torch_points, below) -> list[tuple[str, int]]:
-    """(label, bytes): the distinct simulated peaks of torch's partitions, then `below` times the lowest."""
-    peaks = sorted({r.peak_bytes for _, r in torch_points.values()}, reverse=True)
-    return [(format_size(p), p) for p in peaks] + [(f"{f:g}x {format_size(peaks[-1])}", int(f * peaks[-1]))
-                                                   for f in below]
+def _budgets(peaks: list[int], below, resident: int) -> list[tuple[str, int]]:
+    """(label, bytes): the distinct `peaks` (highest first), then `below` times the lowest; labelled by what
+    the meter would read (the bytes above `resident`)."""
+    peaks = sorted(set(peaks), reverse=True)
+    lowest = peaks[-1]
+    return ([(format_size(p - resident), p) for p in peaks]
+            + [(f"{f:g}x {format_size(lowest - resident)}", resident + int(f * (lowest - resident))) for f in below])
+
+
+def _peak_reached(m: "Method", inputs, target, exp, device, progress) -> int:
+    """The peak one step of `m` measures (bytes above what is allocated before it), after its warm-up."""
+    _warm_up(m, inputs, target, exp, device, progress)
+    with PeakMeter(device) as meter:
+        train_step(m, inputs, target, exp.loss, device)
+    return meter.peak
+
+
+def _warm_up(m: "Method", inputs, target, exp, device, progress) -> None:
+    """Two steps (the compile), timed into `m.compile_s`, once."""
+    if m.compile_s:
+        return
+    started = time.perf_counter()
+    for _ in range(2):
+        train_step(m, inputs, target, exp.loss, device)
+    m.compile_s = time.perf_counter() - started
+    progress(f"  warmed up {m.name} {m.knob} ({m.compile_s:.0f} s)")
 
 
 def fresh_copy(model, exp) -> tuple[torch.nn.Module, object]:
@@ -225,11 +248,7 @@ def _measure(methods, inputs, target, exp, device, rounds, steps, progress) -> l
     peaks = {k: [] for k in times}
     rss_peaks = {k: [] for k in times}
     for m in methods:
-        started = time.perf_counter()
-        for _ in range(2):
-            train_step(m, inputs, target, exp.loss, device)
-        m.compile_s = time.perf_counter() - started
-        progress(f"  warmed up {m.name} {m.knob} ({m.compile_s:.0f} s)")
+        _warm_up(m, inputs, target, exp, device, progress)
     for r in range(rounds):
         for m in methods[r % len(methods):] + methods[:r % len(methods)]:
             with PeakMeter(device) as meter:
