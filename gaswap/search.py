@@ -108,6 +108,11 @@ def converged(history: list[Generation], patience: int, tolerance: float) -> boo
     return not (faster or wider)
 
 
+def stopping_generation(history: list[Generation], patience: int, tolerance: float) -> int | None:
+    """The index of the first generation of `history` at which `converged` ends a search (None: none)."""
+    return next((g for g in range(len(history)) if converged(history[:g + 1], patience, tolerance)), None)
+
+
 class Search:
     """NSGA-II on `problem` (its budget and search space) with the GA settings `ga`, seeded by `seed`.
 

@@ -5,7 +5,7 @@
 
 Searches a GPT stack of scripts/scaling.py (`gptN`: N layers) at 0.4x (hybrid, population 64) or
 experiments/alexnet_4gb.yaml for exactly `--generations` (patience off), then, for each rule, finds the
-generation where `search.converged` would have stopped it and prints it with the evaluations spent and how
+generation where `search.converged` would have stopped it (`search.stopping_generation`) and prints it with the evaluations spent and how
 many points of overhead over keep-all the best policy then was behind the whole run's. `--save` writes the
 recorded histories (JSON) and `--load` replays saved ones without searching.
 """
@@ -17,15 +17,9 @@ import json
 
 from gaswap.config import GASettings, load_search_space
 from gaswap.problem import Generation, Problem
-from gaswap.search import converged, search
+from gaswap.search import search, stopping_generation
 
 RULES = [(p, t) for p in (20, 30, 40, 50, 60) for t in (0.0, 0.001)]
-
-
-def stopped_at(history, patience: int, tolerance: float) -> int:
-    """The index of the generation where `search.converged` ends the search (else the last)."""
-    return next((g for g in range(len(history)) if converged(history[:g + 1], patience, tolerance)),
-                len(history) - 1)
 
 
 def problem_of(graph_name: str):
@@ -74,7 +68,8 @@ def main() -> None:
     for patience, tolerance in RULES:
         cells = []
         for history in runs.values():
-            g = stopped_at(history, patience, tolerance)
+            g = stopping_generation(history, patience, tolerance)
+            g = len(history) - 1 if g is None else g
             behind = (history[g].best_time_s - history[-1].best_time_s) / keep_time
             cells.append(f"{g + 1}, {history[g].evaluations:,}, +{behind * 100:.2f} pp")
         print(f"| {patience} | {tolerance:g} | " + " | ".join(cells) + " |")

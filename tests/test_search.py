@@ -16,7 +16,7 @@ from gaswap.config import GASettings, load_search_space
 from gaswap.encoding import Action, Encoding
 from gaswap.graph import chain
 from gaswap.problem import Evaluated, Generation, Problem
-from gaswap.search import _add_to_archive, converged, hypervolume, objectives, search
+from gaswap.search import _add_to_archive, hypervolume, objectives, search, stopping_generation
 
 GA = GASettings(population=24, generations=15)
 
@@ -181,11 +181,8 @@ def test_the_default_patience_waits_out_a_plateau_of_44_generations():
 
     history = [record(g) for g in range(1, 50 + ga.patience + 2)]
 
-    def first_stop(patience):
-        return next(g + 1 for g in range(len(history)) if converged(history[:g + 1], patience, ga.tolerance))
-
-    assert first_stop(ga.patience) == 50 + ga.patience  # not on the plateau: patience generations after the gain
-    assert first_stop(20) == 26  # the old default stopped on it, 2 % short
+    assert stopping_generation(history, ga.patience, ga.tolerance) + 1 == 50 + ga.patience  # patience after the gain
+    assert stopping_generation(history, 20, ga.tolerance) + 1 == 26  # the old default stopped on it, 2 % short
 
 
 def test_the_default_patience_on_recorded_48_layer_histories():
@@ -194,15 +191,12 @@ def test_the_default_patience_on_recorded_48_layer_histories():
     path = Path(__file__).resolve().parents[1] / "results/stopping_rule/gpt48_seeds0-4.json"
     recorded, ga = json.loads(path.read_text()), GASettings()
 
-    def stop(history, patience):
-        return next(g for g in range(len(history)) if converged(history[:g + 1], patience, ga.tolerance))
-
     for seed, rows in recorded["runs"].items():
         history = [Generation(**row) for row in rows]
-        stopped = history[stop(history, ga.patience)]
+        stopped = history[stopping_generation(history, ga.patience, ga.tolerance)]
         assert (stopped.best_time_s - history[-1].best_time_s) / recorded["keep_step_time"] < 0.0005, seed
     seed4 = [Generation(**row) for row in recorded["runs"]["4"]]
-    assert stop(seed4, 20) + 1 == 37
+    assert stopping_generation(seed4, 20, ga.tolerance) + 1 == 37
     assert (seed4[36].best_time_s - seed4[-1].best_time_s) / recorded["keep_step_time"] > 0.02
 
 
