@@ -71,10 +71,7 @@ def fused_graph(graph: Graph, loss: str = "sum") -> Graph:
     """
     candidates = set(graph.candidates())
     extern = {op.name for op in graph.ops if is_extern(op.target)}
-    readers: dict[str, list[str]] = {t: [] for t in graph.tensors}
-    for op in graph.ops:
-        for t in set(op.inputs):
-            readers[t].append(op.name)
+    readers = graph.consumers()
     position = graph.op_index()
     extern_at = [k for k, op in enumerate(graph.ops) if op.name in extern]
 
