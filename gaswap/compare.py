@@ -7,8 +7,8 @@ peaks torch.compile's runs measure (one metered step each, after the compile), p
 the lowest of them; the GA (search space `compiled`: keep / recompute, the compiler's order) is seeded with
 torch's partitions, each read back as keep/recompute actions.
 Policies are simulated as inductor runs them (`gaswap.compiled_costs`): standalone op costs in CPU
-seconds, fused intermediates not counted, the generated kernels' and library calls' cost and the step's
-fixed overhead calibrated on keep-all, recompute-generated and recompute-all compiled and timed first. The
+seconds, fused intermediates not counted, the keep-all step, the cost of recomputation and of kept masks
+calibrated on six policies compiled and timed first (`compiled_costs.calibrate`). The
 table shows those predictions beside the ones of the joint graph's ops one by one (every op alone, every
 tensor counted).
 
@@ -82,13 +82,14 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), resul
     device, model, inputs, target, graph = prepare(exp)
     costs = measure(graph, device, cache_dir, threads=exp.costs.threads)
     space = config.load_search_space(compiled.SPACE)
-    progress("  calibrating the compiled model: keep-all, recompute-generated and recompute-all, compiled and timed")
+    progress("  calibrating the compiled model: six policies compiled and timed")
     calibration = compiled_costs.calibrate(graph, costs, lambda ps: _cpu_times(ps, model, inputs, target, exp, device),
-                                           {"optimizer": exp.optimizer, "counts": sorted(exp.counts)})
-    progress(f"  generated kernels cost {calibration.scale:.2f}x their ops one by one, library calls "
-             f"{calibration.extern_scale:.2f}x; "
-             f"{calibration.overhead * 1e3:.2f} ms per step outside the graph")
-    unbounded = compiled_costs.CompiledProblem(graph, calibration.costs(graph, costs), None, space, loss=exp.loss)
+                                           {"optimizer": exp.optimizer, "counts": sorted(exp.counts)}, exp.loss)
+    progress(f"  keep-all {calibration.base * 1e3:.2f} ms a step; recomputed generated ops cost "
+             f"{calibration.scale:.2f}x their ops one by one, library calls {calibration.extern_scale:.2f}x; "
+             f"a kept mask {calibration.mask_rate * 1e9:.1f} ms per MB; fit within "
+             f"{calibration.worst_error():.1%} on its points")
+    unbounded = compiled_costs.CompiledProblem(graph, costs, None, space, loss=exp.loss, calibration=calibration)
     opwise = Problem(graph, costs, None, space)  # the model before: every op alone, every tensor counted
     encoding = unbounded.encoding
     torch_points = {}
@@ -100,7 +101,7 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), resul
 
     def predicted(chromosome, r) -> tuple:
         o = opwise.simulate(chromosome)
-        return r.peak_bytes - resident, r.step_time + calibration.overhead, o.peak_bytes - resident, o.step_time
+        return r.peak_bytes - resident, r.step_time, o.peak_bytes - resident, o.step_time
 
     eager, opt = fresh_copy(model, exp)
     methods = [Method("eager", "-", eager, eager, opt)]
@@ -111,7 +112,7 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), resul
     reached = [_peak_reached(m, inputs, target, exp, device, progress) for m in methods[1:]]
     budgets = _budgets([peak + resident for peak in reached], below, resident)
     seeds = {f"torch_{b:g}": c for b, (c, _) in torch_points.items()}
-    ours = _search(exp, graph, unbounded.costs, space, seeds, budgets, progress)
+    ours = _search(exp, graph, costs, calibration, space, seeds, budgets, progress)
     folder = Path(results_root) / exp.name
     for stale in [*folder.glob("compiled/p[0-9]*.yaml"), *folder.glob("compiled/p[0-9]*.validation.json")]:
         stale.unlink()  # an earlier run's policies and their validations
@@ -119,7 +120,7 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), resul
     for k, (label, evaluated) in enumerate(ours):
         r = unbounded.simulate(evaluated.chromosome)
         policy = compiled.make_policy(graph, unbounded.actions_of(evaluated.chromosome),
-                                      {"peak_bytes": r.peak_bytes, "step_time_s": r.step_time + calibration.overhead,
+                                      {"peak_bytes": r.peak_bytes, "step_time_s": r.step_time,
                                        "resident_bytes": resident},
                                       {"experiment": exp.name, "experiment_file": str(exp.path), "budget": label,
                                        "budget_bytes": budget_of[label],
@@ -159,13 +160,13 @@ def _actions(encoding: Encoding, actions: dict[str, str]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _search(exp, graph, costs, space, seeds, budgets, progress) -> list[tuple[str, object]]:
+def _search(exp, graph, costs, calibration, space, seeds, budgets, progress) -> list[tuple[str, object]]:
     """gaswap's fastest policy at each of `budgets` ((label, bytes) pairs), the GA seeded with `seeds`:
     (label, Evaluated) pairs, skipping budgets where nothing fits."""
     out = []
     for label, budget in budgets:
-        result = search(compiled_costs.CompiledProblem(graph, costs, budget, space, loss=exp.loss), exp.ga, exp.seed,
-                        seeds=seeds)
+        problem = compiled_costs.CompiledProblem(graph, costs, budget, space, loss=exp.loss, calibration=calibration)
+        result = search(problem, exp.ga, exp.seed, seeds=seeds)
         progress(f"  gaswap search at {label}: " + ("nothing fits" if result.best is None else
                  f"{format_size(result.best.peak_bytes)}, {result.best.step_time * 1e3:.2f} ms predicted"))
         if result.best is not None:
@@ -221,6 +222,7 @@ def _torch_compiled(model, budget: float):
 
 def _cpu_times(policies_, model, inputs, target, exp, device, rounds: int = 4, steps: int = 3) -> list[float]:
     """Median CPU seconds per training step of `model` compiled under each policy (timed in rotated rounds)."""
+    _allow_recompiles(len(policies_))
     methods = []
     for k, policy in enumerate(policies_):
         m, opt = fresh_copy(model, exp)
@@ -235,6 +237,12 @@ def _cpu_times(policies_, model, inputs, target, exp, device, rounds: int = 4, s
     return [statistics.median(t) for t in times]
 
 
+def _allow_recompiles(count: int) -> None:
+    """Let dynamo compile the model's forward once more for each of `count` methods (each is compiled apart;
+    dynamo counts the compiles of one function across them all, and a run compiles some 20)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * count, 64)
+
+
 def _count(chromosome) -> int:
     return sum(1 for a in chromosome.actions if a == Action.RECOMPUTE)
 
@@ -242,7 +250,7 @@ def _count(chromosome) -> int:
 def _measure(methods, inputs, target, exp, device, rounds, steps, progress) -> list[dict]:
     """Warm up (compile) each method, then `rounds` rounds in rotated order: one step under the peak meter, one
     untimed step, then `steps` timed steps each."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(methods))
+    _allow_recompiles(len(methods))
     times = {m.name + m.knob: [] for m in methods}
     cpu_times = {k: [] for k in times}
     peaks = {k: [] for k in times}

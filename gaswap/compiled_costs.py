@@ -9,14 +9,17 @@ and its costs into what the compiled step does, leaving the simulator as it is:
 - `fused_graph(graph, loss)`: the same graph, with the tensors that stay inside a fused kernel sized 0 (made
   and read only by generated ops, with no library call in between, and not a candidate, a gradient or the
   loss), and the eager loss between the compiled forward and backward as an op of its own (`with_loss`).
-- `calibrate(...)`: the cost of the compiled kernels. Generated ops are priced at `scale` times their
-  standalone sum (a fused kernel reads and writes less than its ops one by one), extern ops at
-  `extern_scale` times theirs, and the step pays a fixed `overhead` (the compiled module's call, the loss,
-  the optimizer step: work outside the joint graph). The three are fitted on three compiled runs: keep-all,
-  recompute-generated (what generated ops make, recomputed) and recompute-all; every other policy is a
-  prediction. (Fitted on keep-all and recompute-all alone, the extra time of recompute-all was all put on
-  its recomputed convolutions on DenseNet: generated recomputation was priced free, and the search chose
-  80 recomputations that cost 14-18 % of the step.)
+- `calibrate(...)`: the cost of a compiled step, measured where it differs from policy to policy. Every
+  policy runs the same forward and backward once; a policy adds the ops it recomputes and drops the masks
+  it does not keep. So a step costs a `base` (keep-all, no mask kept: measured, not summed from ops),
+  plus the recomputed generated ops at `scale` times their standalone time (inductor fuses them into the
+  backward's kernels), the recomputed library calls at `extern_scale` times theirs, plus a price per byte
+  of bool mask kept (`Calibration`). The four are fitted on six compiled runs: keep-all, masks
+  recomputed, recompute-generated, recompute-all and two random halves; every other policy is a
+  prediction. (The model before priced the whole step's generated ops with one scale: fusion makes the
+  forward's several times cheaper than their standalone sum while a recomputation in the backward is not,
+  so one scale could not fit both. On GPT-2 it priced recomputing every generated op free, where it
+  measured +32 %.)
 - The standalone op times are `gaswap.measure`'s, which on a CPU are CPU seconds, not wall seconds (wall
   time taken on a loaded machine is several times the op's cost: that made the first compiled predictions
   9-13x too slow on DenseNet).
@@ -126,27 +129,35 @@ class CompiledProblem(Problem):
     """A `Problem` whose policies are simulated as inductor runs them, the eager `loss` around them: on the
     joint graph's `fused_graph` (`fused`: the joint graph's candidates, whose actions a chromosome gives, and
     the output, kept until the loss op, run where the backward starts, reads it); `graph` stays the joint
-    graph."""
+    graph. With a `calibration`, a simulated step time is the whole compiled step's (`Calibration`); without,
+    it is the sum of `costs`' op times (peaks are the same either way)."""
 
     def __init__(self, graph: Graph, costs: Costs, budget: int | None = None, space=None, *, actions=None,
-                 loss: str = "sum"):
+                 loss: str = "sum", calibration: Calibration | None = None):
         super().__init__(graph, costs, budget, space, actions=actions)
-        self.loss = loss
+        self.loss, self.calibration = loss, calibration
         self.fused = fused_graph(graph, loss)
         index = self.fused.op_index()
         self._position = [index[op.name] for op in graph.ops]  # joint graph's op k -> the fused graph's op
         self._loss = index.get(LOSS_OP)
         joint = {t: k for k, t in enumerate(self.encoding.candidates)}
         self._action = [joint.get(t) for t in self.fused.candidates()]  # None: the output the loss reads, kept
-        loss_time = {LOSS_OP: 0.0} if self._loss is not None else {}  # in the calibrated overhead
-        self.simulator = Simulator(self.fused, replace(costs, op_time=costs.op_time | loss_time), budget)
+        self._masks = mask_bytes(graph, self.encoding.candidates)  # (candidate index, bytes) of bool masks
+        loss_time = {LOSS_OP: 0.0} if self._loss is not None else {}  # in the calibrated base
+        simulated = costs if calibration is None else calibration.costs(graph, costs)
+        self.simulator = Simulator(self.fused, replace(simulated, op_time=simulated.op_time | loss_time), budget)
+        self._offset = 0.0
+        if calibration is not None:  # the keep-all step (masks aside) costs `base`
+            keep_all = self.simulate(self.encoding.uniform(Action.KEEP))
+            self._offset = calibration.base - (keep_all.step_time - calibration.mask_rate * self.kept_mask_bytes(
+                self.encoding.uniform(Action.KEEP)))
 
     def __getstate__(self) -> dict:
-        return super().__getstate__() | {"loss": self.loss}
+        return super().__getstate__() | {"loss": self.loss, "calibration": self.calibration}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["graph"], state["costs"], state["budget"], state["space"], actions=state["actions"],
-                      loss=state["loss"])
+                      loss=state["loss"], calibration=state["calibration"])
 
     def simulate(self, c: Chromosome, *, trace: bool = False) -> SimResult:
         order = [self._position[k] for k in self.order(c)]
@@ -154,23 +165,49 @@ class CompiledProblem(Problem):
             start = next((i for i, k in enumerate(order) if self.fused.ops[k].phase == "bwd"), len(order))
             order.insert(start, self._loss)
         actions = tuple(int(Action.KEEP) if k is None else c.actions[k] for k in self._action)
-        return self.simulator.run(order, actions, trace=trace)
+        r = self.simulator.run(order, actions, trace=trace)
+        if self.calibration is None:
+            return r
+        return replace(r, step_time=r.step_time + self._offset + self.calibration.mask_rate * self.kept_mask_bytes(c))
+
+    def kept_mask_bytes(self, c: Chromosome) -> int:
+        """Bytes of the bool masks `c` keeps."""
+        return sum(size for k, size in self._masks if c.actions[k] == Action.KEEP)
 
     def actions_of(self, c: Chromosome) -> dict[str, str]:
         """`c`'s actions by candidate name ("keep" / "recompute")."""
         return {t: Action(a).name.lower() for t, a in zip(self.encoding.candidates, c.actions)}
 
 
+# Comparisons: their results are bool masks (ReLU's `le`, dropout's `gt`).
+MASKS = ("aten.le.", "aten.lt.", "aten.gt.", "aten.ge.", "aten.eq.", "aten.ne.", "aten.logical_")
+
+
+def mask_bytes(graph: Graph, candidates: list[str]) -> list[tuple[int, int]]:
+    """(index in `candidates`, bytes) of the candidates that are bool masks."""
+    producer = {op.name: op for op in graph.ops}
+    return [(k, graph.tensors[t].size) for k, t in enumerate(candidates)
+            if graph.tensors[t].producer in producer and producer[graph.tensors[t].producer].target.startswith(MASKS)]
+
+
 @dataclass(frozen=True)
 class Calibration:
-    """How a compiled step costs: `scale` times the standalone time of the generated ops, `extern_scale` times
-    that of the library calls, plus `overhead` seconds per step; `points` are the (policy, measured s)
-    fitted on."""
+    """How a compiled step costs: `base` seconds for keep-all with no mask kept (the compiled forward and
+    backward, the eager loss, the optimizer step), plus `scale` times the standalone time of the generated
+    ops a policy recomputes and `extern_scale` times that of the library calls it recomputes, plus
+    `mask_rate` seconds per byte of bool mask kept. `points` are the (policy, measured s, predicted s)
+    fitted on.
 
+    Why masks are priced apart: inductor's CPU kernels that store and read a kept mask can be several
+    times slower than the ones that recompute it (on compare_cnn_cpu, the ReLU mask `le` is stored in
+    another layout than the channels-last convolution outputs around it, and both kernels transpose it
+    8x8 bools at a time: keep-all 114 ms a step, the same with the masks recomputed 62 ms)."""
+
+    base: float
     scale: float
-    overhead: float
-    points: tuple = ()
     extern_scale: float = 1.0
+    mask_rate: float = 0.0
+    points: tuple = ()
 
     def costs(self, graph: Graph, costs: Costs) -> Costs:
         """`costs` with every generated op's time multiplied by `scale`, every extern op's by `extern_scale`."""
@@ -179,58 +216,89 @@ class Calibration:
         return replace(costs, op_time=op_time,
                        source=f"{costs.source}+compiled(scale {self.scale:.3g}, extern {self.extern_scale:.3g})")
 
+    def worst_error(self) -> float:
+        """The largest relative error of the fit on its own points."""
+        return max((abs(p - m) / m for _, m, p in self.points), default=0.0)
+
     def to_dict(self) -> dict:
-        return {"scale": self.scale, "extern_scale": self.extern_scale, "overhead_s": self.overhead,
-                "points": [list(p) for p in self.points]}
+        return {"base_s": self.base, "scale": self.scale, "extern_scale": self.extern_scale,
+                "mask_s_per_byte": self.mask_rate, "points": [list(p) for p in self.points]}
 
 
-def split_time(graph: Graph, costs: Costs, simulate) -> tuple[float, float]:
-    """(extern seconds, generated seconds) of one simulated policy: `simulate(costs)` returns its step time;
-    run with generated ops zeroed, then with extern ops zeroed."""
-    only = lambda keep: replace(costs, op_time={op.name: costs.op_time[op.name] if is_extern(op.target) == keep  # noqa: E731
-                                                else 0.0 for op in graph.ops})
-    return simulate(only(True)), simulate(only(False))
+def features(problem: CompiledProblem, c: Chromosome) -> tuple[float, float, int]:
+    """What `c` adds to keep-all, in the calibration's terms: (standalone seconds of the library calls it
+    recomputes, of the generated ops it recomputes, bytes of bool masks it keeps). `problem` is uncalibrated."""
+    keep_all = problem.encoding.uniform(Action.KEEP)
+    extra = []
+    for extern in (True, False):
+        only = replace(problem.costs, op_time={op.name: problem.costs.op_time[op.name] if is_extern(op.target) == extern
+                                               else 0.0 for op in problem.graph.ops})
+        p = CompiledProblem(problem.graph, only, None, actions=problem.actions, loss=problem.loss)
+        extra.append(p.simulate(c).step_time - p.simulate(keep_all).step_time)
+    return extra[0], extra[1], problem.kept_mask_bytes(c)
 
 
-def fit(points: list[tuple[str, float, float, float]]) -> Calibration:
-    """Fit `measured = extern_scale * extern + scale * generated + overhead` on points (label, extern s,
-    generated s, measured s) by non-negative least squares. A term that does not vary over the points cannot
-    be told from the overhead: its scale is 1."""
+def fit(points: list[tuple[str, float, float, int, float]]) -> Calibration:
+    """Fit `measured = base + extern_scale * extern + scale * generated + mask_rate * mask bytes` on points
+    (label, extern s, generated s, mask bytes, measured s) by non-negative least squares, each term scaled
+    to the points' range first. A term that does not vary over the points cannot be told from the base: its
+    factor stays at the standalone cost's 1 (the masks' at 0)."""
     from scipy.optimize import nnls
 
-    fixed = {k: 1.0 for k in (1, 2) if len({round(p[k], 9) for p in points}) < 2}
-    free = [k for k in (1, 2) if k not in fixed]
-    rows = [[p[k] for k in free] + [1.0] for p in points]
-    ys = [p[3] - sum(p[k] * f for k, f in fixed.items()) for p in points]
-    solved, _ = nnls(np.array(rows), np.array(ys)) if points else ([], 0.0)
-    scales = fixed | dict(zip(free, solved))
-    return Calibration(float(scales[2]), float(solved[-1]) if points else 0.0,
-                       tuple((label, m) for label, _, _, m in points), float(scales[1]))
+    default = {1: 1.0, 2: 1.0, 3: 0.0}
+    spread = {k: max(p[k] for p in points) - min(p[k] for p in points) for k in default}
+    fixed = {k: f for k, f in default.items() if spread[k] <= 1e-9 * max(abs(p[k]) for p in points)}
+    free = [k for k in default if k not in fixed]
+    rows = [[p[k] / spread[k] for k in free] + [1.0] for p in points]
+    ys = [p[4] - sum(p[k] * f for k, f in fixed.items()) for p in points]
+    solved, _ = nnls(np.array(rows), np.array(ys))
+    factor = fixed | {k: float(x) / spread[k] for k, x in zip(free, solved)}
+    base = float(solved[-1])
+    predict = lambda p: base + sum(p[k] * factor[k] for k in default)  # noqa: E731
+    return Calibration(base, factor[2], factor[1], factor[3], tuple((p[0], p[4], predict(p)) for p in points))
 
 
-def calibrate(graph: Graph, costs: Costs, cpu_times, provenance: dict) -> Calibration:
-    """Fit the compiled step's cost (`fit`) on `graph` compiled under keep-all, recompute-generated (every
-    candidate a generated op makes, recomputed) and recompute-all: `cpu_times(policies)` compiles and trains
-    under each policy and returns CPU seconds per step; `provenance` must name the graph's optimizer and
-    counts (see `compiled.make_policy`)."""
+CALIBRATION_MIXES = 2  # random half-recomputed policies calibrated on besides the four set ones
+
+
+def calibration_policies(problem: CompiledProblem, seed: int = 0) -> dict[str, Chromosome]:
+    """The distinct policies calibrated on: keep-all; the same with masks recomputed; every generated
+    candidate recomputed; everything recomputed; `CALIBRATION_MIXES` random halves (terms that vary
+    together in the set policies vary apart in these)."""
+    import random
+
+    encoding, graph = problem.encoding, problem.graph
+    producer = {op.name: op for op in graph.ops}
+    masks = {k for k, _ in problem._masks}
+    made_by_generated = [k for k, t in enumerate(encoding.candidates) if graph.tensors[t].producer in producer
+                         and not is_extern(producer[graph.tensors[t].producer].target)]
+    recomputable = [Action.RECOMPUTE in allowed for allowed in encoding.allowed]
+
+    def recompute(chosen) -> Chromosome:
+        return Chromosome(encoding.captured_keys(), tuple(int(Action.RECOMPUTE if ok and k in chosen else Action.KEEP)
+                                                          for k, ok in enumerate(recomputable)))
+    everything = range(len(encoding.candidates))
+    rng = random.Random(seed)
+    chosen = {"keep-all": (), "masks recomputed": masks,
+              "recompute-generated": made_by_generated,
+              "recompute-all": everything}
+    chosen |= {f"random half {m + 1}": [k for k in everything if rng.random() < 0.5] for m in range(CALIBRATION_MIXES)}
+    out = {}
+    for label, ks in chosen.items():
+        c = recompute(set(ks))
+        if c.actions not in {d.actions for d in out.values()}:
+            out[label] = c
+    return out
+
+
+def calibrate(graph: Graph, costs: Costs, cpu_times, provenance: dict, loss: str = "sum") -> Calibration:
+    """Fit the compiled step's cost (`fit`) on `graph` compiled under each of `calibration_policies`:
+    `cpu_times(policies)` compiles and trains under each policy and returns CPU seconds per step;
+    `provenance` must name the graph's optimizer and counts (see `compiled.make_policy`)."""
     from gaswap import compiled
 
-    problem = CompiledProblem(graph, costs, None, actions=(Action.KEEP, Action.RECOMPUTE))
-    encoding, producer = problem.encoding, {op.name: op for op in graph.ops}
-    generated = tuple(int(Action.RECOMPUTE) if Action.RECOMPUTE in allowed
-                      and not is_extern(producer[graph.tensors[t].producer].target) else int(Action.KEEP)
-                      for t, allowed in zip(encoding.candidates, encoding.allowed))
-    chromosomes = {"keep-all": encoding.uniform(Action.KEEP),
-                   "recompute-generated": Chromosome(encoding.captured_keys(), generated),
-                   "recompute-all": encoding.uniform(Action.RECOMPUTE)}
-    distinct = {}
-    for label, c in chromosomes.items():
-        if c.actions not in {d.actions for d in distinct.values()}:
-            distinct[label] = c
-    made = [compiled.make_policy(graph, problem.actions_of(c), provenance=provenance) for c in distinct.values()]
-    points = []
-    for (label, c), seconds in zip(distinct.items(), cpu_times(made)):
-        extern, generated_s = split_time(graph, costs, lambda cs: CompiledProblem(graph, cs, None, actions=(
-            Action.KEEP, Action.RECOMPUTE)).simulate(c).step_time)
-        points.append((label, extern, generated_s, seconds))
-    return fit(points)
+    problem = CompiledProblem(graph, costs, None, actions=(Action.KEEP, Action.RECOMPUTE), loss=loss)
+    chosen = calibration_policies(problem)
+    made = [compiled.make_policy(graph, problem.actions_of(c), provenance=provenance) for c in chosen.values()]
+    return fit([(label, *features(problem, c), seconds)
+                for (label, c), seconds in zip(chosen.items(), cpu_times(made))])

@@ -89,26 +89,74 @@ def test_the_eager_loss_makes_the_gradient_between_forward_and_backward_with_its
     assert peaks == {"sum": 8 * MB, "cross_entropy": 12 * MB}
 
 
-def test_fit_recovers_the_scales_of_generated_and_extern_kernels_and_the_overhead():
-    truth = lambda e, g: 0.8 * e + 0.25 * g + 0.003  # noqa: E731
-    points = [("keep", 0.05, 0.04, truth(0.05, 0.04)), ("recompute-generated", 0.05, 0.10, truth(0.05, 0.10)),
-              ("recompute", 0.07, 0.12, truth(0.07, 0.12))]
-    fit = cc.fit(points)
-    assert fit.scale == pytest.approx(0.25) and fit.extern_scale == pytest.approx(0.8)
-    assert fit.overhead == pytest.approx(0.003)
-    assert cc.fit([("a", 0.1, 0.01, 0.05), ("b", 0.1, 0.02, 0.05)]).scale == 0.0  # never negative
-    same_extern = cc.fit([("a", 0.1, 0.01, 0.2), ("b", 0.1, 0.03, 0.21)])
+def _masked() -> Graph:
+    """x -conv-> a -relu-> b -conv2-> y, and ReLU's mask m = b <= 0 made in the forward; backward: the mask
+    selects the output's gradient, conv2's backward reads it and b, an mm makes the weight's gradient."""
+    t = {"x": Tensor("x", MB, "input"), "w": Tensor("w", MB, "param"), "gw": Tensor("gw", MB, "grad", "wgrad")}
+    for name, producer in (("a", "conv"), ("b", "relu"), ("m", "le"), ("y", "conv2"), ("g1", "mask"),
+                           ("g2", "conv_bwd")):
+        t[name] = Tensor(name, MB, "activation", producer)
+    ops = (Op("conv", "aten.convolution.default", ("x", "w"), ("a",)),
+           Op("relu", "aten.relu.default", ("a",), ("b",)),
+           Op("le", "aten.le.Scalar", ("b",), ("m",)),
+           Op("conv2", "aten.convolution.default", ("b", "w"), ("y",)),
+           Op("mask", "aten.where.self", ("m", "y"), ("g1",), phase="bwd"),
+           Op("conv_bwd", "aten.convolution_backward.default", ("g1", "b"), ("g2",), phase="bwd"),
+           Op("wgrad", "aten.mm.default", ("g2", "x"), ("gw",), phase="bwd"))
+    return Graph(ops, t, loss="y")
+
+
+def _policy(problem, recomputed: set[str]):
+    from gaswap.encoding import Chromosome
+    return Chromosome(problem.encoding.captured_keys(), tuple(
+        int(Action.RECOMPUTE if t in recomputed else Action.KEEP) for t in problem.encoding.candidates))
+
+
+def test_a_calibrated_step_is_the_base_plus_what_a_policy_recomputes_plus_the_masks_it_keeps():
+    g = _masked()
+    actions = (Action.KEEP, Action.RECOMPUTE)
+    calibration = cc.Calibration(base=10.0, scale=0.5, extern_scale=2.0, mask_rate=1e-6)
+    problem = cc.CompiledProblem(g, unit_costs(g), None, actions=actions, calibration=calibration)
+    plain = cc.CompiledProblem(g, unit_costs(g), None, actions=actions)
+    assert set(problem.encoding.candidates) == {"x", "b", "m"} and problem.kept_mask_bytes(_policy(problem, set())) == MB
+    expected = {(): 10.0 + 1e-6 * MB,  # keep-all: the base and the mask kept
+                ("m",): 10.0 + 0.5,  # the mask recomputed: its generated op, at `scale`
+                ("b",): 10.0 + 0.5 + 2.0 + 1e-6 * MB}  # b recomputed: relu, and the conv it reads (not saved)
+    for recomputed, step in expected.items():
+        c = _policy(problem, set(recomputed))
+        assert problem.simulate(c).step_time == pytest.approx(step)
+        assert problem.simulate(c).peak_bytes == plain.simulate(c).peak_bytes  # calibration prices time only
+    assert cc.features(plain, _policy(plain, {"b"})) == (1.0, 1.0, MB)
+
+
+def test_fit_recovers_the_base_the_recomputation_factors_and_the_mask_price():
+    truth = lambda e, g, m: 0.1 + 0.8 * e + 0.25 * g + 2e-8 * m  # noqa: E731
+    features = [("keep-all", 0.0, 0.0, 4 * MB), ("masks", 0.0, 0.001, 0), ("generated", 0.01, 0.04, 0),
+                ("all", 0.03, 0.05, 0), ("half", 0.02, 0.02, 2 * MB)]
+    fit = cc.fit([(*f, truth(*f[1:])) for f in features])
+    assert (fit.base, fit.extern_scale, fit.scale, fit.mask_rate) == pytest.approx((0.1, 0.8, 0.25, 2e-8))
+    assert fit.worst_error() == pytest.approx(0.0, abs=1e-9)
+    assert cc.fit([("a", 0.0, 0.01, 0, 0.10), ("b", 0.0, 0.02, 0, 0.09)]).scale == 0.0  # never negative
+    no_masks = cc.fit([("a", 0.0, 0.01, 0, 0.2), ("b", 0.01, 0.03, 0, 0.22), ("c", 0.02, 0.03, 0, 0.23)])
+    assert no_masks.mask_rate == 0.0 and no_masks.worst_error() < 1e-9  # nothing to tell the masks' price by
+    same_extern = cc.fit([("a", 0.0, 0.01, 0, 0.2), ("b", 0.0, 0.03, 0, 0.21)])
     assert same_extern.extern_scale == 1.0 and same_extern.scale == pytest.approx(0.5)  # extern can't be told apart
-    one = cc.fit([("keep", 0.05, 0.04, 0.1)])
-    assert one.scale == 1.0 and one.extern_scale == 1.0 and one.overhead == pytest.approx(0.01)
+
+
+def test_calibration_policies_are_distinct_and_include_the_masks_recomputed_alone():
+    g = _masked()
+    problem = cc.CompiledProblem(g, unit_costs(g), None, actions=(Action.KEEP, Action.RECOMPUTE))
+    chosen = cc.calibration_policies(problem)
+    assert len({c.actions for c in chosen.values()}) == len(chosen)
+    assert chosen["masks recomputed"] == _policy(problem, {"m"}) and chosen["keep-all"] == _policy(problem, set())
+    assert chosen["recompute-generated"] == _policy(problem, {"b", "m"})
+    assert "recompute-all" not in chosen  # the same policy here: b and m are made by generated ops
 
 
 def test_calibrated_costs_scale_generated_and_extern_ops_apart():
     g = _net()
-    costs = cc.Calibration(0.5, 0.0, extern_scale=0.75).costs(g, unit_costs(g, 2.0))
+    costs = cc.Calibration(0.0, 0.5, extern_scale=0.75).costs(g, unit_costs(g, 2.0))
     assert costs.op_time["conv"] == 1.5 and costs.op_time["relu"] == 1.0 and costs.op_time["wgrad"] == 1.5
-    extern, generated = cc.split_time(g, unit_costs(g), lambda cs: sum(cs.op_time.values()))
-    assert (extern, generated) == (4.0, 4.0)
 
 
 def _experiment(tmp_path, batch: int):
