@@ -102,7 +102,10 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=_at_least(1, int), default=5, help="rounds of all methods in rotated order (default 5)")
     p.add_argument("--steps", type=_at_least(1, int), default=3, help="timed steps per method and round (default 3)")
     p.add_argument("--below", default="0.8", help="also search gaswap policies at these fractions of the lowest "
-                                                  "simulated peak of torch's partitions (default 0.8)")
+                                                  "peak torch's partitions measure (default 0.8)")
+    p.add_argument("--finalists", type=_at_least(1, int), default=3,
+                   help="gaswap policies per budget compiled and timed first, the fastest compared (default 3; "
+                        "1: the fastest in prediction, untimed)")
     p.add_argument("--results", default="results", help="folder of result folders (default: results)")
     p.add_argument("--cache", default=None, help="cost cache folder (default: $GASWAP_CACHE or ~/.cache/gaswap)")
     p.set_defaults(run=compare)

@@ -59,3 +59,44 @@ def test_compare_refuses_an_experiment_without_a_loss(tmp_path):
                     "batch_size: 4\nbudget: 0.5x\n")
     with pytest.raises(config.ConfigError, match="loss"):
         compare.run(path, results_root=tmp_path)
+
+
+def test_pick_compares_the_finalist_that_measures_fastest_within_its_budget():
+    from gaswap.encoding import Chromosome
+    from gaswap.policy import Policy
+    from gaswap.problem import Evaluated
+
+    def evaluated(k):
+        return Evaluated(Chromosome((0.0,), (k,)), 100, 1.0 + k / 10)
+
+    actions_of = {}  # method -> the actions it was compiled for
+
+    def method(label, e):  # stands for compiling a policy
+        m = compare.Method("gaswap", label, None, None, None)
+        actions_of[id(m)] = e.chromosome.actions
+        return m, Policy("f", (), {}, provenance={"budget": label})
+
+    measured = {(0,): (150, 2.0), (1,): (90, 1.5), (2,): (80, 1.2), (3,): (40, 3.0)}  # actions -> peak, seconds
+    timed = []
+
+    def time_methods(methods):
+        timed.extend(actions_of[id(m)] for m in methods)
+        return [dict(zip(("peak_bytes", "step_s"), measured[actions_of[id(m)]])) for m in methods]
+
+    def pick(finalists):
+        return compare._pick(finalists, method, {"A": 110, "B": 60}, 10, time_methods, lambda line: None)
+
+    picked, tuning = pick([("A", [evaluated(0), evaluated(1), evaluated(2)]), ("B", [evaluated(2), evaluated(3)])])
+    assert len(tuning) == 4 and sorted(timed) == [(0,), (1,), (2,), (3,)]  # each distinct finalist timed once
+    (a, policy_a), (b, policy_b) = picked
+    # A (100 bytes above resident): #0 measures 150, over it; #2 is faster than #1. B (50): only #3 fits.
+    assert actions_of[id(a)] == (2,) and actions_of[id(b)] == (3,)
+    assert a.knob == "A" and policy_a.provenance == {"budget": "A", "budget_bytes": 110}
+    assert b.knob == "B" and policy_b.provenance == {"budget": "B", "budget_bytes": 60}
+    picked, _ = pick([("A", [evaluated(3), evaluated(0)]), ("B", [evaluated(3), evaluated(0)])])
+    assert [actions_of[id(m)] for m, _ in picked] == [(3,), (3,)] and picked[0][0] is not picked[1][0]  # compiled apart
+    (m, _), = pick([("B", [evaluated(1), evaluated(2)])])[0]
+    assert actions_of[id(m)] == (1,)  # none fits when measured: the fastest predicted
+    timed.clear()
+    (m, _), = pick([("A", [evaluated(0)])])[0]
+    assert actions_of[id(m)] == (0,) and timed == []  # one finalist: nothing to time
