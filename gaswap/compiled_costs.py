@@ -142,7 +142,8 @@ class CompiledProblem(Problem):
         self._loss = index.get(LOSS_OP)
         joint = {t: k for k, t in enumerate(self.encoding.candidates)}
         self._action = [joint.get(t) for t in self.fused.candidates()]  # None: the output the loss reads, kept
-        self._masks = mask_bytes(graph, self.encoding.candidates)  # (candidate index, bytes) of bool masks
+        self._masks = [(k, size) for k, size in mask_bytes(graph, self.encoding.candidates)
+                       if Action.RECOMPUTE in self.encoding.allowed[k]]  # (candidate index, bytes) of masks a policy may keep
         loss_time = {LOSS_OP: 0.0} if self._loss is not None else {}  # in the calibrated base
         simulated = costs if calibration is None else calibration.costs(graph, costs)
         self.simulator = Simulator(self.fused, replace(simulated, op_time=simulated.op_time | loss_time), budget)
@@ -171,7 +172,8 @@ class CompiledProblem(Problem):
         return replace(r, step_time=r.step_time + self._offset + self.calibration.mask_rate * self.kept_mask_bytes(c))
 
     def kept_mask_bytes(self, c: Chromosome) -> int:
-        """Bytes of the bool masks `c` keeps."""
+        """Bytes of the bool masks `c` keeps, of those it could recompute (the others are kept by every policy:
+        their cost is in the base)."""
         return sum(size for k, size in self._masks if c.actions[k] == Action.KEEP)
 
     def actions_of(self, c: Chromosome) -> dict[str, str]:
