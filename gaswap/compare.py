@@ -97,7 +97,7 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     torch_points = {}
     for budget in TORCH_BUDGETS:
         _, actions = compiled.torch_partition(model, *inputs, budget=budget, optimizer=exp.optimizer, counted=exp.counts)
-        chromosome = Chromosome(encoding.captured_keys(), _actions(encoding, actions))
+        chromosome = unbounded.canonical(Chromosome(encoding.captured_keys(), _actions(encoding, actions)))
         torch_points[budget] = (chromosome, unbounded.simulate(chromosome))
     resident = unbounded.fused.resident_bytes()  # the meter measures above what is allocated before a step
 
@@ -114,7 +114,7 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     reached = [_peak_reached(m, inputs, target, exp, device, progress) for m in methods[1:]]
     budgets = _budgets([peak + resident for peak in reached], below, resident)
     seeds = {f"torch_{b:g}": c for b, (c, _) in torch_points.items()}
-    finalists = _search(exp, graph, costs, calibration, space, seeds, budgets, progress, finalists)
+    finalists = _search(exp, graph, costs, calibration, space, seeds, budgets, resident, progress, finalists)
     folder = Path(results_root) / exp.name
     budget_of = dict(budgets)
 
@@ -172,7 +172,8 @@ def _actions(encoding: Encoding, actions: dict[str, str]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _search(exp, graph, costs, calibration, space, seeds, budgets, progress, finalists: int = 1) -> list[tuple[str, list]]:
+def _search(exp, graph, costs, calibration, space, seeds, budgets, resident, progress,
+            finalists: int = 1) -> list[tuple[str, list]]:
     """gaswap's fastest `finalists` policies (predicted) at each of `budgets` ((label, bytes) pairs), the GA
     seeded with `seeds`: (label, [Evaluated, fastest first]) pairs, skipping budgets where nothing fits."""
     out = []
@@ -180,9 +181,12 @@ def _search(exp, graph, costs, calibration, space, seeds, budgets, progress, fin
         problem = compiled_costs.CompiledProblem(graph, costs, budget, space, loss=exp.loss, calibration=calibration)
         result = search(problem, exp.ga, exp.seed, seeds=seeds)
         progress(f"  gaswap search at {label}: " + ("nothing fits" if result.best is None else
-                 f"{format_size(result.best.peak_bytes)}, {result.best.step_time * 1e3:.2f} ms predicted"))
-        if result.best is not None:
-            out.append((label, list(result.front[:finalists])))
+                 f"{format_size(result.best.peak_bytes - resident)}, {result.best.step_time * 1e3:.2f} ms predicted"))
+        front = {}  # policies as they run (`CompiledProblem.canonical`), fastest first
+        for e in result.front:
+            front.setdefault(problem.canonical(e.chromosome).actions, replace(e, chromosome=problem.canonical(e.chromosome)))
+        if front:
+            out.append((label, list(front.values())[:finalists]))
     return out
 
 
@@ -214,8 +218,9 @@ def _pick(finalists, method, budget_of, resident, time_methods, progress) -> tup
         policy = _with_budget(policy, label, budget_of[label])
         picked.append((m, policy))
         if tuning:
-            progress(f"  at {label}: picked #{list(made).index(best.chromosome.actions) + 1} of "
-                     f"{len(evaluated)} finalists")
+            number = {a: k + 1 for k, a in enumerate(made)}
+            progress(f"  at {label}: finalist #{number[best.chromosome.actions]} of "
+                     + ", ".join(f"#{number[e.chromosome.actions]}" for e in evaluated))
     return picked, tuning
 
 

@@ -142,6 +142,7 @@ class CompiledProblem(Problem):
         self._loss = index.get(LOSS_OP)
         joint = {t: k for k, t in enumerate(self.encoding.candidates)}
         self._action = [joint.get(t) for t in self.fused.candidates()]  # None: the output the loss reads, kept
+        self._constant = constant_candidates(graph, self.encoding)  # always recomputed (`canonical`)
         self._masks = [(k, size) for k, size in mask_bytes(graph, self.encoding.candidates)
                        if Action.RECOMPUTE in self.encoding.allowed[k]]  # (candidate index, bytes) of masks a policy may keep
         loss_time = {LOSS_OP: 0.0} if self._loss is not None else {}  # in the calibrated base
@@ -165,20 +166,45 @@ class CompiledProblem(Problem):
         if self._loss is not None:  # where the backward starts
             start = next((i for i, k in enumerate(order) if self.fused.ops[k].phase == "bwd"), len(order))
             order.insert(start, self._loss)
+        c = self.canonical(c)
         actions = tuple(int(Action.KEEP) if k is None else c.actions[k] for k in self._action)
         r = self.simulator.run(order, actions, trace=trace)
         if self.calibration is None:
             return r
         return replace(r, step_time=r.step_time + self._offset + self.calibration.mask_rate * self.kept_mask_bytes(c))
 
+    def canonical(self, c: Chromosome) -> Chromosome:
+        """`c` as it runs: the candidates computed from constants alone recomputed, whatever `c` says."""
+        if not self._constant or all(c.actions[k] == Action.RECOMPUTE for k in self._constant):
+            return c
+        actions = list(c.actions)
+        for k in self._constant:
+            actions[k] = int(Action.RECOMPUTE)
+        return Chromosome(c.keys, tuple(actions))
+
     def kept_mask_bytes(self, c: Chromosome) -> int:
         """Bytes of the bool masks `c` keeps, of those it could recompute (the others are kept by every policy:
         their cost is in the base)."""
+        c = self.canonical(c)
         return sum(size for k, size in self._masks if c.actions[k] == Action.KEEP)
 
     def actions_of(self, c: Chromosome) -> dict[str, str]:
-        """`c`'s actions by candidate name ("keep" / "recompute")."""
-        return {t: Action(a).name.lower() for t, a in zip(self.encoding.candidates, c.actions)}
+        """`c`'s actions by candidate name ("keep" / "recompute"), as it runs (`canonical`)."""
+        return {t: Action(a).name.lower() for t, a in zip(self.encoding.candidates, self.canonical(c).actions)}
+
+
+def constant_candidates(graph: Graph, encoding) -> list[int]:
+    """Indices (in `encoding.candidates`) of the recomputable candidates computed from constants alone: by ops
+    that read no input, parameter or buffer, directly or through the ops before them (`iota`, `arange`, a
+    causal mask made from them). A compiled step always recomputes those: torch's partitioner does, they
+    cost almost no memory, and saving one costs time (on compare_gpt_cpu, saving the causal masks and the
+    `iota` they come from made the attention kernels 7 ms a step slower)."""
+    constant = set()
+    for op in graph.ops:  # in topological order
+        if op.recomputable and all(t in constant for t in op.inputs):
+            constant.update(op.outputs)
+    return [k for k, (t, allowed) in enumerate(zip(encoding.candidates, encoding.allowed))
+            if Action.RECOMPUTE in allowed and t in constant]
 
 
 # Comparisons: their results are bool masks (ReLU's `le`, dropout's `gt`).
@@ -287,7 +313,7 @@ def calibration_policies(problem: CompiledProblem, seed: int = 0) -> dict[str, C
     chosen |= {f"random half {m + 1}": [k for k in everything if rng.random() < 0.5] for m in range(CALIBRATION_MIXES)}
     out = {}
     for label, ks in chosen.items():
-        c = recompute(set(ks))
+        c = problem.canonical(recompute(set(ks)))
         if c.actions not in {d.actions for d in out.values()}:
             out[label] = c
     return out

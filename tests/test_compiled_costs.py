@@ -211,3 +211,22 @@ def test_a_transformers_model_is_captured_and_modelled_compiled():
     fused = cc.fused_graph(graph)
     assert graph.candidates() and sum(t.size for t in fused.tensors.values()) < sum(
         t.size for t in graph.tensors.values())  # some intermediates stay inside fused kernels
+
+
+def test_what_is_computed_from_constants_alone_is_always_recomputed():
+    t = {"x": Tensor("x", MB, "input"), "w": Tensor("w", MB, "param"), "gw": Tensor("gw", MB, "grad", "wgrad")}
+    for name, producer in (("i", "iota"), ("m", "lt"), ("a", "mm"), ("b", "where"), ("g", "mask")):
+        t[name] = Tensor(name, MB, "activation", producer)
+    ops = (Op("iota", "prims.iota.default", (), ("i",)),
+           Op("lt", "aten.lt.Scalar", ("i",), ("m",)),  # a causal mask: from constants alone
+           Op("mm", "aten.mm.default", ("x", "w"), ("a",)),
+           Op("where", "aten.where.self", ("m", "a"), ("b",)),
+           Op("mask", "aten.where.self", ("m", "b"), ("g",), phase="bwd"),
+           Op("wgrad", "aten.mm.default", ("g", "a"), ("gw",), phase="bwd"))
+    g = Graph(ops, t, loss="b")
+    problem = cc.CompiledProblem(g, unit_costs(g), None, actions=(Action.KEEP, Action.RECOMPUTE))
+    assert [problem.encoding.candidates[k] for k in problem._constant] == ["m"]  # a is made from the input
+    keep_all = problem.encoding.uniform(Action.KEEP)
+    assert problem.actions_of(keep_all) == {"m": "recompute", "a": "keep"}
+    assert problem.simulate(keep_all) == problem.simulate(_policy(problem, {"m"}))
+    assert problem.canonical(_policy(problem, {"m"})) == _policy(problem, {"m"})
