@@ -49,6 +49,12 @@ def test_goal_compares_each_torch_point_with_the_fastest_gaswap_policy_at_or_bel
     assert "gaswap c" in lines[1] and lines[1].endswith(": not met")  # only c is at or below 100
     table = compare.to_markdown(rows, "x", "cpu")
     assert "| gaswap | b | - | - |" in table and "+10.0%" in table
+    rows[3]["origin"] = "torch 1"  # the search's policy at 190 is torch 1.0's own partition
+    assert compare.goal_lines(rows)[0].endswith("a tie: gaswap's timing picked this very partition, faster or slower "
+                                                "by noise alone")
+    rows[3]["origin"] = "torch 0.2"
+    assert compare.goal_lines(rows)[0].endswith(": met (gaswap's timing picked torch 0.2's partition)")
+    assert "| gaswap (torch 0.2's partition) | a |" in compare.to_markdown(rows, "x", "cpu")
 
 
 def test_compare_refuses_an_experiment_without_a_loss(tmp_path):
@@ -100,3 +106,19 @@ def test_pick_compares_the_finalist_that_measures_fastest_within_its_budget():
     timed.clear()
     (m, _), = pick([("A", [evaluated(0)])])[0]
     assert actions_of[id(m)] == (0,) and timed == []  # one finalist: nothing to time
+
+
+def test_torch_partitions_that_measure_within_a_budget_join_its_finalists():
+    from types import SimpleNamespace
+
+    from gaswap.encoding import Chromosome
+    from gaswap.problem import Evaluated
+
+    ours = Evaluated(Chromosome((0.0,), (0,)), 1.0, 100)
+    partitions = {"torch 1": (Chromosome((0.0,), (1,)), SimpleNamespace(step_time=2.0, peak_bytes=90), 150),
+                  "torch 0.5": (Chromosome((0.0,), (2,)), SimpleNamespace(step_time=3.0, peak_bytes=80), 120),
+                  "torch 0.2": (Chromosome((0.0,), (0,)), SimpleNamespace(step_time=1.0, peak_bytes=100), 110)}
+    out = compare._with_partitions([("A", [ours]), ("B", [ours])], partitions, {"A": 150, "B": 130})
+    assert [e.chromosome.actions for e in out[0][1]] == [(0,), (1,), (2,)]  # torch 0.2's is the search's own
+    assert [e.chromosome.actions for e in out[1][1]] == [(0,), (2,)]  # torch 1 measured 150: over B
+    assert out[0][1][1].peak_bytes == 90 and out[0][1][1].step_time == 2.0  # as the model predicts them
