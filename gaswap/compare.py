@@ -123,7 +123,7 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     folder = Path(results_root) / exp.name
     budget_of = dict(budgets)
     partitions = {f"torch {b:g}": (c, r, peak + resident) for (b, (c, r)), peak in zip(torch_points.items(), reached)}
-    finalists = _with_partitions(finalists, partitions, budget_of)
+    finalists = _with_partitions(finalists, partitions, budgets)
     origin = {c.actions: name for name, (c, _, _) in reversed(partitions.items())}
 
     def method(label: str, evaluated) -> tuple[Method, policies.Policy]:
@@ -198,18 +198,22 @@ def _search(exp, graph, costs, calibration, space, seeds, budgets, resident, pro
     return out
 
 
-def _with_partitions(finalists, partitions: dict, budget_of: dict) -> list[tuple[str, list]]:
-    """Each budget's finalists, and after them torch's partitions (`partitions`: name -> (chromosome, simulated,
-    measured peak)) whose measured peak is at or under the budget, as gaswap policies: the model cannot
-    see all that makes a policy fast, so they are timed beside the search's own."""
+def _with_partitions(finalists, partitions: dict, budgets) -> list[tuple[str, list]]:
+    """Each budget's finalists (`budgets`: (label, bytes) pairs), and after them torch's partitions
+    (`partitions`: name -> (chromosome, simulated, measured peak)) whose measured peak is at or under the
+    budget, as gaswap policies: the model cannot see all that makes a policy fast, so they are timed beside
+    the search's own (and stand alone where the search found nothing that fits by the model)."""
+    ours = dict(finalists)
     out = []
-    for label, evaluated in finalists:
+    for label, budget in budgets:
+        evaluated = list(ours.get(label, []))
         known = {e.chromosome.actions for e in evaluated}
         for c, r, peak in partitions.values():
-            if peak <= budget_of[label] and c.actions not in known:
+            if peak <= budget and c.actions not in known:
                 known.add(c.actions)
-                evaluated = [*evaluated, Evaluated(c, r.step_time, r.peak_bytes)]
-        out.append((label, evaluated))
+                evaluated.append(Evaluated(c, r.step_time, r.peak_bytes))
+        if evaluated:
+            out.append((label, evaluated))
     return out
 
 

@@ -118,7 +118,9 @@ def test_torch_partitions_that_measure_within_a_budget_join_its_finalists():
     partitions = {"torch 1": (Chromosome((0.0,), (1,)), SimpleNamespace(step_time=2.0, peak_bytes=90), 150),
                   "torch 0.5": (Chromosome((0.0,), (2,)), SimpleNamespace(step_time=3.0, peak_bytes=80), 120),
                   "torch 0.2": (Chromosome((0.0,), (0,)), SimpleNamespace(step_time=1.0, peak_bytes=100), 110)}
-    out = compare._with_partitions([("A", [ours]), ("B", [ours])], partitions, {"A": 150, "B": 130})
+    budgets = [("A", 150), ("B", 130), ("C", 115), ("D", 100)]
+    out = compare._with_partitions([("A", [ours]), ("B", [ours])], partitions, budgets)
     assert [e.chromosome.actions for e in out[0][1]] == [(0,), (1,), (2,)]  # torch 0.2's is the search's own
     assert [e.chromosome.actions for e in out[1][1]] == [(0,), (2,)]  # torch 1 measured 150: over B
     assert out[0][1][1].peak_bytes == 90 and out[0][1][1].step_time == 2.0  # as the model predicts them
+    assert [(label, [e.chromosome.actions for e in es]) for label, es in out[2:]] == [("C", [(0,)])]  # D: none
