@@ -192,7 +192,8 @@ def _search(exp, graph, costs, calibration, space, seeds, budgets, resident, pro
                  f"{format_size(result.best.peak_bytes - resident)}, {result.best.step_time * 1e3:.2f} ms predicted"))
         front = {}  # policies as they run (`CompiledProblem.canonical`), fastest first
         for e in result.front:
-            front.setdefault(problem.canonical(e.chromosome).actions, replace(e, chromosome=problem.canonical(e.chromosome)))
+            c = problem.canonical(e.chromosome)
+            front.setdefault(c.actions, replace(e, chromosome=c))
         if front:
             out.append((label, list(front.values())[:finalists]))
     return out
@@ -392,16 +393,17 @@ def to_markdown(rows: list[dict], name: str, device: str, tuning: list[dict] = (
         peak = _pair(r.get("predicted_peak_bytes"), r.get("opwise_peak_bytes"), format_size)
         step = _pair(r.get("predicted_step_s"), r.get("opwise_step_s"), lambda s: f"{s * 1e3:.2f} ms")
         rss = "-" if r.get("rss_peak_bytes") is None else format_size(r["rss_peak_bytes"])
-        lines.append(f"| {r['method']}{_origin(r)} | {r['knob']} | {'-' if r['recomputed'] is None else r['recomputed']} | "
+        recomputed = "-" if r["recomputed"] is None else r["recomputed"]
+        lines.append(f"| {r['method']}{_origin(r)} | {r['knob']} | {recomputed} | "
                      f"{peak} | {format_size(r['peak_bytes'])} | {rss} | {step} | {r['step_s'] * 1e3:.2f} ms "
                      f"({r['step_min'] * 1e3:.2f}-{r['step_max'] * 1e3:.2f}) | {r['step_s'] / reference - 1:+.1%} |")
     lines += ["", "By peak allocated (torch's allocator):", *goal_lines(rows)]
     if all(r.get("rss_peak_bytes") is not None for r in rows):
         lines += ["", "By peak resident set (the process's high-water mark):", *goal_lines(rows, "rss_peak_bytes")]
     if tuning:
-        lines += ["", "Finalists: the gaswap policies fastest in prediction at each budget, and torch's partitions whose "
-                  "measured peak fits it, timed in rounds of their own before the table above; the fastest whose "
-                  "measured peak is at or under the budget is compared.", "",
+        lines += ["", "Finalists: the gaswap policies fastest in prediction at each budget, and torch's partitions "
+                  "whose measured peak fits it, timed in rounds of their own before the table above; the fastest "
+                  "whose measured peak is at or under the budget is compared.", "",
                   "| finalist | recomputed | predicted peak | measured peak allocated | predicted time | CPU time per "
                   "step (median, range) |", "|---|---:|---:|---:|---:|---|"]
         lines += [f"| {r['knob']}{_origin(r)} | {r['recomputed']} | {format_size(r['predicted_peak_bytes'])} | "

@@ -144,7 +144,7 @@ class CompiledProblem(Problem):
         self._action = [joint.get(t) for t in self.fused.candidates()]  # None: the output the loss reads, kept
         self._constant = constant_candidates(graph, self.encoding)  # always recomputed (`canonical`)
         self._masks = [(k, size) for k, size in mask_bytes(graph, self.encoding.candidates)
-                       if Action.RECOMPUTE in self.encoding.allowed[k]]  # (candidate index, bytes) of masks a policy may keep
+                       if Action.RECOMPUTE in self.encoding.allowed[k]]  # (candidate, bytes): masks a policy may keep
         loss_time = {LOSS_OP: 0.0} if self._loss is not None else {}  # in the calibrated base
         simulated = costs if calibration is None else calibration.costs(graph, costs)
         self.simulator = Simulator(self.fused, replace(simulated, op_time=simulated.op_time | loss_time), budget)

@@ -118,7 +118,8 @@ def test_a_calibrated_step_is_the_base_plus_what_a_policy_recomputes_plus_the_ma
     calibration = cc.Calibration(base=10.0, scale=0.5, extern_scale=2.0, mask_rate=1e-6)
     problem = cc.CompiledProblem(g, unit_costs(g), None, actions=actions, calibration=calibration)
     plain = cc.CompiledProblem(g, unit_costs(g), None, actions=actions)
-    assert set(problem.encoding.candidates) == {"x", "b", "m"} and problem.kept_mask_bytes(_policy(problem, set())) == MB
+    assert set(problem.encoding.candidates) == {"x", "b", "m"}
+    assert problem.kept_mask_bytes(_policy(problem, set())) == MB
     expected = {(): 10.0 + 1e-6 * MB,  # keep-all: the base and the mask kept
                 ("m",): 10.0 + 0.5,  # the mask recomputed: its generated op, at `scale`
                 ("b",): 10.0 + 0.5 + 2.0 + 1e-6 * MB}  # b recomputed: relu, and the conv it reads (not saved)
