@@ -258,9 +258,10 @@ def _joint(gm: fx.GraphModule, num_fwd_outputs: int, static_indices, optimizer: 
 def _is_mask(node: fx.Node, read: list[str | None], ran_at: dict[str, int], read_by_backward: set) -> bool:
     """Whether a backward node is a boolean mask that can stand in for what it reads: computed from forward values
     alone (ReLU's `le = relu <= 0`), which no other backward op reads (masks aside). Made a forward op, it is
-    a candidate: a policy may keep the mask instead of the activation. (A trade-off the model does not price:
-    on compare_cnn_cpu keeping `le` peaks at 36.6 MB and takes 123 ms a step on this CPU, recomputing it 42.9 MB
-    and 72 ms; inductor's CPU kernels that store and read the bool mask are that slow.)"""
+    a candidate: a policy may keep the mask instead of the activation. (A trade-off in time too: on
+    compare_cnn_cpu keeping `le` peaks at 36.6 MB and takes 114 ms a step on this CPU, recomputing it 42.9 MB
+    and 62 ms; inductor's CPU kernels that store and read the bool mask are that slow. The calibration
+    prices kept masks: `compiled_costs.Calibration`.)"""
     return (_is_bool(node.meta.get("val")) and bool(read) and all(t in ran_at for t in read)
             and not any(_key(a.meta["val"]) in read_by_backward for a in node.all_input_nodes))
 
