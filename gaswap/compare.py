@@ -119,11 +119,12 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     reached = [_peak_reached(m, inputs, target, exp, device, progress) for m in methods[1:]]
     budgets = _budgets([peak + resident for peak in reached], below, resident)
     seeds = {f"torch_{b:g}": c for b, (c, _) in torch_points.items()}
-    finalists = _search(exp, graph, costs, calibration, space, seeds, budgets, resident, progress, finalists)
+    shortlist = _search(exp, graph, costs, calibration, space, seeds, budgets, resident, progress, finalists)
     folder = Path(results_root) / exp.name
     budget_of = dict(budgets)
     partitions = {f"torch {b:g}": (c, r, peak + resident) for (b, (c, r)), peak in zip(torch_points.items(), reached)}
-    finalists = _with_partitions(finalists, partitions, budgets)
+    if finalists > 1:  # timed: torch's partitions that fit join the search's own
+        shortlist = _with_partitions(shortlist, partitions, budgets)
     origin = {c.actions: name for name, (c, _, _) in reversed(partitions.items())}
 
     def method(label: str, evaluated) -> tuple[Method, policies.Policy]:
@@ -140,7 +141,7 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
         return Method("gaswap", label, m, compiled.compile(m, policy), opt, predicted(evaluated.chromosome, r),
                       _count(evaluated.chromosome), origin=origin.get(evaluated.chromosome.actions, "search")), policy
 
-    picked, tuning = _pick(finalists, method, budget_of, resident, lambda ms: _measure(
+    picked, tuning = _pick(shortlist, method, budget_of, resident, lambda ms: _measure(
         ms, inputs, target, exp, device, TUNING_ROUNDS, TUNING_STEPS, progress), progress)
     for stale in [*folder.glob("compiled/p[0-9]*.yaml"), *folder.glob("compiled/p[0-9]*.validation.json")]:
         stale.unlink()  # an earlier run's policies and their validations
