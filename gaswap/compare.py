@@ -143,12 +143,13 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
 
     picked, tuning = _pick(shortlist, method, budget_of, resident, lambda ms: _measure(
         ms, inputs, target, exp, device, TUNING_ROUNDS, TUNING_STEPS, progress), progress)
+    methods += [m for m, _ in picked]
+    rows = _measure(methods, inputs, target, exp, device, rounds, steps, progress)
+    # written once all is measured: a run that fails midway leaves the earlier run's results whole
     for stale in [*folder.glob("compiled/p[0-9]*.yaml"), *folder.glob("compiled/p[0-9]*.validation.json")]:
         stale.unlink()  # an earlier run's policies and their validations
-    for k, (m, policy) in enumerate(picked):
+    for k, (_, policy) in enumerate(picked):
         policies.save(policy, folder / "compiled" / f"p{k:02d}.yaml")
-        methods.append(m)
-    rows = _measure(methods, inputs, target, exp, device, rounds, steps, progress)
     write_atomic(folder / "compare.csv", csv_text(rows, COLUMNS))
     if tuning:
         write_atomic(folder / "finalists.csv", csv_text(tuning, COLUMNS))
