@@ -238,6 +238,7 @@ def _pick(finalists, method, budget_of, resident, time_methods, progress) -> tup
         tuning = time_methods([m for m, _ in made.values()])
         rows_of = dict(zip(made, tuning))
     picked, used = [], set()
+    number = {a: k + 1 for k, a in enumerate(made)}  # as the finalists table numbers them
     for label, evaluated in finalists:
         fits = [e for e in evaluated if e.chromosome.actions in rows_of
                 and rows_of[e.chromosome.actions]["peak_bytes"] <= budget_of[label] - resident]
@@ -248,7 +249,6 @@ def _pick(finalists, method, budget_of, resident, time_methods, progress) -> tup
         policy = _with_budget(policy, label, budget_of[label])
         picked.append((m, policy))
         if tuning:
-            number = {a: k + 1 for k, a in enumerate(made)}
             progress(f"  at {label}: finalist #{number[best.chromosome.actions]} of "
                      + ", ".join(f"#{number[e.chromosome.actions]}" for e in evaluated))
     return picked, tuning
@@ -344,15 +344,11 @@ def _measure(methods, inputs, target, exp, device, rounds, steps, progress) -> l
         _warm_up(m, inputs, target, exp, device, progress)
     for r in range(rounds):
         for m in methods[r % len(methods):] + methods[:r % len(methods)]:
-            with PeakMeter(device) as meter:
-                train_step(m, inputs, target, exp.loss, device)
-            peaks[m.name + m.knob].append(meter.peak)
-            rss_peaks[m.name + m.knob].append(meter.rss_peak)
-            train_step(m, inputs, target, exp.loss, device)  # untimed: the meter handed memory back, malloc takes it again
-            for _ in range(steps):
-                wall, cpu = train_step(m, inputs, target, exp.loss, device)
-                times[m.name + m.knob].append(wall)
-                cpu_times[m.name + m.knob].append(cpu)
+            peak, rss_peak, timed = metered_round(m, inputs, target, exp.loss, device, steps)
+            peaks[m.name + m.knob].append(peak)
+            rss_peaks[m.name + m.knob].append(rss_peak)
+            times[m.name + m.knob] += [wall for wall, _ in timed]
+            cpu_times[m.name + m.knob] += [cpu for _, cpu in timed]
     rows = []
     for m in methods:
         t, c, p = times[m.name + m.knob], cpu_times[m.name + m.knob], peaks[m.name + m.knob]
@@ -363,6 +359,16 @@ def _measure(methods, inputs, target, exp, device, rounds, steps, progress) -> l
                      "wall_step_s": statistics.median(t), "compile_s": m.compile_s, "recomputed": m.recomputed,
                      "rss_peak_bytes": _median_or_none(rss_peaks[m.name + m.knob]), "origin": m.origin})
     return rows
+
+
+def metered_round(m: Method, inputs, target, loss: str, device, steps: int) -> tuple[int, int | None, list]:
+    """One round of `m`: a step under the peak meter, an untimed step (the meter handed memory back to the OS,
+    and slows the steps right after it), then `steps` timed steps: (peak, resident-set peak or None,
+    [(wall s, CPU s)] of the timed steps)."""
+    with PeakMeter(device) as meter:
+        train_step(m, inputs, target, loss, device)
+    train_step(m, inputs, target, loss, device)
+    return meter.peak, meter.rss_peak, [train_step(m, inputs, target, loss, device) for _ in range(steps)]
 
 
 def _median_or_none(values: list) -> int | None:

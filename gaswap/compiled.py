@@ -324,13 +324,13 @@ def partition(gm: fx.GraphModule, saved: list[fx.Node], num_fwd_outputs: int,
 
 
 def check_recomputable(graph: Graph, actions: dict[str, str]) -> None:
-    """Refuse actions that recompute a tensor whose op may not run twice (a random op, a mutation, a mask)."""
+    """Refuse actions that recompute a tensor whose op may not run twice (a random op, a mutation)."""
     ops = {op.name: op for op in graph.ops}
     wrong = [t for t, a in actions.items() if a == "recompute" and t in graph.tensors
              and graph.tensors[t].producer in ops and not ops[graph.tensors[t].producer].recomputable]
     if wrong:
-        raise PolicyError(f"the policy recomputes {wrong[0]}, whose op may not run twice (a random op, a mutation "
-                          f"or a backward mask, which is always kept); keep it")
+        raise PolicyError(f"the policy recomputes {wrong[0]}, whose op may not run twice (a random op or a "
+                          f"mutation); keep it")
 
 
 def _check_saved(saved: list[str], actions: dict[str, str]) -> None:

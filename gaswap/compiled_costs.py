@@ -253,17 +253,19 @@ class Calibration:
                 "mask_s_per_byte": self.mask_rate, "points": [list(p) for p in self.points]}
 
 
-def features(problem: CompiledProblem, c: Chromosome) -> tuple[float, float, int]:
-    """What `c` adds to keep-all, in the calibration's terms: (standalone seconds of the library calls it
-    recomputes, of the generated ops it recomputes, bytes of bool masks it keeps). `problem` is uncalibrated."""
+def features(problem: CompiledProblem, chromosomes: list[Chromosome]) -> list[tuple[float, float, int]]:
+    """What each of `chromosomes` adds to keep-all, in the calibration's terms: (standalone seconds of the
+    library calls it recomputes, of the generated ops it recomputes, bytes of bool masks it keeps).
+    `problem` is uncalibrated."""
     keep_all = problem.encoding.uniform(Action.KEEP)
     extra = []
     for extern in (True, False):
         only = replace(problem.costs, op_time={op.name: problem.costs.op_time[op.name] if is_extern(op.target) == extern
                                                else 0.0 for op in problem.graph.ops})
         p = CompiledProblem(problem.graph, only, None, actions=problem.actions, loss=problem.loss)
-        extra.append(p.simulate(c).step_time - p.simulate(keep_all).step_time)
-    return extra[0], extra[1], problem.kept_mask_bytes(c)
+        base = p.simulate(keep_all).step_time
+        extra.append([p.simulate(c).step_time - base for c in chromosomes])
+    return [(e, g, problem.kept_mask_bytes(c)) for e, g, c in zip(*extra, chromosomes)]
 
 
 def fit(points: list[tuple[str, float, float, int, float]]) -> Calibration:
@@ -328,5 +330,5 @@ def calibrate(graph: Graph, costs: Costs, cpu_times, provenance: dict, loss: str
     problem = CompiledProblem(graph, costs, None, actions=(Action.KEEP, Action.RECOMPUTE), loss=loss)
     chosen = calibration_policies(problem)
     made = [compiled.make_policy(graph, problem.actions_of(c), provenance=provenance) for c in chosen.values()]
-    return fit([(label, *features(problem, c), seconds)
-                for (label, c), seconds in zip(chosen.items(), cpu_times(made))])
+    return fit([(label, *terms, seconds)
+                for label, terms, seconds in zip(chosen, features(problem, list(chosen.values())), cpu_times(made))])

@@ -20,10 +20,9 @@ import statistics
 from pathlib import Path
 
 from gaswap import compiled, config, policy as policies
-from gaswap.compare import Method, fresh_copy, prepare, train_step
+from gaswap.compare import Method, fresh_copy, metered_round, prepare, train_step
 from gaswap.files import write_atomic
 from gaswap.measure import device_name, load_per_cpu
-from gaswap.meter import PeakMeter
 
 TIMED = 3  # timed steps per round
 PEAK_TOLERANCE = 0.05
@@ -46,12 +45,10 @@ def validate_compiled(policy: policies.Policy, policy_path: Path, exp: config.Ex
     peaks, rss_peaks, times = [], [], []
     load = load_per_cpu()
     for k in range(steps):
-        with PeakMeter(dev) as meter:
-            train_step(method, inputs, target, exp.loss, dev)
-        peaks.append(meter.peak)
-        rss_peaks.append(meter.rss_peak)
-        train_step(method, inputs, target, exp.loss, dev)
-        times += [train_step(method, inputs, target, exp.loss, dev)[1] for _ in range(TIMED)]
+        peak, rss_peak, timed = metered_round(method, inputs, target, exp.loss, dev, TIMED)
+        peaks.append(peak)
+        rss_peaks.append(rss_peak)
+        times += [cpu for _, cpu in timed]
         if progress:
             progress(k + 1, steps)
     load = max(load, load_per_cpu())

@@ -14,11 +14,10 @@ import random
 import statistics
 
 from gaswap import compiled, compiled_costs, config
-from gaswap.compare import Method, _actions, fresh_copy, prepare, train_step
+from gaswap.compare import Method, _actions, fresh_copy, metered_round, prepare, train_step
 from gaswap.config import format_size
 from gaswap.encoding import Action, Chromosome
 from gaswap.measure import measure
-from gaswap.meter import PeakMeter
 from gaswap.problem import Problem
 
 
@@ -55,13 +54,8 @@ def main() -> None:
         method = Method("gaswap", label, m, compiled.compile(m, policy), opt)
         for _ in range(2):
             train_step(method, inputs, target, exp.loss, device)
-        peaks, rss = [], []
-        for _ in range(args.steps):
-            with PeakMeter(device) as meter:
-                train_step(method, inputs, target, exp.loss, device)
-            peaks.append(meter.peak)
-            rss.append(meter.rss_peak)
-            train_step(method, inputs, target, exp.loss, device)
+        rounds = [metered_round(method, inputs, target, exp.loss, device, 0) for _ in range(args.steps)]
+        peaks, rss = [peak for peak, _, _ in rounds], [rss_peak for _, rss_peak, _ in rounds]
         predicted = fused.simulate(c).peak_bytes - resident
         measured = statistics.median(peaks)
         print(f"| {label} | {sum(a == Action.RECOMPUTE for a in c.actions)} | {format_size(predicted)} | "

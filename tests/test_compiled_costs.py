@@ -127,7 +127,7 @@ def test_a_calibrated_step_is_the_base_plus_what_a_policy_recomputes_plus_the_ma
         c = _policy(problem, set(recomputed))
         assert problem.simulate(c).step_time == pytest.approx(step)
         assert problem.simulate(c).peak_bytes == plain.simulate(c).peak_bytes  # calibration prices time only
-    assert cc.features(plain, _policy(plain, {"b"})) == (1.0, 1.0, MB)
+    assert cc.features(plain, [_policy(plain, {"b"})]) == [(1.0, 1.0, MB)]
 
 
 def test_fit_recovers_the_base_the_recomputation_factors_and_the_mask_price():
