@@ -59,6 +59,7 @@ from torch.utils._pytree import arg_tree_leaves
 from gaswap import graph as graphs
 from gaswap import policy as policies
 from gaswap.capture import _ancestors, _key, _make_op, _nbytes
+from gaswap.compiled_costs import is_extern
 from gaswap.step import OPTIMIZER_STATE
 from gaswap.graph import Graph, Tensor
 from gaswap.policy import Policy, PolicyError
@@ -250,9 +251,19 @@ def _joint(gm: fx.GraphModule, num_fwd_outputs: int, static_indices, optimizer: 
                 tensors[name] = Tensor(name, tensors[name].size, "grad", tensors[name].producer)
     param_bytes = sum(t.size for t in tensors.values() if t.kind == "param")
     ops = [op for op, _ in sorted(ops, key=lambda pair: pair[1])]
+    loss = storage_of[fwd_outputs[0].name]
     g = Graph(tuple(ops), tensors, resident={"optimizer_state": OPTIMIZER_STATE[optimizer] * param_bytes},
-              counted=frozenset(counted), loss=storage_of[fwd_outputs[0].name])
+              counted=frozenset(counted), loss=loss, decidable=_library_outputs(ops, tensors) - {loss})
     return Joint(g, storage_of)
+
+
+def _library_outputs(ops, tensors: dict[str, Tensor]) -> frozenset:
+    """The activations forward library calls make (matmuls, convolutions): inductor materializes them under
+    any policy, so a policy may keep one for the backward to recompute from, though the backward does not
+    read it (torch's min-cut saves a softmax's input `bmm` to recompute the softmax, or a projection's output
+    `addmm` to recompute the dropout after it)."""
+    return frozenset(t for op in ops if op.phase == "fwd" and op.recomputable and is_extern(op.target)
+                     for t in op.outputs if tensors[t].kind == "activation")
 
 
 def _is_mask(node: fx.Node, read: list[str | None], ran_at: dict[str, int], read_by_backward: set) -> bool:

@@ -99,7 +99,7 @@ def fused_graph(graph: Graph, loss: str = "sum") -> Graph:
            for op in graph.ops]
     tensors = {name: Tensor(t.name, 0, t.kind, t.producer) if name in inside else t
                for name, t in graph.tensors.items()}
-    return with_loss(Graph(tuple(ops), tensors, graph.resident, graph.counted, graph.loss), loss)
+    return with_loss(replace(graph, ops=tuple(ops), tensors=tensors), loss)
 
 
 LOSS_OP = "gaswap.loss"
@@ -122,7 +122,7 @@ def with_loss(graph: Graph, loss: str) -> Graph:
     ops = [replace(op, inputs=(*op.inputs, made.name)) if grad_output.name in op.inputs else op for op in graph.ops]
     loss_op = Op(LOSS_OP, f"loss.{loss}", (graph.loss,), (made.name, temporary.name), phase="bwd")
     ops = [o for o in ops if o.phase == "fwd"] + [loss_op] + [o for o in ops if o.phase != "fwd"]
-    return Graph(tuple(ops), tensors, graph.resident, graph.counted, None)
+    return replace(graph, ops=tuple(ops), tensors=tensors, loss=None)
 
 
 class CompiledProblem(Problem):
@@ -147,7 +147,8 @@ class CompiledProblem(Problem):
                        if Action.RECOMPUTE in self.encoding.allowed[k]]  # (candidate, bytes): masks a policy may keep
         loss_time = {LOSS_OP: 0.0} if self._loss is not None else {}  # in the calibrated base
         simulated = costs if calibration is None else calibration.costs(graph, costs)
-        self.simulator = Simulator(self.fused, replace(simulated, op_time=simulated.op_time | loss_time), budget)
+        self.simulator = Simulator(self.fused, replace(simulated, op_time=simulated.op_time | loss_time), budget,
+                                   hold_sources=True)
         self._offset = 0.0
         if calibration is not None:  # the keep-all step (masks aside) costs `base`
             keep_all = self.simulate(self.encoding.uniform(Action.KEEP))

@@ -62,6 +62,8 @@ class Graph:
 
     `resident` holds bytes present for the whole step that are not tensors of the graph, by category
     (today "optimizer_state"); `counted` names which of COUNTABLE count toward the memory budget.
+    `decidable` names forward activations a policy decides about although the backward does not read them:
+    kept, a recomputation in the backward may start from one (compiled graphs: library calls' outputs).
     """
 
     ops: tuple[Op, ...]
@@ -69,6 +71,7 @@ class Graph:
     resident: dict[str, int] = field(default_factory=dict)
     counted: frozenset = frozenset(COUNTABLE)
     loss: str | None = None
+    decidable: frozenset = frozenset()
 
     def __post_init__(self):
         _validate(self)
@@ -87,7 +90,8 @@ class Graph:
         return out
 
     def candidates(self) -> list[str]:
-        """Tensors a policy decides about: inputs and forward activations that the backward pass reads.
+        """Tensors a policy decides about: inputs and forward activations that the backward pass reads, and
+        the `decidable` ones.
 
         In a step given the gradient of its output from outside (a "grad_output" tensor), the caller holds
         the inputs all step, so they are not candidates; nor is the gradient, which arrives with the backward.
@@ -100,7 +104,7 @@ class Graph:
             for t in self.tensors.values()
             if ((t.kind == "input" and inputs_swappable) or (t.kind == "activation" and phase[t.producer] == "fwd"))
             and t.name != self.loss
-            and any(phase[c] == "bwd" for c in cons[t.name])
+            and (t.name in self.decidable or any(phase[c] == "bwd" for c in cons[t.name]))
         ]
 
     def counts(self, tensor: Tensor) -> bool:
@@ -126,7 +130,7 @@ class Graph:
             "tensors": sorted([t.name, t.size, t.kind] for t in self.tensors.values()),
             "resident": sorted(self.resident.items()),
             "counted": sorted(self.counted),
-        }
+        } | ({"decidable": sorted(self.decidable)} if self.decidable else {})
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
     # --- plain-data round trip (JSON-able), used by caches and worker processes ---
@@ -137,6 +141,7 @@ class Graph:
             "resident": dict(self.resident),
             "counted": sorted(self.counted),
             "loss": self.loss,
+            "decidable": sorted(self.decidable),
         }
 
     @classmethod
@@ -145,7 +150,8 @@ class Graph:
             Op(**(o | {"inputs": tuple(o["inputs"]), "outputs": tuple(o["outputs"])})) for o in d["ops"]
         )
         tensors = {t["name"]: Tensor(**t) for t in d["tensors"]}
-        return cls(ops, tensors, dict(d.get("resident", {})), frozenset(d.get("counted", COUNTABLE)), d.get("loss"))
+        return cls(ops, tensors, dict(d.get("resident", {})), frozenset(d.get("counted", COUNTABLE)), d.get("loss"),
+                   frozenset(d.get("decidable", ())))
 
 
 def _validate(g: Graph) -> None:
@@ -186,6 +192,10 @@ def _validate(g: Graph) -> None:
             raise GraphError(f"tensor {t.name!r}: producer {t.producer!r} is not an op of the graph")
     if g.loss is not None and g.loss not in g.tensors:
         raise GraphError(f"loss tensor {g.loss!r} is not in the graph")
+    phase = {op.name: op.phase for op in g.ops}
+    for t in sorted(g.decidable):
+        if t not in g.tensors or g.tensors[t].kind != "activation" or phase[g.tensors[t].producer] != "fwd":
+            raise GraphError(f"decidable tensor {t!r} is not a forward activation of the graph")
 
 
 def chain(n: int, size: int = 1, *, name: str = "chain") -> Graph:

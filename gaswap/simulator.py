@@ -8,7 +8,9 @@ Memory is counted in bytes on the device, in time order:
 - parameters, buffers, inputs and optimizer state are resident all step (as the graph counts them);
 - an op allocates its outputs when it starts; a tensor is freed when the last op reading it ends;
   gradients and the loss live to the end of the step;
-- KEEP: the default above;
+- KEEP: the default above; with `hold_sources` (a compiled step, whose backward recomputes from what the
+  forward saved) a kept tensor also stays until the recomputations that start from it have run: those of
+  the tensors not kept that are computed from it, directly or through other tensors not kept;
 - SWAP: a d2h copy starts when the producer ends (and the d2h stream is free); the device copy is freed once
   that copy is done and no forward reader remains. The h2d copy back is issued, with its device memory
   allocated, at the latest op before the first backward reader whose preceding compute covers the copy
@@ -136,7 +138,7 @@ class _Reads(NamedTuple):
 class Simulator:
     """Holds the graph and costs as flat arrays, so that `run` evaluates many policies fast."""
 
-    def __init__(self, graph: Graph, costs: Costs, budget: int | None = None):
+    def __init__(self, graph: Graph, costs: Costs, budget: int | None = None, *, hold_sources: bool = False):
         self.graph = graph
         self.costs = costs
         names = list(graph.tensors)
@@ -164,6 +166,10 @@ class Simulator:
         self.h2d_time = [costs.copy_time(t.size, "h2d") for t in tensors]
         self.serial_copies = not costs.copies_overlap
         self.static_tables()
+        # candidate -> the nearest candidates it is computed from (through tensors that are not candidates),
+        # candidates latest made first: where a recomputation may start (`hold_sources`)
+        self.sources = _candidate_sources(graph, self.candidates, tid) if hold_sources else None
+
 
     def static_tables(self) -> None:
         """Arrays that turn an order into its liveness and schedules without a loop over ops in Python."""
@@ -191,6 +197,36 @@ class Simulator:
             return SimResult(inf, 2**62, inf, valid=False, reason=str(err))
 
 
+def _candidate_sources(graph: Graph, candidates: list[int], tid: dict[str, int]) -> list[tuple[int, list[int]]]:
+    """(candidate, the nearest candidates it is computed from) for each candidate, latest made first."""
+    is_candidate = set(candidates)
+    nearest: dict[int, set[int]] = {}  # tensor -> the candidates its producer reads, through non-candidates
+    made_at: dict[int, int] = {}
+    for k, op in enumerate(graph.ops):  # in topological order
+        found: set[int] = set()
+        for u in (tid[i] for i in op.inputs):
+            found |= {u} if u in is_candidate else nearest.get(u, set())
+        for t in (tid[o] for o in op.outputs):
+            nearest[t], made_at[t] = found, k
+    latest_first = sorted(candidates, key=lambda t: -made_at.get(t, -1))
+    return [(t, sorted(nearest.get(t, ()))) for t in latest_first]
+
+
+def hold_sources(sources, moved: np.ndarray, last_use: np.ndarray, first_bwd: np.ndarray, n: int) -> None:
+    """Extend (in place) the `last_use` of each kept candidate to the first backward reader of every candidate
+    not kept that is recomputed from it, directly or through others not kept (`Simulator.sources`)."""
+    needed: dict[int, int] = {}  # candidate -> the latest position a recomputation from it runs at
+    for t, inputs in sources:
+        if moved[t]:
+            at = max(needed.get(t, -1), int(first_bwd[t]) if first_bwd[t] < n else -1)
+            if at >= 0:
+                for u in inputs:
+                    if needed.get(u, -1) < at:
+                        needed[u] = at
+        elif t in needed and needed[t] > last_use[t]:
+            last_use[t] = needed[t]
+
+
 class _Run:
     """One simulation, untraced; a class so that recursion shares its state without globals.
 
@@ -211,6 +247,8 @@ class _Run:
         candidates = sim.candidate_ids[:m]
         moved = np.zeros(nt, dtype=bool)  # not KEEP: gone after the forward readers, back for the backward ones
         moved[candidates[acts != Action.KEEP]] = True
+        if sim.sources is not None:
+            hold_sources(sim.sources, moved, last_use, first_bwd, n)
         swapped = candidates[acts == Action.SWAP]  # in the order of the candidates
         swaps = np.zeros(nt, dtype=bool)
         swaps[swapped] = True

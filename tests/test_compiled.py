@@ -68,6 +68,21 @@ def test_a_kept_mask_is_saved_instead_of_the_activation_it_reads():
     assert set(keep) - set(recompute) == {"le"}  # the policy alone decides: nothing else changes
 
 
+def test_a_kept_library_output_is_saved_only_when_the_backward_recomputes_from_it():
+    """A matmul's output (`addmm`, read by the forward's ReLU alone) is a candidate, as torch's min-cut may save
+    it to recompute what follows it. Kept, it is saved only if something computed from it is recomputed."""
+    model, x, _ = _mlp()
+    g = compiled.capture(model, x)
+    assert {"addmm", "addmm_1"} == g.decidable and {"addmm", "addmm_1"} <= set(g.candidates())
+
+    def saved(actions):
+        return set(compiled.saved_by(copy.deepcopy(model), compiled.make_policy(g, actions), x))
+    assert "addmm" not in saved({})  # keep-all: the backward reads the mask le_1, not addmm
+    from_addmm = saved({"le_1": "recompute"})
+    assert "addmm" in from_addmm and "le_1" not in from_addmm
+    assert not {"addmm", "le_1"} & saved({"le_1": "recompute", "addmm": "recompute"})
+
+
 def test_refusals_before_any_code_is_generated():
     model, x, _ = _cnn()
     g = compiled.capture(model, x)

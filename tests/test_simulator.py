@@ -134,6 +134,53 @@ def test_policy_that_needs_a_gone_random_output_is_invalid():
     assert r.reason == "d is needed by f but is gone and its producer is random or mutates state"
 
 
+def test_a_kept_tensor_stays_for_the_recomputations_that_start_from_it_when_sources_are_held():
+    """A compiled backward recomputes from what the forward saved: a kept d lives until t, computed from it,
+    has been recomputed for bt (the same policy is invalid above, where d goes after its last reader bd)."""
+    graph = _dropout_graph()
+    enc = Encoding(graph)
+    held = Simulator(graph, unit_costs(graph), hold_sources=True).run(enc.decode(enc.captured_keys()), (K, R),
+                                                                        trace=True)
+    assert held.valid
+    assert [(e.name, e.reason) for e in held.timeline if e.kind == "recompute"] == [("f", "recompute f for bt")]
+    # d (4 bytes) stays to the end of bt, which runs with x 1 + d 4 + L 1 + gd 1 + t 2 (made again) + gt 1
+    assert held.peak_bytes == 10 and held.compute_time == 6.0
+    keep_all = Simulator(graph, unit_costs(graph), hold_sources=True).run(enc.decode(enc.captured_keys()), (K, K))
+    assert keep_all.peak_bytes == run(graph, (K, K)).peak_bytes  # nothing recomputed: nothing held longer
+
+
+def _library_output_graph():
+    """x -> mm -> s (a library call's output, read by the forward alone) -> soft -> p -> loss -> L; the backward
+    reads p (bp)."""
+    tensors = {"x": Tensor("x", 1, "input"), "s": Tensor("s", 4, "activation", "mm"),
+               "p": Tensor("p", 4, "activation", "soft"), "L": Tensor("L", 1, "activation", "loss"),
+               "gp": Tensor("gp", 1, "activation", "bp"), "gx": Tensor("gx", 1, "activation", "bx")}
+    ops = (Op("mm", "mm", ("x",), ("s",), "fwd"), Op("soft", "softmax", ("s",), ("p",), "fwd"),
+           Op("loss", "loss", ("p",), ("L",), "fwd"), Op("bp", "bp", ("L", "p"), ("gp",), "bwd"),
+           Op("bx", "bx", ("gp",), ("gx",), "bwd"))
+    return Graph(ops, tensors, loss="L", decidable=frozenset({"s"}))
+
+
+def test_a_decidable_tensor_is_a_candidate_a_recomputation_can_start_from():
+    graph = _library_output_graph()
+    assert graph.candidates() == ["s", "p"]  # s: decidable, though no backward op reads it
+    assert dataclasses.replace(graph, decidable=frozenset()).candidates() == ["p"]
+    assert Graph.from_dict(graph.to_dict()) == graph
+    assert graph.fingerprint() != dataclasses.replace(graph, decidable=frozenset()).fingerprint()
+    enc = Encoding(graph)
+    sim = Simulator(graph, unit_costs(graph), hold_sources=True)
+    order = enc.decode(enc.captured_keys())
+
+    def recomputed(actions):
+        return [e.name for e in sim.run(order, actions, trace=True).timeline if e.kind == "recompute"]
+    assert recomputed((K, R)) == ["soft"]  # p from the kept s
+    assert recomputed((R, R)) == ["mm", "soft"]
+    assert recomputed((K, K)) == recomputed((R, K)) == []
+    # keeping s costs its bytes only where something is recomputed from it
+    assert sim.run(order, (K, K)).peak_bytes == sim.run(order, (R, K)).peak_bytes
+    assert sim.run(order, (K, R)).peak_bytes > sim.run(order, (R, R)).peak_bytes
+
+
 def test_swapped_input_of_a_recompute_comes_back_on_demand():
     r = run(_dropout_graph(), (S, R))
     assert r.valid
