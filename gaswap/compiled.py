@@ -216,8 +216,7 @@ def _joint(gm: fx.GraphModule, num_fwd_outputs: int, static_indices, optimizer: 
                           f"(the model's output, or the loss)")
     primals = [n for n in nodes if n.op == "placeholder" and not n.target.startswith("tangents")]
     forward = _ancestors([*fwd_outputs, *(n for n in nodes if n.op == "call_function" and _must_be_in_forward(n))])
-    read_by_backward = {_key(a.meta["val"]) for n in nodes if n.op == "call_function" and n not in forward
-                        and not _is_bool(n.meta.get("val")) for a in n.all_input_nodes if _is_tensor(a)}
+    hoisted, leaves = _hoisted(nodes, forward)
     storage: dict = {}
     tensors: dict[str, Tensor] = {}
     storage_of: dict[str, str] = {}
@@ -234,11 +233,10 @@ def _joint(gm: fx.GraphModule, num_fwd_outputs: int, static_indices, optimizer: 
             if kind != "grad_output":
                 ran_at[node.name] = -1
         elif node.op == "call_function":
-            read = [storage_of.get(a.name) for a in node.all_input_nodes]
-            mask = node not in forward and _is_mask(node, read, ran_at, read_by_backward)
-            op = _make_op(node, storage, tensors, node in forward or mask, _layer(node))
-            if op is not None:
-                at = max(ran_at[t] for t in read) if mask else i  # a mask runs right after what it reads
+            op = _make_op(node, storage, tensors, node in forward or node in hoisted, _layer(node))
+            if op is not None:  # a hoisted op runs right after what it reads
+                at = max((ran_at[storage_of[a.name]] for a in node.all_input_nodes if a.name in storage_of),
+                         default=-1) if node in hoisted else i
                 ops.append((op, (op.phase != "fwd", at, i)))
                 if op.phase == "fwd":
                     ran_at.update(dict.fromkeys(op.outputs, at))
@@ -253,7 +251,9 @@ def _joint(gm: fx.GraphModule, num_fwd_outputs: int, static_indices, optimizer: 
     ops = [op for op, _ in sorted(ops, key=lambda pair: pair[1])]
     loss = storage_of[fwd_outputs[0].name]
     g = Graph(tuple(ops), tensors, resident={"optimizer_state": OPTIMIZER_STATE[optimizer] * param_bytes},
-              counted=frozenset(counted), loss=loss, decidable=_library_outputs(ops, tensors) - {loss})
+              counted=frozenset(counted), loss=loss,
+              decidable=(_library_outputs(ops, tensors) | {storage_of[n.name] for n in leaves
+                                                           if tensors[storage_of[n.name]].kind == "activation"}) - {loss})
     return Joint(g, storage_of)
 
 
@@ -266,15 +266,42 @@ def _library_outputs(ops, tensors: dict[str, Tensor]) -> frozenset:
                      for t in op.outputs if tensors[t].kind == "activation")
 
 
-def _is_mask(node: fx.Node, read: list[str | None], ran_at: dict[str, int], read_by_backward: set) -> bool:
-    """Whether a backward node is a boolean mask that can stand in for what it reads: computed from forward values
-    alone (ReLU's `le = relu <= 0`), which no other backward op reads (masks aside). Made a forward op, it is
-    a candidate: a policy may keep the mask instead of the activation. (A trade-off in time too: on
-    compare_cnn_cpu keeping `le` peaks at 36.6 MB and takes 114 ms a step on this CPU, recomputing it 42.9 MB
-    and 62 ms; inductor's CPU kernels that store and read the bool mask are that slow. The calibration
-    prices kept masks: `compiled_costs.Calibration`.)"""
-    return (_is_bool(node.meta.get("val")) and bool(read) and all(t in ran_at for t in read)
-            and not any(_key(a.meta["val"]) in read_by_backward for a in node.all_input_nodes))
+def _hoisted(nodes: list[fx.Node], forward: set) -> tuple[set[fx.Node], set[fx.Node]]:
+    """The backward nodes to run in the forward, and the forward activations they read (their leaves).
+
+    A backward value computed from forward values alone can be computed in the forward and saved, in place of
+    what it is computed from, as torch's min-cut partitioner does: ReLU's mask `le = relu <= 0` (a quarter of
+    relu's bytes), a tanh's derivative `1 - tanh**2`, a GELU's, or the `clone` that makes a GRU gate's slice
+    contiguous (a third of the gates' bytes). Such a value (with the backward nodes it is computed from) is
+    hoisted when its leaves are read by no other backward op (so keep-all saves one of them, not both) and,
+    unless it is itself a bool mask, none is a bool (dropout's `gt` stays a kept bool, not a float32 copy
+    scaled). The value is then a candidate, and its leaves are `Graph.decidable`: kept, the backward computes
+    the value from them (both placements are a policy's choice)."""
+    computed = set()  # backward nodes computed from forward values (and parameters, inputs, buffers) alone
+    for n in nodes:
+        if n.op == "call_function" and n not in forward and n.all_input_nodes and all(
+                a in forward or a in computed or (a.op == "placeholder" and _is_primal(a)) for a in n.all_input_nodes):
+            computed.add(n)
+    read_elsewhere = {_key(a.meta["val"]) for n in nodes if n.op == "call_function" and n not in forward
+                      and n not in computed for a in n.all_input_nodes if _is_tensor(a)}
+    hoisted: set[fx.Node] = set()
+    leaves: set[fx.Node] = set()
+    for value in computed:
+        if not any(u.op != "output" and u not in forward and u not in computed for u in value.users):
+            continue  # read by other such nodes alone
+        chain, stack = set(), [value]
+        while stack:
+            c = stack.pop()
+            if c not in chain:
+                chain.add(c)
+                stack += [a for a in c.all_input_nodes if a in computed]
+        read = {a for c in chain for a in c.all_input_nodes if a not in computed}
+        activations = {a for a in read if a.op != "placeholder" and _is_tensor(a)}
+        if (activations and not any(_key(a.meta["val"]) in read_elsewhere for a in activations)
+                and (_is_bool(value.meta.get("val")) or not any(_is_bool(c.meta.get("val")) for c in chain | read))):
+            hoisted |= chain
+            leaves |= activations
+    return hoisted, leaves
 
 
 def _is_bool(val) -> bool:

@@ -49,23 +49,46 @@ def test_capture_is_the_joint_graph_torch_partitions():
 
 def test_a_kept_mask_is_saved_instead_of_the_activation_it_reads():
     """ReLU's backward mask `le = relu_1 <= 0` reads only a forward activation that the backward reads through it
-    alone: it is a forward op and a candidate (a quarter of relu_1's bytes), and relu_1 is not a candidate.
-    Keeping the mask saves it and not relu_1; recomputing it saves neither (the backward recomputes relu_1)."""
+    alone: it is a forward op and a candidate (a quarter of relu_1's bytes), and relu_1 is a decidable candidate
+    (the backward does not read it). Keeping the mask saves it and not relu_1; recomputing it and keeping relu_1
+    saves relu_1 (the backward computes the mask from it); recomputing both saves neither."""
     model, x, _ = _cnn()
     g = compiled.capture(model, x)
     ops = {op.name: op for op in g.ops}
     assert ops["le"].phase == "fwd" and ops["le"].target == "aten.le.Scalar"
-    assert "le" in g.candidates() and "relu_1" not in g.candidates()
+    assert "le" in g.candidates() and "relu_1" in g.candidates() and "relu_1" in g.decidable
     # relu's mask `le_1` stays in the backward: the backward reads relu anyway (the next convolution's gradient)
-    assert ops["le_1"].phase == "bwd" and "relu" in g.candidates()
+    assert ops["le_1"].phase == "bwd" and "relu" in g.candidates() and "relu" not in g.decidable
     assert g.tensors["le"].size * 4 == g.tensors["relu_1"].size  # bool against float32
     order = [op.name for op in g.ops]
     assert order.index("le") == order.index("relu_1") + 1  # the mask runs right after what it reads
-    keep = compiled.saved_by(copy.deepcopy(model), compiled.make_policy(g, {}), x)
+
+    def saved(actions):
+        return set(compiled.saved_by(copy.deepcopy(model), compiled.make_policy(g, actions), x))
+    keep = saved({})
     assert "le" in keep and "relu_1" not in keep
-    recompute = compiled.saved_by(copy.deepcopy(model), compiled.make_policy(g, {"le": "recompute"}), x)
-    assert not {"le", "relu_1"} & set(recompute)
-    assert set(keep) - set(recompute) == {"le"}  # the policy alone decides: nothing else changes
+    from_relu = saved({"le": "recompute"})
+    assert "relu_1" in from_relu and "le" not in from_relu
+    assert keep ^ from_relu == {"le", "relu_1"}  # the policy alone decides: nothing else changes
+    assert not {"le", "relu_1"} & saved({"le": "recompute", "relu_1": "recompute"})
+
+
+def test_a_backward_value_computed_from_forward_values_alone_may_be_saved_in_their_place():
+    """BatchNorm's backward reads `convolution - mean` (sub_6), computed from forward values alone: it runs in the
+    forward as a candidate, and the convolution's output becomes a decidable one. Keep-all saves sub_6; keeping
+    the convolution's output and recomputing sub_6 saves the output, as torch's own partition at 1.0 does."""
+    model, x, _ = _cnn()
+    g = compiled.capture(model, x)
+    ops = {op.name: op for op in g.ops}
+    assert ops["sub_6"].phase == "fwd" and set(ops["sub_6"].inputs) == {"convolution", "getitem_1"}
+    assert {"sub_6", "convolution"} <= set(g.candidates()) and "convolution" in g.decidable
+
+    def saved(actions):
+        return set(compiled.saved_by(copy.deepcopy(model), compiled.make_policy(g, actions), x))
+    assert "sub_6" in saved({}) and "convolution" not in saved({})
+    assert "convolution" in saved({"sub_6": "recompute"}) and "sub_6" not in saved({"sub_6": "recompute"})
+    _, actions = compiled.torch_partition(model, x, budget=1.0)
+    assert actions["convolution"] == "keep" and actions["sub_6"] == "recompute"
 
 
 def test_a_kept_library_output_is_saved_only_when_the_backward_recomputes_from_it():
@@ -73,14 +96,15 @@ def test_a_kept_library_output_is_saved_only_when_the_backward_recomputes_from_i
     it to recompute what follows it. Kept, it is saved only if something computed from it is recomputed."""
     model, x, _ = _mlp()
     g = compiled.capture(model, x)
-    assert {"addmm", "addmm_1"} == g.decidable and {"addmm", "addmm_1"} <= set(g.candidates())
+    assert {"addmm", "addmm_1"} <= g.decidable and {"addmm", "addmm_1"} <= set(g.candidates())
 
     def saved(actions):
         return set(compiled.saved_by(copy.deepcopy(model), compiled.make_policy(g, actions), x))
-    assert "addmm" not in saved({})  # keep-all: the backward reads the mask le_1, not addmm
-    from_addmm = saved({"le_1": "recompute"})
-    assert "addmm" in from_addmm and "le_1" not in from_addmm
-    assert not {"addmm", "le_1"} & saved({"le_1": "recompute", "addmm": "recompute"})
+    assert "addmm" not in saved({})  # keep-all: the backward reads the mask le_1 alone
+    assert "relu" in saved({"le_1": "recompute"})  # the mask from the kept relu
+    from_addmm = saved({"le_1": "recompute", "relu": "recompute"})
+    assert "addmm" in from_addmm and not {"le_1", "relu"} & from_addmm
+    assert not {"addmm", "le_1", "relu"} & saved({"le_1": "recompute", "relu": "recompute", "addmm": "recompute"})
 
 
 def test_refusals_before_any_code_is_generated():
