@@ -173,8 +173,7 @@ def prepare(exp: config.Experiment, device="auto") -> tuple:
 
 
 def _actions(encoding: Encoding, actions: dict[str, str]) -> tuple[int, ...]:
-    """`actions` (a partition's) as a chromosome's, KEEP where gaswap cannot recompute a tensor (e.g. a dropout
-    mask whose seed torch saved instead: the seed is not a candidate)."""
+    """`actions` (a partition's) as a chromosome's, KEEP where the encoding allows no recomputation."""
     out = []
     for t, allowed in zip(encoding.candidates, encoding.allowed):
         action = Action.parse(actions[t])

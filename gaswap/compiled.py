@@ -11,11 +11,14 @@ gaswap uses that graph itself, so the graph searched is the graph compiled:
   graph inductor is about to partition (after its joint-graph passes, dead code removed, common
   subexpressions merged, as the partitioner does) and turns it into a gaswap `Graph`: op names are the
   joint graph's node names, stable for a given model, shapes and torch version. Forward ops are those the
-  forward must run (what the output needs, and the buffer updates), and the backward's boolean masks that
-  read forward values alone, values no other backward op reads (ReLU's `le = relu <= 0` when the backward
-  reads relu only through it; a quarter of relu's float32 bytes), placed right after what they read: torch's
-  min-cut partitioner saves such a mask instead of the activation, and as candidates a policy can too. The
-  rest is backward.
+  forward must run (what the output needs, and the buffer updates), and the backward values computed from
+  forward values alone that no other backward op reads the sources of (ReLU's mask `le = relu <= 0`, a
+  quarter of relu's bytes; a tanh's derivative), placed right after what they read (`_hoisted`): torch's
+  min-cut partitioner may save such a value instead of its sources, and as candidates a policy can too.
+  The rest is backward. Candidates are the forward values the backward reads, and the *decidable* ones
+  (`Graph.decidable`) it does not read but may recompute from: those sources, and the outputs of library
+  calls (a softmax's input `bmm`), which inductor materializes anyway. A kept one is saved only if the
+  backward recomputes something from it, and the compiled simulator holds it until then.
   The gradient of the output is a `grad_output` tensor (torch.compile's caller runs the loss, or the step
   returns it), so inputs are not candidates: the caller holds them.
 - Policies for it are searched in the `compiled` search space (keep / recompute per activation). The
@@ -190,9 +193,9 @@ def policy_of_partition(joint: Joint, saved: list[str]) -> dict[str, str]:
     """The keep/recompute actions of a partition: a candidate is kept if the forward saved it, or if its op may
     not run twice (the partition saved something computed from it instead, e.g. a dropout mask from its seed).
     Tensors the partition saves that are not candidates have no action, and the projection is approximate
-    there: forward intermediates no backward op reads (torch may save a softmax's input, max and sum to
-    recompute its output) and backward values other than masks hoisted into the forward (e.g. a GELU's
-    derivative, or LayerNorm's `rsqrt / width`)."""
+    there: fused forward values no backward op reads (torch may save a softmax's max and sum besides its input
+    `bmm`, a candidate, to recompute its output; or an embedding's output) and backward values hoisted into
+    the forward whose sources other backward ops read (a GELU's derivative, LayerNorm's `rsqrt / width`)."""
     kept = set(saved)
     ops = {op.name: op for op in joint.graph.ops}
     return {t: "keep" if t in kept or not ops[joint.graph.tensors[t].producer].recomputable else "recompute"
@@ -252,17 +255,18 @@ def _joint(gm: fx.GraphModule, num_fwd_outputs: int, static_indices, optimizer: 
     loss = storage_of[fwd_outputs[0].name]
     g = Graph(tuple(ops), tensors, resident={"optimizer_state": OPTIMIZER_STATE[optimizer] * param_bytes},
               counted=frozenset(counted), loss=loss,
-              decidable=(_library_outputs(ops, tensors) | {storage_of[n.name] for n in leaves
+              decidable=(_recomputed_from(ops, tensors) | {storage_of[n.name] for n in leaves
                                                            if tensors[storage_of[n.name]].kind == "activation"}) - {loss})
     return Joint(g, storage_of)
 
 
-def _library_outputs(ops, tensors: dict[str, Tensor]) -> frozenset:
-    """The activations forward library calls make (matmuls, convolutions): inductor materializes them under
-    any policy, so a policy may keep one for the backward to recompute from, though the backward does not
-    read it (torch's min-cut saves a softmax's input `bmm` to recompute the softmax, or a projection's output
-    `addmm` to recompute the dropout after it)."""
-    return frozenset(t for op in ops if op.phase == "fwd" and op.recomputable and is_extern(op.target)
+def _recomputed_from(ops, tensors: dict[str, Tensor]) -> frozenset:
+    """Forward activations the backward may recompute from though it does not read them: the outputs of
+    library calls (matmuls, convolutions), which inductor materializes under any policy (torch's min-cut saves
+    a softmax's input `bmm` to recompute the softmax, or a projection's output `addmm` to recompute the
+    dropout after it), and of ops that may not run twice, which the forward always saves (`saved_values`:
+    a recomputed dropout mask is drawn again from the saved seeds)."""
+    return frozenset(t for op in ops if op.phase == "fwd" and (is_extern(op.target) or not op.recomputable)
                      for t in op.outputs if tensors[t].kind == "activation")
 
 
