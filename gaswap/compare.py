@@ -10,8 +10,8 @@ torch's partitions, each read back as keep/recompute actions. The model cannot s
 each budget are compiled and timed first, in rounds of their own (`_pick`); the fastest whose measured peak
 fits the budget is the one compared, timed afresh with the others.
 Policies are simulated as inductor runs them (`gaswap.compiled_costs`): standalone op costs in CPU
-seconds, fused intermediates not counted, the keep-all step, the cost of recomputation and of kept masks
-calibrated on six policies compiled and timed first (`compiled_costs.calibrate`). The
+seconds, fused intermediates not counted, the keep-all step, the cost of recomputation, of kept masks and
+of saved bytes calibrated on seven policies compiled and timed first (`compiled_costs.calibrate`). The
 table shows those predictions beside the ones of the joint graph's ops one by one (every op alone, every
 tensor counted).
 
@@ -89,12 +89,13 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     device, model, inputs, target, graph = prepare(exp)
     costs = measure(graph, device, cache_dir, threads=exp.costs.threads)
     space = config.load_search_space(compiled.SPACE)
-    progress("  calibrating the compiled model: six policies compiled and timed")
+    progress("  calibrating the compiled model: seven policies compiled and timed")
     calibration = compiled_costs.calibrate(graph, costs, lambda ps: _cpu_times(ps, model, inputs, target, exp, device),
                                            {"optimizer": exp.optimizer, "counts": sorted(exp.counts)}, exp.loss)
     progress(f"  keep-all {calibration.base * 1e3:.2f} ms a step; recomputed generated ops cost "
              f"{calibration.scale:.2f}x their ops one by one, library calls {calibration.extern_scale:.2f}x; "
-             f"a kept mask {calibration.mask_rate * 1e9:.1f} ms per MB; fit within "
+             f"a kept mask {calibration.mask_rate * 1e9:.1f} ms per MB, saved tensors "
+             f"{calibration.saved_rate * 1e9:.1f} ms per MB; fit within "
              f"{calibration.worst_error():.1%} on its points")
     unbounded = compiled_costs.CompiledProblem(graph, costs, None, space, loss=exp.loss, calibration=calibration)
     opwise = Problem(graph, costs, None, space)  # the model before: every op alone, every tensor counted

@@ -10,13 +10,13 @@ and its costs into what the compiled step does, leaving the simulator as it is:
   and read only by generated ops, with no library call in between, and not a candidate, a gradient or the
   loss), and the eager loss between the compiled forward and backward as an op of its own (`with_loss`).
 - `calibrate(...)`: the cost of a compiled step, measured where it differs from policy to policy. Every
-  policy runs the same forward and backward once; a policy adds the ops it recomputes and drops the masks
-  it does not keep. So a step costs a `base` (keep-all, no mask kept: measured, not summed from ops),
-  plus the recomputed generated ops at `scale` times their standalone time (inductor fuses them into the
-  backward's kernels), the recomputed library calls at `extern_scale` times theirs, plus a price per byte
-  of bool mask kept (`Calibration`). The four are fitted on six compiled runs: keep-all, masks
-  recomputed, recompute-generated, recompute-all and two random halves; every other policy is a
-  prediction. (The model before priced the whole step's generated ops with one scale: fusion makes the
+  policy runs the same forward and backward once; a policy adds the ops it recomputes, and drops the masks
+  and the other tensors it does not save. So a step costs a `base` (keep-all, no mask kept, nothing saved:
+  measured, not summed from ops), plus the recomputed generated ops at `scale` times their standalone time
+  (inductor fuses them into the backward's kernels), the recomputed library calls at `extern_scale` times
+  theirs, plus a price per byte of bool mask kept and one per byte saved for the backward (`Calibration`).
+  The five are fitted on seven compiled runs: keep-all, masks recomputed, recompute-generated,
+  recompute-all and three random halves; every other policy is a prediction. (The model before priced the whole step's generated ops with one scale: fusion makes the
   forward's several times cheaper than their standalone sum while a recomputation in the backward is not,
   so one scale could not fit both. On GPT-2 it priced recomputing every generated op free, where it
   measured +32 %.)
@@ -150,10 +150,10 @@ class CompiledProblem(Problem):
         self.simulator = Simulator(self.fused, replace(simulated, op_time=simulated.op_time | loss_time), budget,
                                    hold_sources=True)
         self._offset = 0.0
-        if calibration is not None:  # the keep-all step (masks aside) costs `base`
+        if calibration is not None:  # the keep-all step (masks and saved bytes aside) costs `base`
             keep_all = self.simulate(self.encoding.uniform(Action.KEEP))
             self._offset = calibration.base - (keep_all.step_time - calibration.mask_rate * self.kept_mask_bytes(
-                self.encoding.uniform(Action.KEEP)))
+                self.encoding.uniform(Action.KEEP)) - calibration.saved_rate * keep_all.saved_bytes)
 
     def __getstate__(self) -> dict:
         return super().__getstate__() | {"loss": self.loss, "calibration": self.calibration}
@@ -172,7 +172,8 @@ class CompiledProblem(Problem):
         r = self.simulator.run(order, actions, trace=trace)
         if self.calibration is None:
             return r
-        return replace(r, step_time=r.step_time + self._offset + self.calibration.mask_rate * self.kept_mask_bytes(c))
+        return replace(r, step_time=r.step_time + self._offset + self.calibration.mask_rate * self.kept_mask_bytes(c)
+                       + self.calibration.saved_rate * r.saved_bytes)
 
     def canonical(self, c: Chromosome) -> Chromosome:
         """`c` as it runs: the candidates computed from constants alone recomputed, whatever `c` says."""
@@ -221,11 +222,16 @@ def mask_bytes(graph: Graph, candidates: list[str]) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class Calibration:
-    """How a compiled step costs: `base` seconds for keep-all with no mask kept (the compiled forward and
-    backward, the eager loss, the optimizer step), plus `scale` times the standalone time of the generated
-    ops a policy recomputes and `extern_scale` times that of the library calls it recomputes, plus
-    `mask_rate` seconds per byte of bool mask kept. `points` are the (policy, measured s, predicted s)
-    fitted on.
+    """How a compiled step costs: `base` seconds for keep-all with no mask kept and nothing saved (the compiled
+    forward and backward, the eager loss, the optimizer step), plus `scale` times the standalone time of the
+    generated ops a policy recomputes and `extern_scale` times that of the library calls it recomputes, plus
+    `mask_rate` seconds per byte of bool mask kept and `saved_rate` per byte the forward saves for the
+    backward. `points` are the (policy, measured s, predicted s) fitted on.
+
+    Why saved bytes are priced: a saved tensor is written by the forward and read back by the backward,
+    while inductor fuses a pointwise recomputation into the backward kernel that reads its sources (on
+    compare_cnn_cpu, saving ReLU's output `relu_1` for its mask made a step 73 ms, recomputing it from the
+    saved convolution 63 ms; the standalone times of the recomputed ops alone saw no difference).
 
     Why masks are priced apart: inductor's CPU kernels that store and read a kept mask can be several
     times slower than the ones that recompute it (on compare_cnn_cpu, the ReLU mask `le` is stored in
@@ -236,6 +242,7 @@ class Calibration:
     scale: float
     extern_scale: float = 1.0
     mask_rate: float = 0.0
+    saved_rate: float = 0.0
     points: tuple = ()
 
     def costs(self, graph: Graph, costs: Costs) -> Costs:
@@ -251,13 +258,13 @@ class Calibration:
 
     def to_dict(self) -> dict:
         return {"base_s": self.base, "scale": self.scale, "extern_scale": self.extern_scale,
-                "mask_s_per_byte": self.mask_rate, "points": [list(p) for p in self.points]}
+                "mask_s_per_byte": self.mask_rate, "saved_s_per_byte": self.saved_rate, "points": [list(p) for p in self.points]}
 
 
-def features(problem: CompiledProblem, chromosomes: list[Chromosome]) -> list[tuple[float, float, int]]:
-    """What each of `chromosomes` adds to keep-all, in the calibration's terms: (standalone seconds of the
-    library calls it recomputes, of the generated ops it recomputes, bytes of bool masks it keeps).
-    `problem` is uncalibrated."""
+def features(problem: CompiledProblem, chromosomes: list[Chromosome]) -> list[tuple[float, float, int, int]]:
+    """Each of `chromosomes` in the calibration's terms: what it adds to keep-all (standalone seconds of the
+    library calls it recomputes, of the generated ops it recomputes), the bytes of bool masks it keeps and the
+    bytes the forward saves for the backward. `problem` is uncalibrated."""
     keep_all = problem.encoding.uniform(Action.KEEP)
     extra = []
     for extern in (True, False):
@@ -266,30 +273,30 @@ def features(problem: CompiledProblem, chromosomes: list[Chromosome]) -> list[tu
         p = CompiledProblem(problem.graph, only, None, actions=problem.actions, loss=problem.loss)
         base = p.simulate(keep_all).step_time
         extra.append([p.simulate(c).step_time - base for c in chromosomes])
-    return [(e, g, problem.kept_mask_bytes(c)) for e, g, c in zip(*extra, chromosomes)]
+    return [(e, g, problem.kept_mask_bytes(c), problem.simulate(c).saved_bytes) for e, g, c in zip(*extra, chromosomes)]
 
 
 def fit(points: list[tuple[str, float, float, int, float]]) -> Calibration:
-    """Fit `measured = base + extern_scale * extern + scale * generated + mask_rate * mask bytes` on points
-    (label, extern s, generated s, mask bytes, measured s) by non-negative least squares, each term scaled
-    to the points' range first. A term that does not vary over the points cannot be told from the base: its
-    factor stays at the standalone cost's 1 (the masks' at 0)."""
+    """Fit `measured = base + extern_scale * extern + scale * generated + mask_rate * mask bytes + saved_rate *
+    saved bytes` on points (label, extern s, generated s, mask bytes, saved bytes, measured s) by non-negative
+    least squares, each term scaled to the points' range first. A term that does not vary over the points
+    cannot be told from the base: its factor stays at the standalone cost's 1 (the byte rates at 0)."""
     from scipy.optimize import nnls
 
-    default = {1: 1.0, 2: 1.0, 3: 0.0}
+    default = {1: 1.0, 2: 1.0, 3: 0.0, 4: 0.0}
     spread = {k: max(p[k] for p in points) - min(p[k] for p in points) for k in default}
     fixed = {k: f for k, f in default.items() if spread[k] <= 1e-9 * max(abs(p[k]) for p in points)}
     free = [k for k in default if k not in fixed]
     rows = [[p[k] / spread[k] for k in free] + [1.0] for p in points]
-    ys = [p[4] - sum(p[k] * f for k, f in fixed.items()) for p in points]
+    ys = [p[5] - sum(p[k] * f for k, f in fixed.items()) for p in points]
     solved, _ = nnls(np.array(rows), np.array(ys))
     factor = fixed | {k: float(x) / spread[k] for k, x in zip(free, solved)}
     base = float(solved[-1])
     predict = lambda p: base + sum(p[k] * factor[k] for k in default)  # noqa: E731
-    return Calibration(base, factor[2], factor[1], factor[3], tuple((p[0], p[4], predict(p)) for p in points))
+    return Calibration(base, factor[2], factor[1], factor[3], factor[4], tuple((p[0], p[5], predict(p)) for p in points))
 
 
-CALIBRATION_MIXES = 2  # random half-recomputed policies calibrated on besides the four set ones
+CALIBRATION_MIXES = 3  # random half-recomputed policies calibrated on besides the four set ones
 
 
 def calibration_policies(problem: CompiledProblem, seed: int = 0) -> dict[str, Chromosome]:

@@ -62,6 +62,7 @@ class SimResult:
     step_time: float
     peak_bytes: int
     compute_time: float  # seconds of compute, recomputation included
+    saved_bytes: int = 0  # kept candidates the backward reads, or recomputes from (with `hold_sources`)
     valid: bool = True
     reason: str = ""  # why a policy is invalid
     timeline: tuple[Event, ...] = ()
@@ -138,7 +139,9 @@ class _Reads(NamedTuple):
 class Simulator:
     """Holds the graph and costs as flat arrays, so that `run` evaluates many policies fast."""
 
-    def __init__(self, graph: Graph, costs: Costs, budget: int | None = None, *, hold_sources: bool = False):
+    def __init__(self, graph: Graph, costs: Costs, budget: int | None = None, *, hold_sources: bool | None = None):
+        """`hold_sources` (see the module's KEEP): by default, where the graph has `decidable` tensors, which
+        only a compiled graph has."""
         self.graph = graph
         self.costs = costs
         names = list(graph.tensors)
@@ -168,7 +171,8 @@ class Simulator:
         self.static_tables()
         # candidate -> the nearest candidates it is computed from (through tensors that are not candidates),
         # candidates latest made first: where a recomputation may start (`hold_sources`)
-        self.sources = _candidate_sources(graph, self.candidates, tid) if hold_sources else None
+        hold = bool(graph.decidable) if hold_sources is None else hold_sources
+        self.sources = _candidate_sources(graph, self.candidates, tid) if hold else None
 
 
     def static_tables(self) -> None:
@@ -183,6 +187,7 @@ class Simulator:
         self.transient = ~np.array(self.persistent, dtype=bool)
         self.candidate_ids = np.array(self.candidates, dtype=np.intp)
         self.op_time_array = np.array(self.op_time, dtype=float)
+        self.size_array = np.array(self.size, dtype=np.int64)
         self.out_bytes_array = np.array(self.out_bytes, dtype=np.int64)
         self.h2d_time_array = np.array(self.h2d_time, dtype=float)
         self.resident_at_start = [p < 0 for p in self.producer]  # parameters, buffers, inputs
@@ -212,10 +217,12 @@ def _candidate_sources(graph: Graph, candidates: list[int], tid: dict[str, int])
     return [(t, sorted(nearest.get(t, ()))) for t in latest_first]
 
 
-def hold_sources(sources, moved: np.ndarray, last_use: np.ndarray, first_bwd: np.ndarray, n: int) -> None:
+def hold_sources(sources, moved: np.ndarray, last_use: np.ndarray, first_bwd: np.ndarray, n: int) -> list[int]:
     """Extend (in place) the `last_use` of each kept candidate to the first backward reader of every candidate
-    not kept that is recomputed from it, directly or through others not kept (`Simulator.sources`)."""
+    not kept that is recomputed from it, directly or through others not kept (`Simulator.sources`). Returns
+    the kept candidates recomputed from."""
     needed: dict[int, int] = {}  # candidate -> the latest position a recomputation from it runs at
+    held = []
     for t, inputs in sources:
         if moved[t]:
             at = max(needed.get(t, -1), int(first_bwd[t]) if first_bwd[t] < n else -1)
@@ -223,8 +230,11 @@ def hold_sources(sources, moved: np.ndarray, last_use: np.ndarray, first_bwd: np
                 for u in inputs:
                     if needed.get(u, -1) < at:
                         needed[u] = at
-        elif t in needed and needed[t] > last_use[t]:
-            last_use[t] = needed[t]
+        elif t in needed:
+            held.append(t)
+            if needed[t] > last_use[t]:
+                last_use[t] = needed[t]
+    return held
 
 
 class _Run:
@@ -247,8 +257,12 @@ class _Run:
         candidates = sim.candidate_ids[:m]
         moved = np.zeros(nt, dtype=bool)  # not KEEP: gone after the forward readers, back for the backward ones
         moved[candidates[acts != Action.KEEP]] = True
+        kept = candidates[acts == Action.KEEP]
+        saved = kept[first_bwd[kept] < n]
         if sim.sources is not None:
-            hold_sources(sim.sources, moved, last_use, first_bwd, n)
+            held = hold_sources(sim.sources, moved, last_use, first_bwd, n)
+            saved = np.union1d(saved, np.array(held, dtype=np.intp))
+        self.saved_bytes = int(sim.size_array[saved].sum())
         swapped = candidates[acts == Action.SWAP]  # in the order of the candidates
         swaps = np.zeros(nt, dtype=bool)
         swaps[swapped] = True
@@ -312,7 +326,7 @@ class _Run:
     # --- the main loop ---
     def result(self) -> SimResult:
         self.execute()
-        return SimResult(max(self.clock, self.d2h_free, self.h2d_free), self.peak, self.compute)
+        return SimResult(max(self.clock, self.d2h_free, self.h2d_free), self.peak, self.compute, self.saved_bytes)
 
     def execute(self) -> None:
         """Run the ops in order: prefetches due, rematerializations, the op, swap-outs, releases.
@@ -570,7 +584,7 @@ class _TracedRun(_Run):
 
     def result(self) -> SimResult:
         self.execute()
-        return SimResult(max(self.clock, self.d2h_free, self.h2d_free), self.peak, self.compute,
+        return SimResult(max(self.clock, self.d2h_free, self.h2d_free), self.peak, self.compute, self.saved_bytes,
                          timeline=tuple(self.events), memory=tuple(self.memory), changes=tuple(self.changes),
                          program=tuple(self.program))
 

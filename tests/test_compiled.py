@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from gaswap import compiled, zoo
+from gaswap import graph as graphs
 from gaswap.policy import PolicyError
 
 
@@ -105,6 +106,18 @@ def test_a_kept_library_output_is_saved_only_when_the_backward_recomputes_from_i
     from_addmm = saved({"le_1": "recompute", "relu": "recompute"})
     assert "addmm" in from_addmm and not {"le_1", "relu"} & from_addmm
     assert not {"addmm", "le_1", "relu"} & saved({"le_1": "recompute", "relu": "recompute", "addmm": "recompute"})
+
+
+@pytest.mark.parametrize("make", [_cnn, _mlp])
+def test_torchs_own_partitions_read_back_save_what_torch_saves(make):
+    """What torch's min-cut saves at each activation memory budget, read back as a gaswap policy, is what the
+    policy's partition saves: torch's choice is in gaswap's search space as torch runs it."""
+    model, x, _ = make()
+    for budget in (1.0, 0.5, 0.2):
+        torch_run = compiled._record(compiled._Recorder("sgd_momentum", graphs.COUNTABLE, budget), model, (x,))
+        actions = compiled.policy_of_partition(torch_run.joint, torch_run.saved)
+        policy = compiled.make_policy(torch_run.joint.graph, actions)
+        assert set(compiled.saved_by(copy.deepcopy(model), policy, x)) == set(torch_run.saved), budget
 
 
 def test_refusals_before_any_code_is_generated():

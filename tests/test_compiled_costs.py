@@ -112,35 +112,38 @@ def _policy(problem, recomputed: set[str]):
         int(Action.RECOMPUTE if t in recomputed else Action.KEEP) for t in problem.encoding.candidates))
 
 
-def test_a_calibrated_step_is_the_base_plus_what_a_policy_recomputes_plus_the_masks_it_keeps():
+def test_a_calibrated_step_is_the_base_plus_what_a_policy_recomputes_plus_the_masks_and_bytes_it_saves():
     g = _masked()
     actions = (Action.KEEP, Action.RECOMPUTE)
-    calibration = cc.Calibration(base=10.0, scale=0.5, extern_scale=2.0, mask_rate=1e-6)
+    calibration = cc.Calibration(base=10.0, scale=0.5, extern_scale=2.0, mask_rate=1e-6, saved_rate=1e-7)
     problem = cc.CompiledProblem(g, unit_costs(g), None, actions=actions, calibration=calibration)
     plain = cc.CompiledProblem(g, unit_costs(g), None, actions=actions)
     assert set(problem.encoding.candidates) == {"x", "b", "m"}
     assert problem.kept_mask_bytes(_policy(problem, set())) == MB
-    expected = {(): 10.0 + 1e-6 * MB,  # keep-all: the base and the mask kept
-                ("m",): 10.0 + 0.5,  # the mask recomputed: its generated op, at `scale`
-                ("b",): 10.0 + 0.5 + 2.0 + 1e-6 * MB}  # b recomputed: relu, and the conv it reads (not saved)
+    # saved for the backward: x, b and m under keep-all; a tensor recomputed is not
+    expected = {(): 10.0 + 1e-6 * MB + 3e-7 * MB,  # keep-all: the base, the mask kept, 3 tensors saved
+                ("m",): 10.0 + 0.5 + 2e-7 * MB,  # the mask recomputed: its generated op, at `scale`
+                ("b",): 10.0 + 0.5 + 2.0 + 1e-6 * MB + 2e-7 * MB}  # b recomputed: relu, and the conv it reads
     for recomputed, step in expected.items():
         c = _policy(problem, set(recomputed))
         assert problem.simulate(c).step_time == pytest.approx(step)
         assert problem.simulate(c).peak_bytes == plain.simulate(c).peak_bytes  # calibration prices time only
-    assert cc.features(plain, [_policy(plain, {"b"})]) == [(1.0, 1.0, MB)]
+    assert cc.features(plain, [_policy(plain, {"b"})]) == [(1.0, 1.0, MB, 2 * MB)]
 
 
-def test_fit_recovers_the_base_the_recomputation_factors_and_the_mask_price():
-    truth = lambda e, g, m: 0.1 + 0.8 * e + 0.25 * g + 2e-8 * m  # noqa: E731
-    features = [("keep-all", 0.0, 0.0, 4 * MB), ("masks", 0.0, 0.001, 0), ("generated", 0.01, 0.04, 0),
-                ("all", 0.03, 0.05, 0), ("half", 0.02, 0.02, 2 * MB)]
+def test_fit_recovers_the_base_the_recomputation_factors_and_the_byte_prices():
+    truth = lambda e, g, m, s: 0.1 + 0.8 * e + 0.25 * g + 2e-8 * m + 5e-9 * s  # noqa: E731
+    features = [("keep-all", 0.0, 0.0, 4 * MB, 10 * MB), ("masks", 0.0, 0.001, 0, 9 * MB),
+                ("generated", 0.01, 0.04, 0, 3 * MB), ("all", 0.03, 0.05, 0, MB), ("half", 0.02, 0.02, 2 * MB, 6 * MB),
+                ("half 2", 0.01, 0.03, MB, 4 * MB)]
     fit = cc.fit([(*f, truth(*f[1:])) for f in features])
-    assert (fit.base, fit.extern_scale, fit.scale, fit.mask_rate) == pytest.approx((0.1, 0.8, 0.25, 2e-8))
+    assert (fit.base, fit.extern_scale, fit.scale, fit.mask_rate, fit.saved_rate) == pytest.approx(
+        (0.1, 0.8, 0.25, 2e-8, 5e-9))
     assert fit.worst_error() == pytest.approx(0.0, abs=1e-9)
-    assert cc.fit([("a", 0.0, 0.01, 0, 0.10), ("b", 0.0, 0.02, 0, 0.09)]).scale == 0.0  # never negative
-    no_masks = cc.fit([("a", 0.0, 0.01, 0, 0.2), ("b", 0.01, 0.03, 0, 0.22), ("c", 0.02, 0.03, 0, 0.23)])
-    assert no_masks.mask_rate == 0.0 and no_masks.worst_error() < 1e-9  # nothing to tell the masks' price by
-    same_extern = cc.fit([("a", 0.0, 0.01, 0, 0.2), ("b", 0.0, 0.03, 0, 0.21)])
+    assert cc.fit([("a", 0.0, 0.01, 0, 0, 0.10), ("b", 0.0, 0.02, 0, 0, 0.09)]).scale == 0.0  # never negative
+    no_masks = cc.fit([("a", 0.0, 0.01, 0, 0, 0.2), ("b", 0.01, 0.03, 0, 0, 0.22), ("c", 0.02, 0.03, 0, 0, 0.23)])
+    assert no_masks.mask_rate == 0.0 and no_masks.saved_rate == 0.0 and no_masks.worst_error() < 1e-9  # nothing
+    same_extern = cc.fit([("a", 0.0, 0.01, 0, 0, 0.2), ("b", 0.0, 0.03, 0, 0, 0.21)])
     assert same_extern.extern_scale == 1.0 and same_extern.scale == pytest.approx(0.5)  # extern can't be told apart
 
 

@@ -153,7 +153,7 @@ def _library_output_graph():
     """x -> mm -> s (a library call's output, read by the forward alone) -> soft -> p -> loss -> L; the backward
     reads p (bp)."""
     tensors = {"x": Tensor("x", 1, "input"), "s": Tensor("s", 4, "activation", "mm"),
-               "p": Tensor("p", 4, "activation", "soft"), "L": Tensor("L", 1, "activation", "loss"),
+               "p": Tensor("p", 3, "activation", "soft"), "L": Tensor("L", 1, "activation", "loss"),
                "gp": Tensor("gp", 1, "activation", "bp"), "gx": Tensor("gx", 1, "activation", "bx")}
     ops = (Op("mm", "mm", ("x",), ("s",), "fwd"), Op("soft", "softmax", ("s",), ("p",), "fwd"),
            Op("loss", "loss", ("p",), ("L",), "fwd"), Op("bp", "bp", ("L", "p"), ("gp",), "bwd"),
@@ -179,6 +179,8 @@ def test_a_decidable_tensor_is_a_candidate_a_recomputation_can_start_from():
     # keeping s costs its bytes only where something is recomputed from it
     assert sim.run(order, (K, K)).peak_bytes == sim.run(order, (R, K)).peak_bytes
     assert sim.run(order, (K, R)).peak_bytes > sim.run(order, (R, R)).peak_bytes
+    # what the forward saves for the backward: p (3 bytes), or s to recompute p from (4), or nothing
+    assert [sim.run(order, a).saved_bytes for a in ((K, K), (K, R), (R, R))] == [3, 4, 0]
 
 
 def test_swapped_input_of_a_recompute_comes_back_on_demand():
