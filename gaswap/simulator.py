@@ -9,8 +9,10 @@ Memory is counted in bytes on the device, in time order:
 - an op allocates its outputs when it starts; a tensor is freed when the last op reading it ends;
   gradients and the loss live to the end of the step;
 - KEEP: the default above; with `hold_sources` (a compiled step, whose backward recomputes from what the
-  forward saved) a kept tensor also stays until the recomputations that start from it have run: those of
-  the tensors not kept that are computed from it, directly or through other tensors not kept;
+  forward saved, each recomputed value once) a kept tensor also stays until the recomputations that start
+  from it have run: those of the tensors not kept that are computed from it, directly or through other
+  tensors not kept; and so does a recomputed one, once re-produced (held through the op the recomputation
+  is for: one op longer than the compiled backward holds it);
 - SWAP: a d2h copy starts when the producer ends (and the d2h stream is free); the device copy is freed once
   that copy is done and no forward reader remains. The h2d copy back is issued, with its device memory
   allocated, at the latest op before the first backward reader whose preceding compute covers the copy
@@ -218,15 +220,17 @@ def _candidate_sources(graph: Graph, candidates: list[int], tid: dict[str, int])
 
 
 def hold_sources(sources, moved: np.ndarray, last_use: np.ndarray, first_bwd: np.ndarray, n: int) -> list[int]:
-    """Extend (in place) the `last_use` of each kept candidate to the first backward reader of every candidate
-    not kept that is recomputed from it, directly or through others not kept (`Simulator.sources`). Returns
-    the kept candidates recomputed from."""
+    """Extend (in place) the `last_use` of each candidate to the first backward reader of every candidate not
+    kept that is recomputed from it, directly or through others not kept (`Simulator.sources`). Returns the
+    kept candidates recomputed from."""
     needed: dict[int, int] = {}  # candidate -> the latest position a recomputation from it runs at
     held = []
     for t, inputs in sources:
         if moved[t]:
             at = max(needed.get(t, -1), int(first_bwd[t]) if first_bwd[t] < n else -1)
             if at >= 0:
+                if at > last_use[t]:  # once re-produced, it stays for the recomputations that read it
+                    last_use[t] = at
                 for u in inputs:
                     if needed.get(u, -1) < at:
                         needed[u] = at
