@@ -253,10 +253,9 @@ def _joint(gm: fx.GraphModule, num_fwd_outputs: int, static_indices, optimizer: 
     param_bytes = sum(t.size for t in tensors.values() if t.kind == "param")
     ops = [op for op, _ in sorted(ops, key=lambda pair: pair[1])]
     loss = storage_of[fwd_outputs[0].name]
+    sources = {storage_of[n.name] for n in leaves if tensors[storage_of[n.name]].kind == "activation"}
     g = Graph(tuple(ops), tensors, resident={"optimizer_state": OPTIMIZER_STATE[optimizer] * param_bytes},
-              counted=frozenset(counted), loss=loss,
-              decidable=(_recomputed_from(ops, tensors) | {storage_of[n.name] for n in leaves
-                                                           if tensors[storage_of[n.name]].kind == "activation"}) - {loss})
+              counted=frozenset(counted), loss=loss, decidable=(_recomputed_from(ops, tensors) | sources) - {loss})
     return Joint(g, storage_of)
 
 
@@ -275,12 +274,12 @@ def _hoisted(nodes: list[fx.Node], forward: set) -> tuple[set[fx.Node], set[fx.N
 
     A backward value computed from forward values alone can be computed in the forward and saved, in place of
     what it is computed from, as torch's min-cut partitioner does: ReLU's mask `le = relu <= 0` (a quarter of
-    relu's bytes), a tanh's derivative `1 - tanh**2`, a GELU's, or the `clone` that makes a GRU gate's slice
-    contiguous (a third of the gates' bytes). Such a value (with the backward nodes it is computed from) is
-    hoisted when its leaves are read by no other backward op (so keep-all saves one of them, not both) and,
-    unless it is itself a bool mask, none is a bool (dropout's `gt` stays a kept bool, not a float32 copy
-    scaled). The value is then a candidate, and its leaves are `Graph.decidable`: kept, the backward computes
-    the value from them (both placements are a policy's choice)."""
+    relu's bytes), a tanh's derivative `1 - tanh**2`, BatchNorm's `x - mean`, or the `clone` that makes a GRU
+    gate's slice contiguous (a third of the gates' bytes). Such a value (with the backward nodes it is
+    computed from) is hoisted when its leaves are read by no other backward op (so keep-all saves one of
+    them, not both) and, unless it is itself a bool mask, none is a bool (dropout's `gt` stays a kept bool,
+    not a float32 copy scaled). The value is then a candidate, and its leaves are `Graph.decidable`: kept,
+    the backward computes the value from them (both placements are a policy's choice)."""
     computed = set()  # backward nodes computed from forward values (and parameters, inputs, buffers) alone
     for n in nodes:
         if n.op == "call_function" and n not in forward and n.all_input_nodes and all(

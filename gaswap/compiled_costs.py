@@ -16,10 +16,10 @@ and its costs into what the compiled step does, leaving the simulator as it is:
   (inductor fuses them into the backward's kernels), the recomputed library calls at `extern_scale` times
   theirs, plus a price per byte of bool mask kept and one per byte saved for the backward (`Calibration`).
   The five are fitted on seven compiled runs: keep-all, masks recomputed, recompute-generated,
-  recompute-all and three random halves; every other policy is a prediction. (The model before priced the whole step's generated ops with one scale: fusion makes the
-  forward's several times cheaper than their standalone sum while a recomputation in the backward is not,
-  so one scale could not fit both. On GPT-2 it priced recomputing every generated op free, where it
-  measured +32 %.)
+  recompute-all and three random halves; every other policy is a prediction. (The model before priced the
+  whole step's generated ops with one scale: fusion makes the forward's several times cheaper than their
+  standalone sum while a recomputation in the backward is not, so one scale could not fit both. On GPT-2 it
+  priced recomputing every generated op free, where it measured +32 %.)
 - The standalone op times are `gaswap.measure`'s, which on a CPU are CPU seconds, not wall seconds (wall
   time taken on a loaded machine is several times the op's cost: that made the first compiled predictions
   9-13x too slow on DenseNet).
@@ -258,7 +258,8 @@ class Calibration:
 
     def to_dict(self) -> dict:
         return {"base_s": self.base, "scale": self.scale, "extern_scale": self.extern_scale,
-                "mask_s_per_byte": self.mask_rate, "saved_s_per_byte": self.saved_rate, "points": [list(p) for p in self.points]}
+                "mask_s_per_byte": self.mask_rate, "saved_s_per_byte": self.saved_rate,
+                "points": [list(p) for p in self.points]}
 
 
 def features(problem: CompiledProblem, chromosomes: list[Chromosome]) -> list[tuple[float, float, int, int]]:
@@ -273,10 +274,11 @@ def features(problem: CompiledProblem, chromosomes: list[Chromosome]) -> list[tu
         p = CompiledProblem(problem.graph, only, None, actions=problem.actions, loss=problem.loss)
         base = p.simulate(keep_all).step_time
         extra.append([p.simulate(c).step_time - base for c in chromosomes])
-    return [(e, g, problem.kept_mask_bytes(c), problem.simulate(c).saved_bytes) for e, g, c in zip(*extra, chromosomes)]
+    return [(e, g, problem.kept_mask_bytes(c), problem.simulate(c).saved_bytes)
+            for e, g, c in zip(*extra, chromosomes)]
 
 
-def fit(points: list[tuple[str, float, float, int, float]]) -> Calibration:
+def fit(points: list[tuple[str, float, float, int, int, float]]) -> Calibration:
     """Fit `measured = base + extern_scale * extern + scale * generated + mask_rate * mask bytes + saved_rate *
     saved bytes` on points (label, extern s, generated s, mask bytes, saved bytes, measured s) by non-negative
     least squares, each term scaled to the points' range first. A term that does not vary over the points
@@ -293,7 +295,8 @@ def fit(points: list[tuple[str, float, float, int, float]]) -> Calibration:
     factor = fixed | {k: float(x) / spread[k] for k, x in zip(free, solved)}
     base = float(solved[-1])
     predict = lambda p: base + sum(p[k] * factor[k] for k in default)  # noqa: E731
-    return Calibration(base, factor[2], factor[1], factor[3], factor[4], tuple((p[0], p[5], predict(p)) for p in points))
+    return Calibration(base, factor[2], factor[1], factor[3], factor[4],
+                       tuple((p[0], p[5], predict(p)) for p in points))
 
 
 CALIBRATION_MIXES = 3  # random half-recomputed policies calibrated on besides the four set ones
