@@ -176,7 +176,6 @@ class Simulator:
         hold = bool(graph.decidable) if hold_sources is None else hold_sources
         self.sources = _candidate_sources(graph, self.candidates, tid) if hold else None
 
-
     def static_tables(self) -> None:
         """Arrays that turn an order into its liveness and schedules without a loop over ops in Python."""
         reads = [(t, i) for i, inputs in enumerate(self.op_in) for t in inputs]

@@ -6,8 +6,7 @@ For each `activation_memory_budget`, torch.compile with inductor at that budget,
 backend under `compiled.torch_partition`'s keep/recompute actions (what torch's min-cut saved, as a policy),
 each with its own copy of the model, trained in rounds with the order rotated: the allocator peak of one
 metered step (`gaswap.meter`) and the CPU time per step (the experiment's `costs.threads` intra-op
-threads), median and range. Equal
-figures mean gaswap's search space holds torch's choice as torch runs it.
+threads), median and range. Equal figures mean gaswap's search space holds torch's choice as torch runs it.
 """
 from __future__ import annotations
 
