@@ -258,15 +258,16 @@ class _Run:
         m = min(len(actions), len(sim.candidates))
         acts = np.fromiter(actions, dtype=np.intp, count=m)
         candidates = sim.candidate_ids[:m]
+        keep = acts == int(Action.KEEP)  # an int: comparing an array with the enum is several times slower
         moved = np.zeros(nt, dtype=bool)  # not KEEP: gone after the forward readers, back for the backward ones
-        moved[candidates[acts != Action.KEEP]] = True
-        kept = candidates[acts == Action.KEEP]
-        saved = kept[first_bwd[kept] < n]
-        if sim.sources is not None:
-            held = hold_sources(sim.sources, moved, last_use, first_bwd, n)
-            saved = np.union1d(saved, np.array(held, dtype=np.intp))
+        moved[candidates[~keep]] = True
+        kept = candidates[keep]
+        saved = kept[first_bwd[kept] < n]  # read by the backward
         self.saved_bytes = int(sim.size_array[saved].sum())
-        swapped = candidates[acts == Action.SWAP]  # in the order of the candidates
+        if sim.sources is not None:
+            held = hold_sources(sim.sources, moved, last_use, first_bwd, n)  # recomputed from
+            self.saved_bytes += sum(sim.size[t] for t in held if first_bwd[t] >= n)
+        swapped = candidates[acts == int(Action.SWAP)]  # in the order of the candidates
         swaps = np.zeros(nt, dtype=bool)
         swaps[swapped] = True
         self.swapped = swaps.tolist()
