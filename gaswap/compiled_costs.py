@@ -267,15 +267,16 @@ def features(problem: CompiledProblem, chromosomes: list[Chromosome]) -> list[tu
     library calls it recomputes, of the generated ops it recomputes), the bytes of bool masks it keeps and the
     bytes the forward saves for the backward. `problem` is uncalibrated."""
     keep_all = problem.encoding.uniform(Action.KEEP)
-    extra = []
+    extra, saved = [], []
     for extern in (True, False):
         only = replace(problem.costs, op_time={op.name: problem.costs.op_time[op.name] if is_extern(op.target) == extern
                                                else 0.0 for op in problem.graph.ops})
         p = CompiledProblem(problem.graph, only, None, actions=problem.actions, loss=problem.loss)
         base = p.simulate(keep_all).step_time
-        extra.append([p.simulate(c).step_time - base for c in chromosomes])
-    return [(e, g, problem.kept_mask_bytes(c), problem.simulate(c).saved_bytes)
-            for e, g, c in zip(*extra, chromosomes)]
+        runs = [p.simulate(c) for c in chromosomes]
+        extra.append([r.step_time - base for r in runs])
+        saved = [r.saved_bytes for r in runs]  # the same whatever the costs
+    return [(e, g, problem.kept_mask_bytes(c), s) for e, g, c, s in zip(*extra, chromosomes, saved)]
 
 
 def fit(points: list[tuple[str, float, float, int, int, float]]) -> Calibration:

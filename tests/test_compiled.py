@@ -25,6 +25,11 @@ def _mlp():
     return zoo.mlp(sizes=(12, 32, 32, 5), dropout=0.2), torch.randn(8, 12), torch.randint(0, 5, (8,))
 
 
+def _saved(model, graph, x, actions) -> set[str]:
+    """What the forward saves when `model` is compiled under a policy of `actions` on its joint graph `graph`."""
+    return set(compiled.saved_by(copy.deepcopy(model), compiled.make_policy(graph, actions), x))
+
+
 def _recomputable(graph):
     ops = {op.name: op for op in graph.ops}
     return [t for t in graph.candidates() if ops[graph.tensors[t].producer].recomputable]
@@ -64,14 +69,12 @@ def test_a_kept_mask_is_saved_instead_of_the_activation_it_reads():
     order = [op.name for op in g.ops]
     assert order.index("le") == order.index("relu_1") + 1  # the mask runs right after what it reads
 
-    def saved(actions):
-        return set(compiled.saved_by(copy.deepcopy(model), compiled.make_policy(g, actions), x))
-    keep = saved({})
+    keep = _saved(model, g, x, {})
     assert "le" in keep and "relu_1" not in keep
-    from_relu = saved({"le": "recompute"})
+    from_relu = _saved(model, g, x, {"le": "recompute"})
     assert "relu_1" in from_relu and "le" not in from_relu
     assert keep ^ from_relu == {"le", "relu_1"}  # the policy alone decides: nothing else changes
-    assert not {"le", "relu_1"} & saved({"le": "recompute", "relu_1": "recompute"})
+    assert not {"le", "relu_1"} & _saved(model, g, x, {"le": "recompute", "relu_1": "recompute"})
 
 
 def test_a_backward_value_computed_from_forward_values_alone_may_be_saved_in_their_place():
@@ -84,10 +87,9 @@ def test_a_backward_value_computed_from_forward_values_alone_may_be_saved_in_the
     assert ops["sub_6"].phase == "fwd" and set(ops["sub_6"].inputs) == {"convolution", "getitem_1"}
     assert {"sub_6", "convolution"} <= set(g.candidates()) and "convolution" in g.decidable
 
-    def saved(actions):
-        return set(compiled.saved_by(copy.deepcopy(model), compiled.make_policy(g, actions), x))
-    assert "sub_6" in saved({}) and "convolution" not in saved({})
-    assert "convolution" in saved({"sub_6": "recompute"}) and "sub_6" not in saved({"sub_6": "recompute"})
+    keep_all, from_convolution = _saved(model, g, x, {}), _saved(model, g, x, {"sub_6": "recompute"})
+    assert "sub_6" in keep_all and "convolution" not in keep_all
+    assert "convolution" in from_convolution and "sub_6" not in from_convolution
     _, actions = compiled.torch_partition(model, x, budget=1.0)
     assert actions["convolution"] == "keep" and actions["sub_6"] == "recompute"
 
@@ -99,13 +101,11 @@ def test_a_kept_library_output_is_saved_only_when_the_backward_recomputes_from_i
     g = compiled.capture(model, x)
     assert {"addmm", "addmm_1"} <= g.decidable and {"addmm", "addmm_1"} <= set(g.candidates())
 
-    def saved(actions):
-        return set(compiled.saved_by(copy.deepcopy(model), compiled.make_policy(g, actions), x))
-    assert "addmm" not in saved({})  # keep-all: the backward reads the mask le_1 alone
-    assert "relu" in saved({"le_1": "recompute"})  # the mask from the kept relu
-    from_addmm = saved({"le_1": "recompute", "relu": "recompute"})
+    assert "addmm" not in _saved(model, g, x, {})  # keep-all: the backward reads the mask le_1 alone
+    assert "relu" in _saved(model, g, x, {"le_1": "recompute"})  # the mask from the kept relu
+    from_addmm = _saved(model, g, x, {"le_1": "recompute", "relu": "recompute"})
     assert "addmm" in from_addmm and not {"le_1", "relu"} & from_addmm
-    assert not {"addmm", "le_1", "relu"} & saved({"le_1": "recompute", "relu": "recompute", "addmm": "recompute"})
+    assert not {"addmm", "le_1", "relu"} & _saved(model, g, x, dict.fromkeys(("le_1", "relu", "addmm"), "recompute"))
 
 
 @pytest.mark.parametrize("make", [_cnn, _mlp])
@@ -119,8 +119,8 @@ def test_torchs_own_partitions_read_back_save_what_torch_saves(make):
         torch_run = compiled._record(compiled._Recorder("sgd_momentum", graphs.COUNTABLE, budget), model, (x,))
         graph = torch_run.joint.graph
         seeds = {t for op in graph.ops if not op.recomputable for t in op.outputs}
-        policy = compiled.make_policy(graph, compiled.policy_of_partition(torch_run.joint, torch_run.saved))
-        assert set(compiled.saved_by(copy.deepcopy(model), policy, x)) - seeds == set(torch_run.saved), budget
+        actions = compiled.policy_of_partition(torch_run.joint, torch_run.saved)
+        assert _saved(model, graph, x, actions) - seeds == set(torch_run.saved), budget
 
 
 def test_refusals_before_any_code_is_generated():
