@@ -11,10 +11,9 @@ threads), median and range. Equal figures mean gaswap's search space holds torch
 from __future__ import annotations
 
 import argparse
-import statistics
 
 from gaswap import compiled, config
-from gaswap.compare import Method, _allow_recompiles, _torch_compiled, fresh_copy, metered_round, prepare, train_step
+from gaswap.compare import Method, _measure, _torch_compiled, fresh_copy, prepare
 from gaswap.config import format_size
 
 
@@ -28,7 +27,6 @@ def main() -> None:
     exp = config.load_experiment(args.experiment)
     device, model, inputs, target, _ = prepare(exp)
     provenance = {"optimizer": exp.optimizer, "counts": sorted(exp.counts)}
-    _allow_recompiles(2 * len(args.budgets))
     methods = []
     for budget in args.budgets:
         graph, actions = compiled.torch_partition(model, *inputs, budget=budget, optimizer=exp.optimizer,
@@ -38,23 +36,13 @@ def main() -> None:
         methods.append(Method("torch.compile", f"{budget:g}", m, _torch_compiled(m, budget), opt))
         m, opt = fresh_copy(model, exp)
         methods.append(Method("read back", f"{budget:g}", m, compiled.compile(m, policy), opt))
-    for m in methods:
-        for _ in range(2):  # compile, then one step more
-            train_step(m, inputs, target, exp.loss, device)
-    peaks: dict[int, list[int]] = {k: [] for k in range(len(methods))}
-    times: dict[int, list[float]] = {k: [] for k in range(len(methods))}
-    for r in range(args.rounds):
-        for k in [(k + r) % len(methods) for k in range(len(methods))]:
-            peak, _, timed = metered_round(methods[k], inputs, target, exp.loss, device, args.steps)
-            peaks[k].append(peak)
-            times[k] += [cpu for _, cpu in timed]
+    rows = _measure(methods, inputs, target, exp, device, args.rounds, args.steps, progress=lambda _: None)
     print(f"{exp.name}: {args.rounds} rounds x {args.steps} steps, CPU ms per step")
     print("| budget | method | peak | step (median) | range |")
     print("|---:|---|---:|---:|---:|")
-    for k, m in enumerate(methods):
-        t = times[k]
-        print(f"| {m.knob} | {m.name} | {format_size(int(statistics.median(peaks[k])))} | "
-              f"{statistics.median(t) * 1e3:.1f} | {min(t) * 1e3:.1f}-{max(t) * 1e3:.1f} |")
+    for r in rows:
+        print(f"| {r['knob']} | {r['method']} | {format_size(r['peak_bytes'])} | {r['step_s'] * 1e3:.1f} | "
+              f"{r['step_min'] * 1e3:.1f}-{r['step_max'] * 1e3:.1f} |")
 
 
 if __name__ == "__main__":
