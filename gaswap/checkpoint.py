@@ -17,7 +17,8 @@ one, never half of one. The file is one JSON object and carries no code (no pick
 - `state`: what the search loop carries from one generation to the next (written and read by
   `gaswap.search`): generation, evaluations, seconds, smallest_peak, rng
   (`random.Random.getstate()`), population (keys, actions, step time, peak, valid, crowding distance, in
-  selection order), archive (keys, actions, step time, peak, valid, in insertion order), seeds and history.
+  selection order), archive (keys, actions, step time, peak, valid, in insertion order), fastest (the same,
+  fastest first; a checkpoint without it, written before it was kept, still reads), seeds and history.
   Keys are base64 strings of little-endian float64s, actions strings of digits (0 keep, 1 swap, 2 recompute).
 
 Other floats are written as Python's json module writes them (shortest round-tripping repr, `Infinity` for

@@ -7,8 +7,10 @@ peaks torch.compile's runs measure (one metered step each, after the compile), p
 the lowest of them; the GA (search space `compiled`: keep / recompute, the compiler's order) is seeded with
 torch's partitions, each read back as keep/recompute actions. The model cannot see every effect of fusion
 (keeping a bool mask can slow a kernel several times), so the `finalists` fastest policies it predicts at
-each budget are compiled and timed first, in rounds of their own (`_pick`); the fastest whose measured peak
-fits the budget is the one compared, timed afresh with the others.
+each budget (the search's Pareto front, filled up with the next fastest that fit where the front holds
+fewer: it can hold one or two when every policy is predicted nearly the same peak) are compiled and timed
+first, in rounds of their own (`_pick`); the fastest whose measured peak fits the budget is the one
+compared, timed afresh with the others.
 Policies are simulated as inductor runs them (`gaswap.compiled_costs`): standalone op costs in CPU
 seconds, fused intermediates not counted, the keep-all step, the cost of recomputation, of kept masks and
 of saved bytes calibrated on seven policies compiled and timed first (`compiled_costs.calibrate`). The
@@ -184,21 +186,30 @@ def _actions(encoding: Encoding, actions: dict[str, str]) -> tuple[int, ...]:
 
 def _search(exp, graph, costs, calibration, space, seeds, budgets, resident, progress,
             finalists: int = 1) -> list[tuple[str, list]]:
-    """gaswap's fastest `finalists` policies (predicted) at each of `budgets` ((label, bytes) pairs), the GA
-    seeded with `seeds`: (label, [Evaluated, fastest first]) pairs, skipping budgets where nothing fits."""
+    """gaswap's `finalists` policies (`_shortlist`) at each of `budgets` ((label, bytes) pairs), the GA seeded
+    with `seeds`: (label, [Evaluated, the fastest predicted first]) pairs, skipping budgets where nothing fits."""
     out = []
     for label, budget in budgets:
         problem = compiled_costs.CompiledProblem(graph, costs, budget, space, loss=exp.loss, calibration=calibration)
         result = search(problem, exp.ga, exp.seed, seeds=seeds)
         progress(f"  gaswap search at {label}: " + ("nothing fits" if result.best is None else
                  f"{format_size(result.best.peak_bytes - resident)}, {result.best.step_time * 1e3:.2f} ms predicted"))
-        front = {}  # policies as they run (`CompiledProblem.canonical`), fastest first
-        for e in result.front:
-            c = problem.canonical(e.chromosome)
-            front.setdefault(c.actions, replace(e, chromosome=c))
-        if front:
-            out.append((label, list(front.values())[:finalists]))
+        shortlist = _shortlist(result.front, result.fastest, problem.canonical, finalists)
+        if shortlist:
+            out.append((label, shortlist))
     return out
+
+
+def _shortlist(front, fastest, canonical, n: int) -> list[Evaluated]:
+    """Up to `n` policies as they run (`canonical(chromosome)`), one per actions: the `front`'s, fastest first,
+    then, where it has fewer than `n`, the next of `fastest` (fastest first)."""
+    out = {}
+    for e in (*front, *fastest):
+        if len(out) == n:
+            break
+        c = canonical(e.chromosome)
+        out.setdefault(c.actions, replace(e, chromosome=c))
+    return list(out.values())
 
 
 def _with_partitions(finalists, partitions: dict, budgets) -> list[tuple[str, list]]:

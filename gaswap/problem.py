@@ -124,7 +124,8 @@ GENERATION_FIELDS = tuple(f.name for f in fields(Generation))
 
 @dataclass(frozen=True)
 class SearchResult:
-    """The Pareto front of feasible policies (fastest first) and how the search went."""
+    """The Pareto front of feasible policies (fastest first), the fastest feasible policies evaluated, and how
+    the search went."""
 
     front: tuple[Evaluated, ...]
     seeds: dict[str, Evaluated]
@@ -135,6 +136,7 @@ class SearchResult:
     complete: bool = True  # False when `stop` ended the search before it ran its course
     generations_done: int = 0
     stopped_by: str = ""  # what ended it: "generations", "evaluations", "seconds", "converged", "interrupted"
+    fastest: tuple[Evaluated, ...] = ()  # up to search.FASTEST_KEPT, fastest first, one per (step time, peak)
 
     @property
     def best(self) -> Evaluated | None:

@@ -8,6 +8,9 @@
                      space.share_blocks, one block policy per class of identical blocks; evaluate the new ones
         population <- NSGA-II selection of the best `population` of parents + offspring
         archive   <- feasible points nobody dominates; record best feasible time, front size, hypervolume
+        fastest   <- the FASTEST_KEPT fastest feasible points evaluated, one per (step time, peak): the
+                     runner-ups the archive drops (where the model predicts nearly one peak for every policy,
+                     the archive holds 1-2 points)
 
 Constraint-domination (Deb): a policy over budget (or invalid) gets both objectives set to
 INFEASIBLE + its violation, so every feasible policy dominates it and infeasible ones rank by violation.
@@ -25,6 +28,7 @@ the builtin-like `serial_map` or a `gaswap.parallel.ProcessMap`.
 from __future__ import annotations
 
 import base64
+import bisect
 import math
 import random
 import struct
@@ -46,6 +50,7 @@ INFEASIBLE = 1e9  # objective offset of policies that break the budget
 SIMPLE_SEEDS = ("keep_all", "recompute_all", "swap_all")  # always in the initial population
 MILP_SEED_NODES, MILP_SEED_GAP, MILP_SEED_SECONDS = 500, 0.01, 20.0  # the MILP seed is stopped early
 CHECKPOINT_SECONDS = 30.0  # at most one checkpoint per this many seconds while a search runs
+FASTEST_KEPT = 16  # fastest feasible policies a search keeps besides its front (`SearchResult.fastest`)
 
 
 def _deap_types():
@@ -131,6 +136,7 @@ class Search:
         self.seed_chromosomes = dict(sorted(chosen.items(), key=lambda item: rank.get(item[0], len(rank))))
         self.population: list = []  # DEAP individuals in selection order, crowding distances set
         self.archive: dict[Chromosome, Evaluated] = {}  # the feasible non-dominated points
+        self.fastest = Fastest()  # the fastest feasible points
         self.seeds: dict[str, Evaluated] = {}
         self.history: list[Generation] = []
         self.generation = 0
@@ -198,13 +204,15 @@ class Search:
         return self.seconds_before + time.perf_counter() - self.started
 
     def result(self, *, complete: bool | None = None) -> SearchResult:
-        """The front (fastest first) and how the search went; `complete` defaults to `not has_next()`."""
+        """The front (fastest first), the fastest feasible policies and how the search went; `complete`
+        defaults to `not has_next()`."""
         front = tuple(sorted(self.archive.values(), key=lambda e: (e.step_time, e.peak_bytes)))
         stopped_by = self.stopped_by()
         complete = stopped_by is not None if complete is None else complete
         return SearchResult(front, self.seeds, tuple(self.history), self.evaluations, self.seconds(),
                             self.smallest_peak, complete=complete, generations_done=self.generation,
-                            stopped_by=(stopped_by or "") if complete else "interrupted")
+                            stopped_by=(stopped_by or "") if complete else "interrupted",
+                            fastest=tuple(self.fastest.points))
 
     # --- state ---
     def state(self) -> dict:
@@ -216,13 +224,15 @@ class Search:
             "rng": [version, list(internal), gauss_next],
             "population": [_plain(i.evaluated) + [i.fitness.crowding_dist] for i in self.population],
             "archive": [_plain(e) for e in self.archive.values()],
+            "fastest": [_plain(e) for e in self.fastest.points],
             "seeds": {name: _plain(e) for name, e in self.seeds.items()},
             "history": [asdict(h) for h in self.history],
         }
 
     def restore(self, plain: dict, path="checkpoint") -> None:
         """Continue from `plain` (a `state()`, already matched to this configuration) instead of `initial()`;
-        CheckpointError (naming `path`) when it is malformed or past `ga.generations`."""
+        CheckpointError (naming `path`) when it is malformed or past `ga.generations`. A checkpoint written
+        before searches kept their fastest policies (no "fastest") starts them from its archive."""
         if plain["generation"] > self.ga.generations:
             raise checkpoints.CheckpointError(
                 f"{path}: the checkpoint is at generation {plain['generation']}, past ga.generations "
@@ -239,6 +249,7 @@ class Search:
             for row in plain["archive"]:
                 e = _evaluated(row, encoding)
                 self.archive[e.chromosome] = e
+            self.fastest = Fastest(_evaluated(row, encoding) for row in plain.get("fastest", plain["archive"]))
             self.population = []
             for row in plain["population"]:
                 ind = _individual(_evaluated(row[:5], encoding), self.budget)
@@ -254,13 +265,14 @@ class Search:
         return list(self.map(self.problem.evaluate, chromosomes))
 
     def _absorb(self, results: list[Evaluated]) -> list:
-        """Count, archive and wrap evaluated chromosomes as DEAP individuals."""
+        """Count, archive (and keep among the fastest) and wrap evaluated chromosomes as DEAP individuals."""
         self.evaluations += len(results)
         for e in results:
             if e.valid:
                 self.smallest_peak = min(self.smallest_peak, e.peak_bytes)
             if e.feasible(self.budget):
                 _add_to_archive(self.archive, e)
+                self.fastest.add(e)
         return [_individual(e, self.budget) for e in results]
 
     def _maybe_share(self, c: Chromosome) -> Chromosome:
@@ -380,6 +392,29 @@ def _add_to_archive(archive: dict, e: Evaluated) -> None:
     for key in [k for k, o in archive.items() if e.step_time <= o.step_time and e.peak_bytes <= o.peak_bytes]:
         del archive[key]
     archive[e.chromosome] = e
+
+
+class Fastest:
+    """The FASTEST_KEPT fastest points added, in `points` sorted by (step time, peak), one per (step time,
+    peak) pair, the first added winning (two chromosomes that simulate alike almost always run alike: they
+    differ in genes that do not matter). Cheap: most points are turned away by one or two comparisons."""
+
+    def __init__(self, points=()):
+        self.points: list[Evaluated] = []
+        self._keys: list[tuple[float, int]] = []  # the points' (step time, peak), in the same order
+        for e in points:
+            self.add(e)
+
+    def add(self, e: Evaluated) -> None:
+        keys, key = self._keys, (e.step_time, e.peak_bytes)
+        if len(keys) == FASTEST_KEPT and key >= keys[-1]:
+            return
+        k = bisect.bisect_left(keys, key)
+        if k < len(keys) and keys[k] == key:
+            return
+        keys.insert(k, key)
+        self.points.insert(k, e)
+        del keys[FASTEST_KEPT:], self.points[FASTEST_KEPT:]
 
 
 def _reference_point(seeds: dict[str, Evaluated], budget: int) -> tuple[float, float]:

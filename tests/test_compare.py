@@ -124,3 +124,29 @@ def test_torch_partitions_that_measure_within_a_budget_join_its_finalists():
     assert [e.chromosome.actions for e in out[1][1]] == [(0,), (2,)]  # torch 1 measured 150: over B
     assert out[0][1][1].peak_bytes == 90 and out[0][1][1].step_time == 2.0  # as the model predicts them
     assert [(label, [e.chromosome.actions for e in es]) for label, es in out[2:]] == [("C", [(0,)])]  # D: none
+
+
+def test_the_shortlist_fills_a_small_front_with_the_next_fastest_policies():
+    from gaswap.encoding import Chromosome
+    from gaswap.problem import Evaluated
+
+    def evaluated(action, seconds, peak):
+        return Evaluated(Chromosome((0.0,), (action,)), seconds, peak)
+
+    def canonical(c):  # as a CompiledProblem's: here action 4 runs as 2
+        return Chromosome(c.keys, (2,)) if c.actions == (4,) else c
+
+    front = [evaluated(0, 1.0, 100), evaluated(1, 2.0, 90), evaluated(4, 3.0, 80)]
+    fastest = [front[0], evaluated(5, 1.1, 100), evaluated(2, 1.2, 100), evaluated(6, 1.3, 100)]
+
+    def actions(shortlist):
+        return [e.chromosome.actions[0] for e in shortlist]
+
+    assert actions(compare._shortlist(front, fastest, canonical, 3)) == [0, 1, 2]  # the front alone
+    assert actions(compare._shortlist(front, fastest, canonical, 1)) == [0]
+    assert actions(compare._shortlist(front[:1], fastest, canonical, 3)) == [0, 5, 2]  # filled, fastest first
+    assert actions(compare._shortlist(front[2:], fastest, canonical, 4)) == [2, 0, 5, 6]  # 4 runs as 2: one
+    assert actions(compare._shortlist(front[:1], fastest[:2], canonical, 3)) == [0, 5]  # no more to fill with
+    assert compare._shortlist([], [], canonical, 3) == []
+    (e,) = compare._shortlist(front[2:], [], canonical, 3)
+    assert e.chromosome.actions == (2,) and (e.step_time, e.peak_bytes) == (3.0, 80)  # the prediction kept

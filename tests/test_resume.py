@@ -47,7 +47,7 @@ def run(problem, ckpt=None, *, ga=GA, budget=BUDGET, seed=3, **kw):
 
 def outcome(r):
     """Everything a search reaches, wall-clock seconds aside."""
-    return ([(e.chromosome, e.step_time, e.peak_bytes, e.valid) for e in r.front],
+    return ([(e.chromosome, e.step_time, e.peak_bytes, e.valid) for e in r.front], r.fastest,
             [dataclasses.replace(h, seconds=0) for h in r.history],
             r.evaluations, r.smallest_peak, r.seeds, r.complete, r.generations_done)
 
@@ -102,6 +102,20 @@ def test_resume_with_more_generations_equals_a_longer_uninterrupted_run(problem,
     shorter = GASettings(**(GA.__dict__ | {"generations": 10}))
     with pytest.raises(CheckpointError, match="generation 20, past ga.generations 10"):
         run(problem, ckpt, ga=shorter, resume=True)
+
+
+def test_a_checkpoint_written_before_searches_kept_their_fastest_resumes_from_its_archive(problem, uninterrupted,
+                                                                                      tmp_path):
+    ckpt = tmp_path / checkpoints.NAME
+    stop, on_generation = stop_after(5)
+    run(problem, ckpt, stop=stop, on_generation=on_generation)
+    body = json.loads(ckpt.read_text())
+    del body["state"]["fastest"]
+    checkpoints.save(ckpt, body["state"], body["fingerprint"], body["about"])
+    resumed = run(problem, ckpt, resume=True)
+    front, _, *rest = outcome(resumed)
+    assert (front, rest) == (uninterrupted[1][0], list(uninterrupted[1][2:]))  # the same search
+    assert resumed.fastest[0] == resumed.front[0] and all(e.feasible(BUDGET) for e in resumed.fastest)
 
 
 # --- signals ---------------------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ from gaswap.config import GASettings, load_search_space
 from gaswap.encoding import Action, Encoding
 from gaswap.graph import chain
 from gaswap.problem import Evaluated, Generation, Problem
-from gaswap.search import _add_to_archive, hypervolume, objectives, search, stopping_generation
+from gaswap.search import (FASTEST_KEPT, Fastest, Search, _add_to_archive, hypervolume, objectives, search,
+                           stopping_generation)
 
 GA = GASettings(population=24, generations=15)
 
@@ -87,6 +88,43 @@ def test_archive_keeps_only_nondominated_points():
         c = type(c)(tuple(x + k for x in c.keys), c.actions)
         _add_to_archive(archive, Evaluated(c, float(t), m))
     assert sorted((e.step_time, e.peak_bytes) for e in archive.values()) == [(3, 70), (4, 50), (6, 40)]
+
+
+def test_fastest_keeps_the_fastest_points_one_per_prediction_the_first_winning():
+    c = Encoding(chain(3)).uniform(Action.KEEP)
+    points = [Evaluated(type(c)((float(k),) * len(c.keys), c.actions), 1.0 + (k * 7 % 20) // 2, 100 - k % 4)
+              for k in range(60)]  # 20 distinct predictions in a shuffled order, each made by 3 chromosomes
+    fastest = Fastest(points)
+    firsts = {}
+    for e in points:
+        firsts.setdefault(e.objectives, e)
+    assert fastest.points == sorted(firsts.values(), key=lambda e: e.objectives)[:FASTEST_KEPT]
+    assert Fastest(fastest.points).points == fastest.points  # as a checkpoint restores it
+
+
+def test_a_search_keeps_its_fastest_feasible_policies(problem):
+    g, costs = problem
+    evaluated = []
+
+    def recording_map(func, items):
+        out = list(map(func, items))
+        evaluated.extend(out)
+        return out
+
+    s = Search(Problem(g, costs, 1500, load_search_space("hybrid")), GA, 3, map=recording_map)
+    s.initial()
+    while s.has_next():
+        s.step()
+    r = s.result()
+    assert len(r.fastest) == FASTEST_KEPT and r.fastest[0] == r.front[0]
+    assert all(e.feasible(1500) for e in r.fastest)
+    assert [e.objectives for e in r.fastest] == sorted({e.objectives for e in r.fastest})  # sorted, distinct
+    first = {}
+    for e in evaluated:
+        if e.feasible(1500):
+            first.setdefault(e.objectives, e)
+    assert list(r.fastest) == sorted(first.values(), key=lambda e: e.objectives)[:FASTEST_KEPT]
+    assert run(problem, 10).fastest == ()  # nothing fits
 
 
 def test_hypervolume_by_hand():
