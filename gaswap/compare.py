@@ -317,20 +317,13 @@ def _torch_compiled(model, budget: float):
 
 
 def _cpu_times(policies_, model, inputs, target, exp, device, rounds: int = 4, steps: int = 3) -> list[float]:
-    """Median CPU seconds per training step of `model` compiled under each policy (timed in rotated rounds)."""
-    _allow_recompiles(len(policies_))
+    """Median CPU seconds per training step of `model` compiled under each policy, timed as `_measure` times
+    the methods compared (rotated rounds, each after a metered and an untimed step)."""
     methods = []
     for k, policy in enumerate(policies_):
         m, opt = fresh_copy(model, exp)
         methods.append(Method("calibration", str(k), m, compiled.compile(m, policy), opt))
-    for m in methods:
-        for _ in range(2):
-            train_step(m, inputs, target, exp.loss, device)
-    times: list[list[float]] = [[] for _ in methods]
-    for r in range(rounds):
-        for k in [(k + r) % len(methods) for k in range(len(methods))]:
-            times[k] += [train_step(methods[k], inputs, target, exp.loss, device)[1] for _ in range(steps)]
-    return [statistics.median(t) for t in times]
+    return [row["step_s"] for row in _measure(methods, inputs, target, exp, device, rounds, steps, lambda _: None)]
 
 
 def _allow_recompiles(count: int) -> None:
@@ -470,8 +463,8 @@ def goal_lines(rows: list[dict], peak: str = "peak_bytes") -> list[str]:
 def command(args) -> int:
     """Run the comparison from parsed arguments and print the table."""
     below = tuple(float(b) for b in args.below.split(",") if b.strip())
-    rows = run(args.experiment, rounds=args.rounds, steps=args.steps, below=below, finalists=args.finalists,
-               results_root=args.results, cache_dir=args.cache)
+    run(args.experiment, rounds=args.rounds, steps=args.steps, below=below, finalists=args.finalists,
+        results_root=args.results, cache_dir=args.cache)
     name = config.load_experiment(args.experiment).name
     print((Path(args.results) / name / "compare.md").read_text(), end="")
     print(f"wrote {Path(args.results) / name}/ (compare.csv, compare.md, compiled/)")
