@@ -10,7 +10,9 @@ torch's partitions, each read back as keep/recompute actions. The model cannot s
 each budget (the search's Pareto front, filled up with the next fastest that fit where the front holds
 fewer: it can hold one or two when every policy is predicted nearly the same peak) are compiled and timed
 first, in rounds of their own (`_pick`); the fastest whose measured peak fits the budget is the one
-compared, timed afresh with the others.
+compared, timed afresh with the others. Where none fits (the model erred low), the search runs again under
+the budget divided by how far over their predictions those finalists measured, and its finalists are timed
+the same way; if none of them fits either, that budget is left out (`_refit_budgets`, `_merge_refits`).
 Policies are simulated as inductor runs them (`gaswap.compiled_costs`): standalone op costs in CPU
 seconds, fused intermediates not counted, the keep-all step, the cost of recomputation, of kept masks and
 of saved bytes calibrated on seven policies compiled and timed first (`compiled_costs.calibrate`). The
@@ -144,8 +146,17 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
         return Method("gaswap", label, m, compiled.compile(m, policy), opt, predicted(evaluated.chromosome, r),
                       _count(evaluated.chromosome), origin=origin.get(evaluated.chromosome.actions, "search")), policy
 
-    picked, tuning = _pick(shortlist, method, budget_of, resident, lambda ms: _measure(
-        ms, inputs, target, exp, device, TUNING_ROUNDS, TUNING_STEPS, progress), progress)
+    def time_methods(ms):
+        return _measure(ms, inputs, target, exp, device, TUNING_ROUNDS, TUNING_STEPS, progress)
+
+    picked, tuning, unfit = _pick(shortlist, method, budget_of, resident, time_methods, progress)
+    if unfit:  # every finalist measured over its budget: search again, under the budget the model's error allows
+        progress("  searching again where no finalist measured under its budget: " + ", ".join(unfit))
+        retry = _search(exp, graph, costs, calibration, space, seeds, _refit_budgets(unfit, budget_of, resident),
+                        resident, progress, finalists)
+        refit, refit_tuning, _ = _pick(retry, method, budget_of, resident, time_methods, progress, refit=True)
+        tuning += refit_tuning
+        picked = _merge_refits(picked, refit, unfit, progress)
     methods += [m for m, _ in picked]
     rows = _measure(methods, inputs, target, exp, device, rounds, steps, progress)
     # written once all is measured: a run that fails midway leaves the earlier run's results whole
@@ -231,20 +242,24 @@ def _with_partitions(finalists, partitions: dict, budgets) -> list[tuple[str, li
     return out
 
 
-def _pick(finalists, method, budget_of, resident, time_methods, progress) -> tuple[list, list[dict]]:
+def _pick(finalists, method, budget_of, resident, time_methods, progress,
+          refit: bool = False) -> tuple[list, list[dict], dict[str, float]]:
     """Per budget, the finalist that measures fastest among those whose measured peak is at or under the
-    budget (the fastest predicted when none is): [(Method, Policy)], and the finalists' measured rows (none
-    when each budget has one finalist). `method(label, evaluated)` compiles one; `time_methods(methods)`
-    measures them in rounds of their own (`_measure`'s rows), so the head to head that follows times the
-    picked ones afresh: picking the fastest of several noisy timings does not flatter the figures compared."""
+    budget (the fastest predicted when none is): [(Method, Policy)], the finalists' measured rows (none
+    when each budget has one finalist), and the budgets where none fits by measurement, each with the
+    largest measured / predicted peak of its finalists (`_refit_budgets`). `method(label, evaluated)`
+    compiles one; `time_methods(methods)` measures them in rounds of their own (`_measure`'s rows), so the
+    head to head that follows times the picked ones afresh: picking the fastest of several noisy timings
+    does not flatter the figures compared. `refit` (the finalists of a second search): always timed, named
+    "refit", and a budget where none fits is left out."""
     made, rows_of = {}, {}  # actions -> (Method, Policy); actions -> measured row
     for label, evaluated in finalists:
         for e in evaluated:
             if e.chromosome.actions not in made:
                 made[e.chromosome.actions] = method(label, e)
-                made[e.chromosome.actions][0].knob = f"{label} #{len(made)}"
-    tuning = []
-    if any(len(evaluated) > 1 for _, evaluated in finalists):
+                made[e.chromosome.actions][0].knob = f"{label} {'refit ' if refit else ''}#{len(made)}"
+    tuning, unfit = [], {}
+    if refit or any(len(evaluated) > 1 for _, evaluated in finalists):
         progress(f"  timing {len(made)} finalists")
         tuning = time_methods([m for m, _ in made.values()])
         rows_of = dict(zip(made, tuning))
@@ -253,6 +268,12 @@ def _pick(finalists, method, budget_of, resident, time_methods, progress) -> tup
     for label, evaluated in finalists:
         fits = [e for e in evaluated if e.chromosome.actions in rows_of
                 and rows_of[e.chromosome.actions]["peak_bytes"] <= budget_of[label] - resident]
+        if rows_of and not fits:
+            unfit[label] = max(rows_of[e.chromosome.actions]["peak_bytes"] / max(e.peak_bytes - resident, 1)
+                               for e in evaluated)
+            if refit:
+                progress(f"  at {label}: no finalist of the second search measured under the budget either")
+                continue
         best = min(fits, key=lambda e: rows_of[e.chromosome.actions]["step_s"]) if fits else evaluated[0]
         m, policy = made[best.chromosome.actions] if best.chromosome.actions not in used else method(label, best)
         used.add(best.chromosome.actions)  # the same policy picked at two budgets is compiled apart
@@ -262,7 +283,30 @@ def _pick(finalists, method, budget_of, resident, time_methods, progress) -> tup
         if tuning:
             progress(f"  at {label}: finalist #{number[best.chromosome.actions]} of "
                      + ", ".join(f"#{number[e.chromosome.actions]}" for e in evaluated))
-    return picked, tuning
+    return picked, tuning, unfit
+
+
+def _refit_budgets(unfit: dict[str, float], budget_of: dict[str, int], resident: int) -> list[tuple[str, int]]:
+    """(label, bytes) budgets for a second search where no finalist measured under its budget: the budget
+    above resident divided by how far over their predictions the finalists measured (`unfit`: label ->
+    the largest measured / predicted peak), so that a policy the model errs on as much still fits."""
+    return [(label, resident + int((budget_of[label] - resident) / ratio)) for label, ratio in unfit.items()
+            if ratio > 1]
+
+
+def _merge_refits(picked: list, refit: list, unfit: dict, progress) -> list:
+    """`picked` with the pick of each budget in `unfit` replaced by its second search's (`refit`), or left
+    out where that found nothing under the budget: a policy over its budget is not gaswap's at that budget."""
+    refit_of = {m.knob: (m, policy) for m, policy in refit}
+    out = []
+    for m, policy in picked:
+        if m.knob not in unfit:
+            out.append((m, policy))
+        elif m.knob in refit_of:
+            out.append(refit_of[m.knob])
+        else:
+            progress(f"  at {m.knob}: left out, no policy measured under the budget")
+    return out
 
 
 def _with_budget(policy: policies.Policy, label: str, budget_bytes: int) -> policies.Policy:

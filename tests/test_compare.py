@@ -72,8 +72,8 @@ def test_pick_compares_the_finalist_that_measures_fastest_within_its_budget():
     from gaswap.policy import Policy
     from gaswap.problem import Evaluated
 
-    def evaluated(k):
-        return Evaluated(Chromosome((0.0,), (k,)), 100, 1.0 + k / 10)
+    def evaluated(k):  # predicted at 50 bytes, 40 above resident
+        return Evaluated(Chromosome((0.0,), (k,)), 1.0 + k / 10, 50)
 
     actions_of = {}  # method -> the actions it was compiled for
 
@@ -89,23 +89,42 @@ def test_pick_compares_the_finalist_that_measures_fastest_within_its_budget():
         timed.extend(actions_of[id(m)] for m in methods)
         return [dict(zip(("peak_bytes", "step_s"), measured[actions_of[id(m)]])) for m in methods]
 
-    def pick(finalists):
-        return compare._pick(finalists, method, {"A": 110, "B": 60}, 10, time_methods, lambda line: None)
+    def pick(finalists, refit=False):
+        return compare._pick(finalists, method, {"A": 110, "B": 60}, 10, time_methods, lambda line: None, refit)
 
-    picked, tuning = pick([("A", [evaluated(0), evaluated(1), evaluated(2)]), ("B", [evaluated(2), evaluated(3)])])
+    picked, tuning, unfit = pick([("A", [evaluated(0), evaluated(1), evaluated(2)]),
+                                  ("B", [evaluated(2), evaluated(3)])])
+    assert unfit == {}
     assert len(tuning) == 4 and sorted(timed) == [(0,), (1,), (2,), (3,)]  # each distinct finalist timed once
     (a, policy_a), (b, policy_b) = picked
     # A (100 bytes above resident): #0 measures 150, over it; #2 is faster than #1. B (50): only #3 fits.
     assert actions_of[id(a)] == (2,) and actions_of[id(b)] == (3,)
     assert a.knob == "A" and policy_a.provenance == {"budget": "A", "budget_bytes": 110}
     assert b.knob == "B" and policy_b.provenance == {"budget": "B", "budget_bytes": 60}
-    picked, _ = pick([("A", [evaluated(3), evaluated(0)]), ("B", [evaluated(3), evaluated(0)])])
+    picked, _, _ = pick([("A", [evaluated(3), evaluated(0)]), ("B", [evaluated(3), evaluated(0)])])
     assert [actions_of[id(m)] for m, _ in picked] == [(3,), (3,)] and picked[0][0] is not picked[1][0]  # compiled apart
-    (m, _), = pick([("B", [evaluated(1), evaluated(2)])])[0]
+    picked, _, unfit = pick([("B", [evaluated(1), evaluated(2)])])
+    (m, _), = picked
     assert actions_of[id(m)] == (1,)  # none fits when measured: the fastest predicted
+    assert unfit == {"B": 90 / 40}  # how far over their predictions they measured, at most
+    assert pick([("B", [evaluated(1), evaluated(2)])], refit=True)[0] == []  # a second search's: left out
     timed.clear()
     (m, _), = pick([("A", [evaluated(0)])])[0]
     assert actions_of[id(m)] == (0,) and timed == []  # one finalist: nothing to time
+    assert pick([("A", [evaluated(0)])], refit=True)[2] == {"A": 150 / 40} and timed == [(0,)]  # a refit's is
+
+
+def test_a_budget_no_finalist_fits_is_searched_again_under_the_model_error_and_left_out_if_still_unmet():
+    budget_of, resident = {"A": 110, "B": 60, "C": 40}, 10
+    # A's finalists measured up to 1.25x their predictions: search A under 100 / 1.25; C erred low: no search
+    assert compare._refit_budgets({"A": 1.25, "C": 0.9}, budget_of, resident) == [("A", 10 + 80)]
+
+    def picked(*labels):
+        return [(compare.Method("gaswap", label, None, None, None), label) for label in labels]
+    first = picked("A", "B", "C")
+    merged = compare._merge_refits(first, picked("A"), {"A": 1.25, "C": 1.1}, lambda line: None)
+    assert [(m.knob, policy) for m, policy in merged] == [("A", "A"), ("B", "B")]  # A refit, B kept, C left out
+    assert merged[0][0] is not first[0][0] and merged[1][0] is first[1][0]
 
 
 def test_torch_partitions_that_measure_within_a_budget_join_its_finalists():
