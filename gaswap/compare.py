@@ -259,7 +259,7 @@ def _pick(finalists, method, budget_of, resident, time_methods, progress,
                 made[e.chromosome.actions] = method(label, e)
                 made[e.chromosome.actions][0].knob = f"{label} {'refit ' if refit else ''}#{len(made)}"
     tuning, unfit = [], {}
-    if refit or any(len(evaluated) > 1 for _, evaluated in finalists):
+    if made and (refit or any(len(evaluated) > 1 for _, evaluated in finalists)):
         progress(f"  timing {len(made)} finalists")
         tuning = time_methods([m for m, _ in made.values()])
         rows_of = dict(zip(made, tuning))

@@ -112,6 +112,7 @@ def test_pick_compares_the_finalist_that_measures_fastest_within_its_budget():
     (m, _), = pick([("A", [evaluated(0)])])[0]
     assert actions_of[id(m)] == (0,) and timed == []  # one finalist: nothing to time
     assert pick([("A", [evaluated(0)])], refit=True)[2] == {"A": 150 / 40} and timed == [(0,)]  # a refit's is
+    assert pick([], refit=True) == ([], [], {})  # a second search where nothing fits by the model: nothing timed
 
 
 def test_a_budget_no_finalist_fits_is_searched_again_under_the_model_error_and_left_out_if_still_unmet():
