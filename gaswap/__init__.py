@@ -13,8 +13,9 @@ One flat package in three layers; a module imports only from its own layer or th
   policies, a seed of the search);
 - the torch side: `capture`, `dropout` (masks drawn as eager draws them), `measure`, `memory`, `runtime`,
   `streams` (the runtime's copy streams), `zoo`, `arena`, `arena_runtime`, `compiled` (policies inside
-  torch.compile), `compiled_costs` (the compiled step's cost and memory model), `meter` (peak memory measured
-  independently of gaswap) (and any module not named here);
+  torch.compile), `compiled_costs` (the compiled step's cost and memory model), `compiled_program` (the
+  memory of inductor's generated programs), `meter` (peak memory measured independently of gaswap) (and any
+  module not named here);
 - the application: `config`, `experiment` (an experiment's model and inputs), `results`, `signals`, `workflow`,
   `validate`, `compiled_validate`, `report`, `bench`, `speed`, `compare`, `gpu_memory`, `gpu_check`, `cli`.
 

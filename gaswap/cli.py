@@ -375,6 +375,9 @@ def validate(args) -> int:
         print(f"warning: {elsewhere}", file=sys.stderr)
     print(f"  peak       predicted {format_size(p['peak_bytes'])}, measured {format_size(m['peak_bytes'])} "
           f"({r['peak_ratio'] - 1:+.1%}); budget {format_size(r['budget_bytes'])}")
+    if "search_peak_ratio" in r:
+        print(f"             (the peak predicted is the generated program's; the search's model predicted "
+              f"{format_size(p['search_peak_bytes'])}: {r['search_peak_ratio'] - 1:+.1%})")
     print(f"  step time  predicted {_ms(p['step_time_s'])}, measured {_ms(m['step_time_s'])} ({r['time_ratio'] - 1:+.1%})"
           + (" (planned for another device)" if elsewhere else ""))
     if "arena" in r:

@@ -36,15 +36,16 @@ Writes `results/<experiment>/compare.csv`, `compare.md`, `finalists.csv` and the
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from gaswap import compiled, compiled_costs, config, experiment, policy as policies
+from gaswap import compiled, compiled_costs, compiled_program, config, experiment, policy as policies
 from gaswap.capture import _loss_fn, _output_tensor
 from gaswap.config import format_size
 from gaswap.encoding import Action, Chromosome, Encoding
@@ -59,7 +60,10 @@ FINALISTS = 3  # gaswap policies per budget compiled and timed before the head t
 TUNING_ROUNDS, TUNING_STEPS = 3, 2
 COLUMNS = ("method", "knob", "predicted_peak_bytes", "predicted_step_s", "peak_bytes", "peak_min", "peak_max",
            "step_s", "step_min", "step_max", "wall_step_s", "compile_s", "recomputed", "opwise_peak_bytes",
-           "opwise_step_s", "rss_peak_bytes", "origin")  # step_*: CPU seconds; opwise_*: the joint graph's ops one by one (no fusion model)
+           "opwise_step_s", "rss_peak_bytes", "origin", "program_peak_bytes")
+# step_*: CPU seconds; opwise_*: the joint graph's ops one by one (no fusion model); program_peak_bytes: the
+# peak of the programs inductor generated for the method (`gaswap.compiled_program`)
+RECORDED = ("torch.compile", "gaswap")  # the methods whose generated programs are read
 OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.01),
     "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
@@ -80,6 +84,7 @@ class Method:
     recomputed: int | None = None
     compile_s: float = 0.0
     origin: str = ""  # a gaswap policy's: "search", or the torch.compile partition it is ("torch 0.5")
+    programs: list = field(default_factory=list)  # inductor's, recorded at the compile (`compiled_program`)
 
 
 def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), finalists: int = FINALISTS,
@@ -146,8 +151,16 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
         return Method("gaswap", label, m, compiled.compile(m, policy), opt, predicted(evaluated.chromosome, r),
                       _count(evaluated.chromosome), origin=origin.get(evaluated.chromosome.actions, "search")), policy
 
+    output_bytes = graph.tensors[graph.loss].size
+
+    def measure_methods(ms, rounds_, steps_):
+        rows_ = _measure(ms, inputs, target, exp, device, rounds_, steps_, progress)
+        for m, row in zip(ms, rows_):
+            row["program_peak_bytes"] = _program_peak(m, output_bytes, exp.loss, progress)
+        return rows_
+
     def time_methods(ms):
-        return _measure(ms, inputs, target, exp, device, TUNING_ROUNDS, TUNING_STEPS, progress)
+        return measure_methods(ms, TUNING_ROUNDS, TUNING_STEPS)
 
     picked, tuning, unfit = _pick(shortlist, method, budget_of, resident, time_methods, progress)
     if unfit:  # every finalist measured over its budget: search again, under the budget the model's error allows
@@ -158,12 +171,13 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
         tuning += refit_tuning
         picked = _merge_refits(picked, refit, unfit, progress)
     methods += [m for m, _ in picked]
-    rows = _measure(methods, inputs, target, exp, device, rounds, steps, progress)
+    rows = measure_methods(methods, rounds, steps)
     # written once all is measured: a run that fails midway leaves the earlier run's results whole
     for stale in [*folder.glob("compiled/p[0-9]*.yaml"), *folder.glob("compiled/p[0-9]*.validation.json")]:
         stale.unlink()  # an earlier run's policies and their validations
-    for k, (_, policy) in enumerate(picked):
-        policies.save(policy, folder / "compiled" / f"p{k:02d}.yaml")
+    for k, (m, policy) in enumerate(picked):
+        policies.save(_with_program_peak(policy, _program_peak(m, output_bytes, exp.loss, progress)),
+                      folder / "compiled" / f"p{k:02d}.yaml")
     write_atomic(folder / "compare.csv", csv_text(rows, COLUMNS))
     if tuning:
         write_atomic(folder / "finalists.csv", csv_text(tuning, COLUMNS))
@@ -314,6 +328,28 @@ def _with_budget(policy: policies.Policy, label: str, budget_bytes: int) -> poli
     return replace(policy, provenance=policy.provenance | {"budget": label, "budget_bytes": budget_bytes})
 
 
+def _with_program_peak(policy: policies.Policy, program_peak: int | None) -> policies.Policy:
+    """`policy` predicting the peak its compiled programs hold (`compiled_program`); the search model's
+    prediction stays beside it as `search_peak_bytes`."""
+    if program_peak is None:
+        return policy
+    predicted = policy.predicted
+    return replace(policy, predicted=predicted | {"peak_bytes": program_peak + predicted["resident_bytes"],
+                                                  "search_peak_bytes": predicted["peak_bytes"]})
+
+
+def _program_peak(m: "Method", output_bytes: int, loss: str, progress) -> int | None:
+    """The step peak above resident of the programs inductor generated for `m` (None: none recorded, or
+    programs `compiled_program` cannot read, said through `progress`)."""
+    if not m.programs:
+        return None
+    try:
+        return compiled_program.step_peak(m.programs, output_bytes, loss)
+    except compiled_program.ProgramError as e:
+        progress(f"  {m.name} {m.knob}: no program peak ({e})")
+        return None
+
+
 def _budgets(peaks: list[int], below, resident: int) -> list[tuple[str, int]]:
     """(label, bytes): the distinct `peaks` (highest first), then `below` times the lowest; labelled by what
     the meter would read (the bytes above `resident`)."""
@@ -332,13 +368,17 @@ def _peak_reached(m: "Method", inputs, target, exp, device, progress) -> int:
 
 
 def _warm_up(m: "Method", inputs, target, exp, device, progress) -> None:
-    """Two steps (the compile), timed into `m.compile_s`, once."""
+    """Two steps (the compile), timed into `m.compile_s`, once; a compiled method's generated programs are
+    recorded (`m.programs`) in the first."""
     if m.compile_s:
         return
     started = time.perf_counter()
-    for _ in range(2):
+    recorder = compiled_program.Recorder() if m.name in RECORDED else contextlib.nullcontext()
+    with recorder:
         train_step(m, inputs, target, exp.loss, device)
+    train_step(m, inputs, target, exp.loss, device)
     m.compile_s = time.perf_counter() - started
+    m.programs = recorder.programs if m.name in RECORDED else []
     progress(f"  warmed up {m.name} {m.knob} ({m.compile_s:.0f} s)")
 
 
@@ -439,19 +479,22 @@ def train_step(m: Method, inputs, target, loss: str, device) -> tuple[float, flo
 def to_markdown(rows: list[dict], name: str, device: str, tuning: list[dict] = ()) -> str:
     """The table, and per torch.compile point the fastest gaswap policy at an equal or lower measured peak
     (allocated bytes; on a CPU also by the resident set); then the finalists timed before, if any.
-    Predictions: the compiled model (`gaswap.compiled_costs`), then the joint graph's ops one by one."""
+    Predictions: the compiled model (`gaswap.compiled_costs`), then the joint graph's ops one by one; and the
+    peak of the programs inductor generated (`gaswap.compiled_program`)."""
     lines = [f"# gaswap compare: {name} ({device})", "",
-             "| method | budget | recomputed | predicted peak (ops one by one) | measured peak allocated "
-             "| resident | predicted time (ops one by one) | CPU time per step (median, range) | vs torch 1.0 |",
-             "|---|---|---:|---:|---:|---:|---:|---|---:|"]
+             "| method | budget | recomputed | predicted peak (ops one by one) | generated program's peak "
+             "| measured peak allocated | resident | predicted time (ops one by one) "
+             "| CPU time per step (median, range) | vs torch 1.0 |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     reference = next(r["step_s"] for r in rows if r["method"] == "torch.compile" and r["knob"] == "1")
     for r in rows:
         peak = _pair(r.get("predicted_peak_bytes"), r.get("opwise_peak_bytes"), format_size)
         step = _pair(r.get("predicted_step_s"), r.get("opwise_step_s"), lambda s: f"{s * 1e3:.2f} ms")
         rss = "-" if r.get("rss_peak_bytes") is None else format_size(r["rss_peak_bytes"])
         recomputed = "-" if r["recomputed"] is None else r["recomputed"]
+        program = "-" if r.get("program_peak_bytes") is None else format_size(r["program_peak_bytes"])
         lines.append(f"| {r['method']}{_origin(r)} | {r['knob']} | {recomputed} | "
-                     f"{peak} | {format_size(r['peak_bytes'])} | {rss} | {step} | {r['step_s'] * 1e3:.2f} ms "
+                     f"{peak} | {program} | {format_size(r['peak_bytes'])} | {rss} | {step} | {r['step_s'] * 1e3:.2f} ms "
                      f"({r['step_min'] * 1e3:.2f}-{r['step_max'] * 1e3:.2f}) | {r['step_s'] / reference - 1:+.1%} |")
     lines += ["", "By peak allocated (torch's allocator):", *goal_lines(rows)]
     if all(r.get("rss_peak_bytes") is not None for r in rows):
@@ -460,9 +503,10 @@ def to_markdown(rows: list[dict], name: str, device: str, tuning: list[dict] = (
         lines += ["", "Finalists: the gaswap policies fastest in prediction at each budget, and torch's partitions "
                   "whose measured peak fits it, timed in rounds of their own before the table above; the fastest "
                   "whose measured peak is at or under the budget is compared.", "",
-                  "| finalist | recomputed | predicted peak | measured peak allocated | predicted time | CPU time per "
-                  "step (median, range) |", "|---|---:|---:|---:|---:|---|"]
+                  "| finalist | recomputed | predicted peak | generated program's peak | measured peak allocated "
+                  "| predicted time | CPU time per step (median, range) |", "|---|---:|---:|---:|---:|---:|---|"]
         lines += [f"| {r['knob']}{_origin(r)} | {r['recomputed']} | {format_size(r['predicted_peak_bytes'])} | "
+                  f"{'-' if r.get('program_peak_bytes') is None else format_size(r['program_peak_bytes'])} | "
                   f"{format_size(r['peak_bytes'])} | {r['predicted_step_s'] * 1e3:.2f} ms | {r['step_s'] * 1e3:.2f} ms "
                   f"({r['step_min'] * 1e3:.2f}-{r['step_max'] * 1e3:.2f}) |" for r in tuning]
     return "\n".join(lines) + "\n"

@@ -1,6 +1,8 @@
 """`gaswap validate` for a compiled policy (`gaswap.compiled`): train the experiment's model compiled under
 the policy, measure its peak with `gaswap compare`'s independent meter and its CPU time per step, and set
-them beside the policy's predictions (`gaswap.compiled_costs`).
+them beside the policy's predictions: the step time of the search's model (`gaswap.compiled_costs`), the
+peak of the programs inductor generated for the policy (`gaswap.compiled_program`, written by `gaswap
+compare`; the model's peak, `search_peak_bytes`, beside it), or the model's where the file has no program's.
 
 Figures are those `gaswap compare` reports (`gaswap.meter`): the peak bytes torch's allocator holds above
 what was allocated before the step (CUDA: the caching allocator; CPU: the CPU allocator, counted by the
@@ -75,6 +77,9 @@ def report(policy: policies.Policy, policy_path: Path, name: str, device: str, s
         "written": str(out),
     }
     r["peak_ratio"] = r["measured"]["peak_bytes"] / r["predicted"]["peak_bytes"]
+    if "search_peak_bytes" in predicted:  # the peak_bytes predicted are the generated programs' (`compiled_program`)
+        r["predicted"]["search_peak_bytes"] = predicted["search_peak_bytes"] - resident
+        r["search_peak_ratio"] = r["measured"]["peak_bytes"] / r["predicted"]["search_peak_bytes"]
     r["time_ratio"] = r["measured"]["step_time_s"] / r["predicted"]["step_time_s"]
     r["targets"] = {"peak_within_5pc": abs(r["peak_ratio"] - 1) <= PEAK_TOLERANCE,
                     "peak_within_budget": None if budget is None else r["measured"]["peak_bytes"] <= r["budget_bytes"],

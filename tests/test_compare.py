@@ -170,3 +170,27 @@ def test_the_shortlist_fills_a_small_front_with_the_next_fastest_policies():
     assert compare._shortlist([], [], canonical, 3) == []
     (e,) = compare._shortlist(front[2:], [], canonical, 3)
     assert e.chromosome.actions == (2,) and (e.step_time, e.peak_bytes) == (3.0, 80)  # the prediction kept
+
+
+def test_a_policy_written_predicts_its_generated_programs_peak_and_keeps_the_models_beside_it(tmp_path):
+    import json
+
+    from gaswap import compiled_validate
+    from gaswap.compiled_program import Program
+    from gaswap.policy import Policy
+
+    policy = Policy("f", (), {}, {"peak_bytes": 1000, "step_time_s": 1.0, "resident_bytes": 100},
+                    provenance={"budget_bytes": 1200})
+    assert compare._with_program_peak(policy, None) is policy  # no program read: the model's stays
+    written = compare._with_program_peak(policy, 1050)
+    assert written.predicted == {"peak_bytes": 1150, "step_time_s": 1.0, "resident_bytes": 100,
+                                 "search_peak_bytes": 1000}
+    r = compiled_validate.report(written, tmp_path / "p.yaml", "e", "cpu", 1, [1000], [1.1], [None], 0.1)
+    assert r["predicted"] == {"peak_bytes": 1050, "step_time_s": 1.0, "search_peak_bytes": 900}
+    assert r["peak_ratio"] == 1000 / 1050 and r["search_peak_ratio"] == 1000 / 900
+    assert r["targets"] == {"peak_within_5pc": True, "peak_within_budget": True, "time_within_15pc": True}
+    assert json.loads((tmp_path / "p.validation.json").read_text()) == r
+    # a method whose programs cannot be read has no program peak, and says why
+    lines = []
+    m = compare.Method("gaswap", "A", None, None, None, programs=[Program("no program")])
+    assert compare._program_peak(m, 10, "sum", lines.append) is None and "no program peak" in lines[0]

@@ -1,0 +1,168 @@
+"""The memory of the programs inductor generates for a compiled step, read from the programs themselves.
+
+The search's simulator guesses which intermediates inductor fuses away and which it writes; inductor's
+choices (inlining a recomputed value into each kernel that reads it, fusing kernels that read the same
+buffers) move a compiled step's peak by up to 30 %. The generated program settles it: its wrapper (`def
+call`) allocates each buffer (with its size and stride, or a library call's output checked against
+them), hands freed ones to new buffers (`# reuse`) and deletes them, in the order they run. `Recorder`
+keeps the program of each graph compiled (or loaded from inductor's cache) while it is open;
+`Program.walk` replays its allocations and frees to the peak. It reads only the shapes of static graphs
+(gaswap compiles no dynamic shapes); no code of it runs.
+
+A step's peak (`step_peak`) is the largest of: the forward graph's peak; the eager loss after it (what the
+forward leaves alive, plus the loss's own tensors, `compiled_costs.LOSS_TEMPORARIES`, in units of the
+model output's size); the backward graph's peak. Graph inputs named `primals_*` (parameters, buffers, the
+batch) are resident before the step and not counted, as the meter (`gaswap.meter`) does not count them.
+Not counted: a library call's scratch memory (e.g. a convolution's), the optimizer's step (its temporaries
+are freed before the next step's forward).
+"""
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass
+from typing import NamedTuple
+
+RESIDENT_PREFIX = "primals_"  # aot_autograd's name for a forward input: a parameter, buffer or user input
+_CALL = "def call(self, args)"
+_TUPLE = r"(\([^()]*\))"
+_INPUT = re.compile(rf"(\w+) = rand_strided\({_TUPLE}, {_TUPLE}, device='[\w:]+', dtype=torch\.(\w+)\)$")
+_EMPTY = re.compile(rf"(\w+) = empty_strided\w*\({_TUPLE}, {_TUPLE}, torch\.(\w+)\)$")
+_ASSERT = re.compile(rf"assert_size_stride\((\w+), {_TUPLE}, {_TUPLE}")
+_REUSE = re.compile(r"(\w+) = .*; del (\w+)\s+# reuse$")
+_ITEM = re.compile(r"(\w+) = (\w+)\[\d+\]$")  # one output of a library call that returns several
+_ALIAS = re.compile(r"(\w+) = (reinterpret_tensor\(|\w+$)")
+_MADE = re.compile(r"(\w+) = [\w.]+\((.*)")  # a buffer a library call returns
+_DEL = re.compile(r"del ([\w, ]+)$")
+
+
+class Walk(NamedTuple):
+    """A program's bytes at its peak, at its end (what it returns), and {buffer or input: bytes} at its peak."""
+    peak: int
+    end: int
+    at_peak: dict
+
+
+class ProgramError(RuntimeError):
+    """A generated program this module cannot read."""
+
+
+@dataclass(frozen=True)
+class Program:
+    """The source of one graph's generated program (inductor's wrapper, with its benchmark harness)."""
+    code: str
+
+    def walk(self) -> "Walk":
+        """The program's memory other than its `primals_*` inputs: the other inputs from the start until
+        deleted, each buffer from the line that allocates it (a library call's several outputs at the call)
+        until its `del`, a reused buffer handing its bytes on."""
+        lines = [line.strip() for line in self.code.splitlines()]
+        start = next((k for k, line in enumerate(lines) if line.startswith(_CALL)), None)
+        if start is None:
+            raise ProgramError("no `def call(self, args)` in the generated program")
+        end = next((k for k in range(start, len(lines)) if lines[k].startswith("return")), len(lines))
+        body = lines[start + 2:end]
+        sizes, items = _sizes(body, lines[end:])
+        names = re.findall(r"\w+", lines[start + 1].split("=")[0])
+        alive = {n: sizes.get(n, 0) for n in names if not n.startswith(RESIDENT_PREFIX)}
+        held = peak = sum(alive.values())
+        at_peak = dict(alive)
+        for line in body:
+            if m := _REUSE.match(line):
+                alive[m.group(1)] = alive.pop(m.group(2), 0)
+            elif m := _DEL.match(line):
+                for name in re.findall(r"\w+", m.group(1)):
+                    held -= alive.pop(name, 0)
+            elif _ITEM.match(line) or _ALIAS.match(line):
+                continue
+            elif (m := _EMPTY.match(line) or _MADE.match(line)) and (m.group(1) in sizes or m.group(1) in items):
+                for name in items.get(m.group(1), [m.group(1)]):
+                    alive[name] = sizes.get(name, 0)
+                    held += alive[name]
+            if held > peak:
+                peak, at_peak = held, dict(alive)
+        return Walk(peak, held, at_peak)
+
+    @property
+    def is_backward(self) -> bool:
+        """Whether the graph is a backward (it takes the output's gradient, `tangents_*`)."""
+        return "tangents_" in next((line for line in self.code.splitlines() if "= args" in line), "")
+
+
+def _sizes(body: list[str], harness: list[str]) -> tuple[dict, dict]:
+    """({name: bytes} of the inputs (from the benchmark harness's `rand_strided`), the buffers allocated
+    (`empty_strided_*`) and the library calls' outputs (their `assert_size_stride`, in the dtype of the
+    call's first tensor argument); {call: [its outputs]} of the calls that return several)."""
+    dtype, extent, items, made_by = {}, {}, {}, {}
+    for line in harness:
+        if m := _INPUT.match(line):
+            extent[m.group(1)], dtype[m.group(1)] = _extent(m.group(2), m.group(3)), m.group(4)
+    for line in body:
+        if m := _EMPTY.match(line):
+            extent[m.group(1)], dtype[m.group(1)] = _extent(m.group(2), m.group(3)), m.group(4)
+        elif m := _ITEM.match(line):
+            items.setdefault(m.group(2), []).append(m.group(1))
+            made_by[m.group(1)] = m.group(2)
+        elif m := _ASSERT.match(line):
+            extent.setdefault(m.group(1), _extent(m.group(2), m.group(3)))
+        elif (m := _MADE.match(line)) and not _REUSE.match(line) and not _ALIAS.match(line):
+            argument = next((n for n in re.findall(r"\w+", m.group(2)) if n in dtype), None)
+            dtype[m.group(1)] = dtype[argument] if argument else "float32"
+    for name, parent in made_by.items():
+        dtype.setdefault(name, dtype.get(parent, "float32"))
+    return {n: e * _itemsize(dtype.get(n, "float32")) for n, e in extent.items()}, items
+
+
+def _extent(size: str, stride: str) -> int:
+    """Elements a tensor of printed `size` and `stride` spans."""
+    try:
+        sizes, strides = ast.literal_eval(size), ast.literal_eval(stride)
+    except (ValueError, SyntaxError):  # a symbol: a dynamic shape
+        raise ProgramError(f"a size that is not a number: {size} (a dynamic shape)") from None
+    if not all(isinstance(n, int) for n in (*sizes, *strides)):
+        raise ProgramError(f"a size that is not a number: {size}")
+    if 0 in sizes:
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(sizes, strides))
+
+
+def _itemsize(dtype: str) -> int:
+    import torch
+
+    kind = getattr(torch, dtype, None)
+    if not isinstance(kind, torch.dtype):
+        raise ProgramError(f"an unknown dtype: torch.{dtype}")
+    return kind.itemsize
+
+
+def step_peak(programs: list[Program], output_bytes: int, loss: str) -> int:
+    """The peak bytes above resident of a training step that runs `programs` (a forward, then a backward)
+    with an eager `loss` over a model output of `output_bytes` between them."""
+    from gaswap.compiled_costs import LOSS_TEMPORARIES
+
+    forward = [p for p in programs if not p.is_backward]
+    backward = [p for p in programs if p.is_backward]
+    if len(forward) != 1 or len(backward) != 1:
+        raise ProgramError(f"expected one forward and one backward graph, got {len(forward)} and {len(backward)}"
+                           " (a graph break or a recompilation)")
+    forward_peak, saved, _ = forward[0].walk()
+    return max(forward_peak, saved + (1 + LOSS_TEMPORARIES[loss]) * output_bytes, backward[0].walk().peak)
+
+
+class Recorder:
+    """`with Recorder() as r: <compile and run a step>`, then `r.programs`: each graph inductor compiled
+    inside, or loaded from its cache. Not reentrant."""
+
+    def __enter__(self) -> "Recorder":
+        from torch._inductor.graph import GraphLowering
+
+        if GraphLowering.save_output_code is not None:
+            raise RuntimeError("another recorder of inductor's output code is open")
+        self.programs: list[Program] = []
+        GraphLowering.save_output_code = staticmethod(lambda code: self.programs.append(Program(code)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from torch._inductor.graph import GraphLowering
+
+        GraphLowering.save_output_code = None

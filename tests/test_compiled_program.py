@@ -1,0 +1,118 @@
+"""gaswap.compiled_program: the memory walk over inductor's generated programs, on hand-written ones, and on
+a real compile against the allocator's meter."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gaswap import zoo
+from gaswap.compiled_program import Program, ProgramError, Recorder, step_peak
+from gaswap.meter import PeakMeter
+
+BACKWARD = """\
+    def call(self, args):
+        primals_1, saved, tangents_1 = args
+        args.clear()
+        buf0 = empty_strided_cpu((4, 8), (8, 1), torch.float32)
+        cpp_fused_0(saved, tangents_1, buf0)
+        del tangents_1
+        buf1 = torch.ops.aten.convolution_backward.default(buf0, saved, primals_1, [0], [True, True, False])
+        del buf0
+        buf2 = buf1[0]
+        assert_size_stride(buf2, (4, 8), (8, 1), 'torch.ops.aten.convolution_backward.default')
+        # buffer buf2 (op: torch.ops.aten.convolution_backward.default) is assumed to be not aligned
+        buf3 = buf1[1]
+        assert_size_stride(buf3, (2, 2), (2, 1), 'torch.ops.aten.convolution_backward.default')
+        del buf1
+        buf4 = buf2; del buf2  # reuse
+        buf5 = reinterpret_tensor(buf3, (4, ), (1, ), 0)
+        del saved
+        del primals_1
+        return (buf4, buf3, )
+
+
+def benchmark_compiled_module(args, times=10, repeat=10):
+    from torch._dynamo.testing import rand_strided
+    primals_1 = rand_strided((2, 2), (2, 1), device='cpu', dtype=torch.float32)
+    saved = rand_strided((4, 8), (8, 1), device='cpu', dtype=torch.float16)
+    tangents_1 = rand_strided((4, 8), (1, 4), device='cpu', dtype=torch.float32)
+"""
+
+
+def test_the_walk_counts_inputs_buffers_and_a_library_calls_outputs_at_the_call():
+    walk = Program(BACKWARD).walk()
+    # saved (32 halves, 64 B) and tangents_1 (32 floats; strides (1, 4) span as many) alive from the start;
+    # primals_1 is resident (a parameter) and not counted
+    start = 64 + 128
+    # buf0 (128) while both inputs are alive; the convolution's outputs (buf2 128, buf3 16: in the dtype of
+    # its first tensor argument, buf0) at the call, while buf0 and saved are alive
+    assert walk.peak == max(start + 128, start - 128 + 128 + 128 + 16) == 336
+    assert walk.at_peak == {"saved": 64, "buf0": 128, "buf2": 128, "buf3": 16}
+    assert walk.end == 128 + 16  # returned: buf4 (buf2 reused) and buf3; the view buf5 allocates nothing
+
+
+def test_a_library_calls_outputs_take_the_dtype_of_its_first_tensor_argument():
+    half = BACKWARD.replace("default(buf0, saved,", "default(saved, buf0,")
+    walk = Program(half).walk()
+    assert walk.at_peak == {"saved": 64, "tangents_1": 128, "buf0": 128}  # the outputs in halves: 64 + 8
+    assert walk.end == 64 + 8
+
+
+def test_a_dynamic_shape_or_a_missing_program_is_refused():
+    with pytest.raises(ProgramError, match="dynamic shape"):
+        Program(BACKWARD.replace("empty_strided_cpu((4, 8)", "empty_strided_cpu((s0, 8)")).walk()
+    with pytest.raises(ProgramError, match="def call"):
+        Program("print('no program')").walk()
+
+
+FORWARD = """\
+    def call(self, args):
+        primals_1, primals_2 = args
+        args.clear()
+        buf0 = empty_strided_cpu((10, 10), (10, 1), torch.float32)
+        buf1 = empty_strided_cpu((10, 10), (10, 1), torch.float32)
+        buf2 = empty_strided_cpu((10, 5), (5, 1), torch.float32)
+        del buf1
+        return (buf2, buf0, )
+
+
+def benchmark_compiled_module(args, times=10, repeat=10):
+    from torch._dynamo.testing import rand_strided
+    primals_1 = rand_strided((10, 10), (10, 1), device='cpu', dtype=torch.float32)
+    primals_2 = rand_strided((10, 10), (10, 1), device='cpu', dtype=torch.float32)
+"""
+
+
+def test_the_step_peak_is_the_forward_the_eager_loss_or_the_backward():
+    forward, backward = Program(FORWARD), Program(BACKWARD)
+    assert forward.walk() == (1000, 600, {"buf0": 400, "buf1": 400, "buf2": 200}) and not forward.is_backward
+    assert backward.is_backward
+    # the forward leaves 600 B; the eager loss holds the output (200, counted in them), its gradient (200)
+    # and cross entropy's log_softmax (200)
+    assert step_peak([forward, backward], 200, "sum") == 1000
+    assert step_peak([backward, forward], 400, "cross_entropy") == 600 + 2 * 400
+    with pytest.raises(ProgramError, match="graph break"):
+        step_peak([forward, forward, backward], 200, "sum")
+
+
+@pytest.mark.slow
+def test_the_program_peak_of_a_compiled_training_step_is_what_the_allocator_meters():
+    torch.manual_seed(0)
+    model, x, y = zoo.tiny_cnn(num_classes=10, width=8), torch.randn(16, 3, 16, 16), torch.randint(0, 10, (16,))
+    compiled = torch.compile(copy.deepcopy(model), backend="inductor", fullgraph=True, dynamic=False)
+
+    def step():
+        F.cross_entropy(compiled(x), y).backward()
+        compiled.zero_grad(set_to_none=True)
+
+    with Recorder() as recorder:
+        step()  # the compile
+    with PeakMeter("cpu") as meter:
+        step()
+    predicted = step_peak(recorder.programs, 16 * 10 * 4, "cross_entropy")
+    assert len(recorder.programs) == 2 and abs(meter.peak / predicted - 1) <= 0.05, (meter.peak, predicted)
+    with Recorder() as again:  # a second compile of the same graphs loads them from inductor's cache
+        torch._dynamo.reset()
+        step()
+    assert step_peak(again.programs, 16 * 10 * 4, "cross_entropy") == predicted
