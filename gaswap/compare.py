@@ -28,7 +28,9 @@ The meter (`gaswap.meter`) is independent of gaswap: the peak bytes torch's allo
 allocated before the step (CUDA: the caching allocator's; CPU: the CPU allocator's, counted by the
 profiler), and on a CPU also the process's resident-set high-water mark. Both count gradients and every
 temporary; the goal is judged by each. The predicted peak beside them is the simulated peak less the bytes
-resident before a step (parameters, buffers, inputs, optimizer state). On a CPU, a swap would not lower
+resident before a step (parameters, buffers, inputs, optimizer state); beside it, the peak of the programs
+inductor generated for the method, read from them at its compile (`gaswap.compiled_program`). A policy
+file written predicts the latter (`predicted.peak_bytes`; the search model's is `search_peak_bytes`). On a CPU, a swap would not lower
 these figures (the host store is the same RAM), so the compared policies keep or recompute only.
 
 Writes `results/<experiment>/compare.csv`, `compare.md`, `finalists.csv` and the gaswap policies compared

@@ -13,6 +13,9 @@ A step's peak (`step_peak`) is the largest of: the forward graph's peak; the eag
 forward leaves alive, plus the loss's own tensors, `compiled_costs.LOSS_TEMPORARIES`, in units of the
 model output's size); the backward graph's peak. Graph inputs named `primals_*` (parameters, buffers, the
 batch) are resident before the step and not counted, as the meter (`gaswap.meter`) does not count them.
+The backward's other inputs are what the forward saved, in the order the forward returns them (aot_autograd
+passes the saved values last in the forward's outputs, first in the backward's inputs): several of them can
+be views of one buffer (slices of a matmul's output), which the backward holds once.
 Not counted: a library call's scratch memory (e.g. a convolution's), the optimizer's step (its temporaries
 are freed before the next step's forward).
 """
@@ -52,27 +55,43 @@ class Program:
     """The source of one graph's generated program (inductor's wrapper, with its benchmark harness)."""
     code: str
 
-    def walk(self) -> "Walk":
+    def walk(self, storage: dict | None = None) -> Walk:
         """The program's memory other than its `primals_*` inputs: the other inputs from the start until
         deleted, each buffer from the line that allocates it (a library call's several outputs at the call)
-        until its `del`, a reused buffer handing its bytes on."""
-        lines = [line.strip() for line in self.code.splitlines()]
-        start = next((k for k, line in enumerate(lines) if line.startswith(_CALL)), None)
-        if start is None:
-            raise ProgramError("no `def call(self, args)` in the generated program")
-        end = next((k for k in range(start, len(lines)) if lines[k].startswith("return")), len(lines))
-        body = lines[start + 2:end]
-        sizes, items = _sizes(body, lines[end:])
-        names = re.findall(r"\w+", lines[start + 1].split("=")[0])
-        alive = {n: sizes.get(n, 0) for n in names if not n.startswith(RESIDENT_PREFIX)}
-        held = peak = sum(alive.values())
-        at_peak = dict(alive)
+        until its `del`, a reused buffer handing its bytes on. `storage`: {input: (storage, bytes)} of inputs
+        that are views of a storage they share (`saved_storage`), counted once and freed with the last."""
+        args, body, sizes, items, _ = self._parts()
+        storage = storage or {}
+        alive, views, shared = {}, {}, {}  # bytes of each buffer or input; the inputs alive on each storage
+        view_of = {name: f"saved {storage[name][0]}" for name in args if storage.get(name, (None, 0))[1]}
+        for name in args:
+            if name in view_of:
+                views.setdefault(view_of[name], set()).add(name)
+                shared[view_of[name]] = storage[name][1]
+            elif not name.startswith(RESIDENT_PREFIX) and name not in storage:
+                alive[name] = sizes.get(name, 0)
+        held = peak = sum(alive.values()) + sum(shared.values())
+        at_peak = alive | shared
+
+        def free(name: str) -> int:
+            if name in alive:
+                return alive.pop(name)
+            key = view_of.pop(name, None)
+            if key is None:
+                return 0
+            views[key].discard(name)
+            return 0 if views[key] else shared.pop(key)
+
         for line in body:
             if m := _REUSE.match(line):
-                alive[m.group(1)] = alive.pop(m.group(2), 0)
+                if m.group(2) in view_of:  # a saved input handed on: its storage with it
+                    views[view_of[m.group(2)]].add(m.group(1))
+                    view_of[m.group(1)] = view_of.pop(m.group(2))
+                    views[view_of[m.group(1)]].discard(m.group(2))
+                else:
+                    alive[m.group(1)] = alive.pop(m.group(2), 0)
             elif m := _DEL.match(line):
-                for name in re.findall(r"\w+", m.group(1)):
-                    held -= alive.pop(name, 0)
+                held -= sum(free(name) for name in re.findall(r"\w+", m.group(1)))
             elif _ITEM.match(line) or _ALIAS.match(line):
                 continue
             elif (m := _EMPTY.match(line) or _MADE.match(line)) and (m.group(1) in sizes or m.group(1) in items):
@@ -80,13 +99,62 @@ class Program:
                     alive[name] = sizes.get(name, 0)
                     held += alive[name]
             if held > peak:
-                peak, at_peak = held, dict(alive)
+                peak, at_peak = held, alive | shared
         return Walk(peak, held, at_peak)
+
+    def saved_storage(self, count: int) -> list[tuple[str, int]]:
+        """(storage, bytes) of the last `count` values a forward returns (what it saves for the backward): a
+        buffer's own name and bytes, a view's (`reinterpret_tensor(buf, ...)`) its buffer's, a resident input's
+        0 bytes."""
+        _, _, sizes, _, returned = self._parts()
+        if count > len(returned):
+            raise ProgramError(f"the backward takes {count} saved values, the forward returns {len(returned)}")
+        out = []
+        for value in returned[len(returned) - count:]:
+            base = re.match(r"(?:reinterpret_tensor\()?(\w+)", value).group(1)
+            out.append((base, 0 if base.startswith(RESIDENT_PREFIX) else sizes.get(base, 0)))
+        return out
+
+    @property
+    def arguments(self) -> list[str]:
+        """The graph's inputs, in order."""
+        return self._parts()[0]
 
     @property
     def is_backward(self) -> bool:
         """Whether the graph is a backward (it takes the output's gradient, `tangents_*`)."""
-        return "tangents_" in next((line for line in self.code.splitlines() if "= args" in line), "")
+        return any(name.startswith("tangents_") for name in self.arguments)
+
+    def _parts(self) -> tuple[list[str], list[str], dict, dict, list[str]]:
+        """(inputs, the lines of `call` between them and its return, {name: bytes}, {call: [its outputs]},
+        the values returned)."""
+        lines = [line.strip() for line in self.code.splitlines()]
+        start = next((k for k, line in enumerate(lines) if line.startswith(_CALL)), None)
+        if start is None or start + 1 >= len(lines):
+            raise ProgramError("no `def call(self, args)` in the generated program")
+        end = next((k for k in range(start, len(lines)) if lines[k].startswith("return")), len(lines))
+        body = lines[start + 2:end]
+        sizes, items = _sizes(body, lines[end:])
+        args = re.findall(r"\w+", lines[start + 1].split("=")[0])
+        return args, body, sizes, items, _returned(lines[end]) if end < len(lines) else []
+
+
+def _returned(line: str) -> list[str]:
+    """The values of `return (a, reinterpret_tensor(b, (2, 3), (3, 1), 0), None, )`, split at the commas
+    outside brackets."""
+    inner = line[len("return"):].strip()
+    inner = inner[1:-1] if inner.startswith("(") and inner.endswith(")") else inner
+    values, depth, current = [], 0, ""
+    for ch in inner:
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            values.append(current.strip())
+            current = ""
+        else:
+            current += ch
+    values.append(current.strip())
+    return [v for v in values if v]
 
 
 def _sizes(body: list[str], harness: list[str]) -> tuple[dict, dict]:
@@ -146,7 +214,9 @@ def step_peak(programs: list[Program], output_bytes: int, loss: str) -> int:
         raise ProgramError(f"expected one forward and one backward graph, got {len(forward)} and {len(backward)}"
                            " (a graph break or a recompilation)")
     forward_peak, saved, _ = forward[0].walk()
-    return max(forward_peak, saved + (1 + LOSS_TEMPORARIES[loss]) * output_bytes, backward[0].walk().peak)
+    inputs = [name for name in backward[0].arguments if not name.startswith("tangents_")]
+    storage = dict(zip(inputs, forward[0].saved_storage(len(inputs))))
+    return max(forward_peak, saved + (1 + LOSS_TEMPORARIES[loss]) * output_bytes, backward[0].walk(storage).peak)
 
 
 class Recorder:

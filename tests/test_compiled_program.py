@@ -116,3 +116,51 @@ def test_the_program_peak_of_a_compiled_training_step_is_what_the_allocator_mete
         torch._dynamo.reset()
         step()
     assert step_peak(again.programs, 16 * 10 * 4, "cross_entropy") == predicted
+
+
+SLICING_FORWARD = """\
+    def call(self, args):
+        primals_1, = args
+        args.clear()
+        buf0 = empty_strided_cpu((10, 30), (30, 1), torch.float32)
+        buf1 = empty_strided_cpu((10, 10), (10, 1), torch.float32)
+        return (buf1, reinterpret_tensor(buf0, (10, 10), (30, 1), 0), reinterpret_tensor(buf0, (10, 10), (30, 1), 10), primals_1, )
+
+
+def benchmark_compiled_module(args, times=10, repeat=10):
+    from torch._dynamo.testing import rand_strided
+    primals_1 = rand_strided((10, 10), (10, 1), device='cpu', dtype=torch.float32)
+"""
+SLICING_BACKWARD = """\
+    def call(self, args):
+        primals_1, slice_1, slice_2, tangents_1 = args
+        args.clear()
+        del slice_1
+        buf0 = empty_strided_cpu((10, 10), (10, 1), torch.float32)
+        del slice_2
+        buf1 = empty_strided_cpu((10, 10), (10, 1), torch.float32)
+        return (buf1, )
+
+
+def benchmark_compiled_module(args, times=10, repeat=10):
+    from torch._dynamo.testing import rand_strided
+    primals_1 = rand_strided((10, 10), (10, 1), device='cpu', dtype=torch.float32)
+    slice_1 = rand_strided((10, 10), (30, 1), device='cpu', dtype=torch.float32)
+    slice_2 = rand_strided((10, 10), (30, 1), device='cpu', dtype=torch.float32)
+    tangents_1 = rand_strided((10, 10), (10, 1), device='cpu', dtype=torch.float32)
+"""
+
+
+def test_saved_views_of_one_buffer_are_held_once_until_the_last_is_deleted():
+    forward, backward = Program(SLICING_FORWARD), Program(SLICING_BACKWARD)
+    # the forward saves two slices of buf0 (1200 B) and a parameter (resident), and returns its output buf1
+    assert forward.saved_storage(3) == [("buf0", 1200), ("buf0", 1200), ("primals_1", 0)]
+    storage = dict(zip(["slice_1", "slice_2", "primals_1"], forward.saved_storage(3)))
+    # the forward's buf0 once (1200) and the gradient (400) at the start; it stays until slice_2 goes, so the
+    # backward's buf0 is made beside it; the end: the gradient (never deleted here), buf0 and buf1. Counted
+    # view by view, each slice would span 1120 B (10 rows of 10, 30 apart)
+    assert backward.walk(storage) == (1200 + 400 + 400, 3 * 400, {"saved buf0": 1200, "tangents_1": 400, "buf0": 400})
+    assert backward.walk().peak == 1120 + 1120 + 400  # what the views alone would say
+    assert step_peak([forward, backward], 400, "sum") == max(1600, 1600 + 2 * 400, 2000)
+    with pytest.raises(ProgramError, match="forward returns 4"):
+        forward.saved_storage(5)
