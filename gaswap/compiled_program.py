@@ -40,10 +40,12 @@ _DEL = re.compile(r"del ([\w, ]+)$")
 
 
 class Walk(NamedTuple):
-    """A program's bytes at its peak, at its end (what it returns), and {buffer or input: bytes} at its peak."""
+    """A program's bytes at its peak, at its end (what it returns), and {buffer or input: bytes} at its peak
+    and at its end."""
     peak: int
     end: int
     at_peak: dict
+    at_end: dict
 
 
 class ProgramError(RuntimeError):
@@ -100,19 +102,19 @@ class Program:
                     held += alive[name]
             if held > peak:
                 peak, at_peak = held, alive | shared
-        return Walk(peak, held, at_peak)
+        return Walk(peak, held, at_peak, alive | shared)
 
     def saved_storage(self, count: int) -> list[tuple[str, int]]:
         """(storage, bytes) of the last `count` values a forward returns (what it saves for the backward): a
-        buffer's own name and bytes, a view's (`reinterpret_tensor(buf, ...)`) its buffer's, a resident input's
-        0 bytes."""
-        _, _, sizes, _, returned = self._parts()
+        buffer's own name and bytes (as the walk hands them on through reuses), a view's
+        (`reinterpret_tensor(buf, ...)`) its buffer's, a resident input's 0 bytes."""
+        returned, left = self._parts()[4], self.walk().at_end
         if count > len(returned):
             raise ProgramError(f"the backward takes {count} saved values, the forward returns {len(returned)}")
         out = []
         for value in returned[len(returned) - count:]:
             base = re.match(r"(?:reinterpret_tensor\()?(\w+)", value).group(1)
-            out.append((base, 0 if base.startswith(RESIDENT_PREFIX) else sizes.get(base, 0)))
+            out.append((base, left.get(base, 0)))
         return out
 
     @property
@@ -213,7 +215,7 @@ def step_peak(programs: list[Program], output_bytes: int, loss: str) -> int:
     if len(forward) != 1 or len(backward) != 1:
         raise ProgramError(f"expected one forward and one backward graph, got {len(forward)} and {len(backward)}"
                            " (a graph break or a recompilation)")
-    forward_peak, saved, _ = forward[0].walk()
+    forward_peak, saved = forward[0].walk()[:2]
     inputs = [name for name in backward[0].arguments if not name.startswith("tangents_")]
     storage = dict(zip(inputs, forward[0].saved_storage(len(inputs))))
     return max(forward_peak, saved + (1 + LOSS_TEMPORARIES[loss]) * output_bytes, backward[0].walk(storage).peak)

@@ -86,7 +86,8 @@ def benchmark_compiled_module(args, times=10, repeat=10):
 
 def test_the_step_peak_is_the_forward_the_eager_loss_or_the_backward():
     forward, backward = Program(FORWARD), Program(BACKWARD)
-    assert forward.walk() == (1000, 600, {"buf0": 400, "buf1": 400, "buf2": 200}) and not forward.is_backward
+    assert forward.walk() == (1000, 600, {"buf0": 400, "buf1": 400, "buf2": 200}, {"buf0": 400, "buf2": 200})
+    assert not forward.is_backward
     assert backward.is_backward
     # the forward leaves 600 B; the eager loss holds the output (200, counted in them), its gradient (200)
     # and cross entropy's log_softmax (200)
@@ -122,7 +123,8 @@ SLICING_FORWARD = """\
     def call(self, args):
         primals_1, = args
         args.clear()
-        buf0 = empty_strided_cpu((10, 30), (30, 1), torch.float32)
+        buf2 = empty_strided_cpu((10, 30), (30, 1), torch.float32)
+        buf0 = reinterpret_tensor(buf2, (10, 30), (30, 1), 0); del buf2  # reuse
         buf1 = empty_strided_cpu((10, 10), (10, 1), torch.float32)
         return (buf1, reinterpret_tensor(buf0, (10, 10), (30, 1), 0), reinterpret_tensor(buf0, (10, 10), (30, 1), 10), primals_1, )
 
@@ -153,13 +155,15 @@ def benchmark_compiled_module(args, times=10, repeat=10):
 
 def test_saved_views_of_one_buffer_are_held_once_until_the_last_is_deleted():
     forward, backward = Program(SLICING_FORWARD), Program(SLICING_BACKWARD)
-    # the forward saves two slices of buf0 (1200 B) and a parameter (resident), and returns its output buf1
+    # the forward saves two slices of buf0 (1200 B: buf2's, reused) and a parameter (resident), and returns its
+    # output buf1
     assert forward.saved_storage(3) == [("buf0", 1200), ("buf0", 1200), ("primals_1", 0)]
     storage = dict(zip(["slice_1", "slice_2", "primals_1"], forward.saved_storage(3)))
     # the forward's buf0 once (1200) and the gradient (400) at the start; it stays until slice_2 goes, so the
     # backward's buf0 is made beside it; the end: the gradient (never deleted here), buf0 and buf1. Counted
     # view by view, each slice would span 1120 B (10 rows of 10, 30 apart)
-    assert backward.walk(storage) == (1200 + 400 + 400, 3 * 400, {"saved buf0": 1200, "tangents_1": 400, "buf0": 400})
+    walk = backward.walk(storage)
+    assert walk[:3] == (1200 + 400 + 400, 3 * 400, {"saved buf0": 1200, "tangents_1": 400, "buf0": 400})
     assert backward.walk().peak == 1120 + 1120 + 400  # what the views alone would say
     assert step_peak([forward, backward], 400, "sum") == max(1600, 1600 + 2 * 400, 2000)
     with pytest.raises(ProgramError, match="forward returns 4"):
