@@ -65,12 +65,14 @@ class Program:
         args, body, sizes, items, _ = self._parts()
         storage = storage or {}
         alive, views, shared = {}, {}, {}  # bytes of each buffer or input; the inputs alive on each storage
-        view_of = {name: f"saved {storage[name][0]}" for name in args if storage.get(name, (None, 0))[1]}
+        view_of = {}  # input: the storage it is a view of
         for name in args:
-            if name in view_of:
+            key, nbytes = storage.get(name, (None, None))
+            if nbytes:
+                view_of[name] = f"saved {key}"
                 views.setdefault(view_of[name], set()).add(name)
-                shared[view_of[name]] = storage[name][1]
-            elif not name.startswith(RESIDENT_PREFIX) and name not in storage:
+                shared[view_of[name]] = nbytes
+            elif nbytes is None and not name.startswith(RESIDENT_PREFIX):  # 0: a view of a resident input
                 alive[name] = sizes.get(name, 0)
         held = peak = sum(alive.values()) + sum(shared.values())
         at_peak = alive | shared
@@ -107,14 +109,15 @@ class Program:
     def saved_storage(self, count: int) -> list[tuple[str, int]]:
         """(storage, bytes) of the last `count` values a forward returns (what it saves for the backward): a
         buffer's own name and bytes (as the walk hands them on through reuses), a view's
-        (`reinterpret_tensor(buf, ...)`) its buffer's, a resident input's 0 bytes."""
+        (`reinterpret_tensor(buf, ...)`) its buffer's, a resident input's 0 bytes; None bytes where the walk
+        does not hold the buffer at the end (the backward then counts the value by its own size)."""
         returned, left = self._parts()[4], self.walk().at_end
         if count > len(returned):
             raise ProgramError(f"the backward takes {count} saved values, the forward returns {len(returned)}")
         out = []
         for value in returned[len(returned) - count:]:
             base = re.match(r"(?:reinterpret_tensor\()?(\w+)", value).group(1)
-            out.append((base, left.get(base, 0)))
+            out.append((base, 0 if base.startswith(RESIDENT_PREFIX) else left.get(base)))
         return out
 
     @property

@@ -168,3 +168,14 @@ def test_saved_views_of_one_buffer_are_held_once_until_the_last_is_deleted():
     assert step_peak([forward, backward], 400, "sum") == max(1600, 1600 + 2 * 400, 2000)
     with pytest.raises(ProgramError, match="forward returns 4"):
         forward.saved_storage(5)
+
+
+def test_a_saved_value_the_forwards_walk_does_not_hold_is_counted_by_its_own_size():
+    forward = Program(SLICING_FORWARD.replace("primals_1, )", "buf7, )"))  # buf7: made by no line it reads
+    saved = forward.saved_storage(3)
+    assert saved == [("buf0", 1200), ("buf0", 1200), ("buf7", None)]
+    backward = Program(SLICING_BACKWARD.replace("primals_1, slice_1, slice_2,", "slice_1, slice_2, extra,")
+                       + "    extra = rand_strided((10, 10), (10, 1), device='cpu', dtype=torch.float32)\n")
+    walk = backward.walk(dict(zip(["slice_1", "slice_2", "extra"], saved)))
+    assert walk.peak == 1200 + 400 + 400 + 400  # buf0 (the backward's) made beside all three inputs
+    assert walk.at_peak == {"saved buf0": 1200, "extra": 400, "tangents_1": 400, "buf0": 400}
