@@ -16,8 +16,8 @@ batch) are resident before the step and not counted, as the meter (`gaswap.meter
 The backward's other inputs are what the forward saved, in the order the forward returns them (aot_autograd
 passes the saved values last in the forward's outputs, first in the backward's inputs): several of them can
 be views of one buffer (slices of a matmul's output), which the backward holds once.
-Not counted: a library call's scratch memory (e.g. a convolution's), the optimizer's step (its temporaries
-are freed before the next step's forward).
+Not counted: a library call's scratch memory (e.g. a convolution's), the optimizer's step (it runs after
+the backward has freed its buffers).
 """
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ class Program:
             raise ProgramError(f"the backward takes {count} saved values, the forward returns {len(returned)}")
         out = []
         for value in returned[len(returned) - count:]:
-            base = re.match(r"(?:reinterpret_tensor\()?(\w+)", value).group(1)
+            base = re.match(r"(?:reinterpret_tensor\()?(\w*)", value).group(1)
             out.append((base, 0 if base.startswith(RESIDENT_PREFIX) else left.get(base)))
         return out
 
