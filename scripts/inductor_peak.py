@@ -3,7 +3,10 @@
 tensors, the incoming gradient) and the buffers alive at it.
 
     TORCH_LOGS=output_code python my_run.py 2> code.log
-    python scripts/inductor_peak.py code.log [--graph -1]   # -1: the last graph compiled (a backward)
+    PYTHONPATH=. python scripts/inductor_peak.py code.log [--graph -1]   # -1: the last graph (a backward)
+
+A graph alone: a backward's saved inputs are counted one by one (views of one buffer each at its own
+extent); `compiled_program.step_peak` maps them to the forward's buffers.
 """
 from __future__ import annotations
 
