@@ -30,8 +30,9 @@ profiler), and on a CPU also the process's resident-set high-water mark. Both co
 temporary; the goal is judged by each. The predicted peak beside them is the simulated peak less the bytes
 resident before a step (parameters, buffers, inputs, optimizer state); beside it, the peak of the programs
 inductor generated for the method, read from them at its compile (`gaswap.compiled_program`). A policy
-file written predicts the latter (`predicted.peak_bytes`; the search model's is `search_peak_bytes`). On a CPU, a swap would not lower
-these figures (the host store is the same RAM), so the compared policies keep or recompute only.
+file written predicts the latter (`predicted.peak_bytes`; the search model's is `search_peak_bytes`). On a
+CPU, a swap would not lower these figures (the host store is the same RAM), so the compared policies keep
+or recompute only.
 
 Writes `results/<experiment>/compare.csv`, `compare.md`, `finalists.csv` and the gaswap policies compared
 (`compiled/pNN.yaml`).
@@ -177,9 +178,9 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     # written once all is measured: a run that fails midway leaves the earlier run's results whole
     for stale in [*folder.glob("compiled/p[0-9]*.yaml"), *folder.glob("compiled/p[0-9]*.validation.json")]:
         stale.unlink()  # an earlier run's policies and their validations
+    program_peak = {id(m): row["program_peak_bytes"] for m, row in zip(methods, rows)}
     for k, (m, policy) in enumerate(picked):
-        policies.save(_with_program_peak(policy, _program_peak(m, output_bytes, exp.loss, progress)),
-                      folder / "compiled" / f"p{k:02d}.yaml")
+        policies.save(_with_program_peak(policy, program_peak[id(m)]), folder / "compiled" / f"p{k:02d}.yaml")
     write_atomic(folder / "compare.csv", csv_text(rows, COLUMNS))
     if tuning:
         write_atomic(folder / "finalists.csv", csv_text(tuning, COLUMNS))
@@ -375,12 +376,12 @@ def _warm_up(m: "Method", inputs, target, exp, device, progress) -> None:
     if m.compile_s:
         return
     started = time.perf_counter()
-    recorder = compiled_program.Recorder() if m.name in RECORDED else contextlib.nullcontext()
-    with recorder:
+    recorder = compiled_program.Recorder() if m.name in RECORDED else None
+    with recorder or contextlib.nullcontext():
         train_step(m, inputs, target, exp.loss, device)
     train_step(m, inputs, target, exp.loss, device)
     m.compile_s = time.perf_counter() - started
-    m.programs = recorder.programs if m.name in RECORDED else []
+    m.programs = recorder.programs if recorder else []
     progress(f"  warmed up {m.name} {m.knob} ({m.compile_s:.0f} s)")
 
 
@@ -496,7 +497,8 @@ def to_markdown(rows: list[dict], name: str, device: str, tuning: list[dict] = (
         recomputed = "-" if r["recomputed"] is None else r["recomputed"]
         program = "-" if r.get("program_peak_bytes") is None else format_size(r["program_peak_bytes"])
         lines.append(f"| {r['method']}{_origin(r)} | {r['knob']} | {recomputed} | "
-                     f"{peak} | {program} | {format_size(r['peak_bytes'])} | {rss} | {step} | {r['step_s'] * 1e3:.2f} ms "
+                     f"{peak} | {program} | {format_size(r['peak_bytes'])} | {rss} | {step} | "
+                     f"{r['step_s'] * 1e3:.2f} ms "
                      f"({r['step_min'] * 1e3:.2f}-{r['step_max'] * 1e3:.2f}) | {r['step_s'] / reference - 1:+.1%} |")
     lines += ["", "By peak allocated (torch's allocator):", *goal_lines(rows)]
     if all(r.get("rss_peak_bytes") is not None for r in rows):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ast
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 RESIDENT_PREFIX = "primals_"  # aot_autograd's name for a forward input: a parameter, buffer or user input
@@ -62,7 +63,7 @@ class Program:
         deleted, each buffer from the line that allocates it (a library call's several outputs at the call)
         until its `del`, a reused buffer handing its bytes on. `storage`: {input: (storage, bytes)} of inputs
         that are views of a storage they share (`saved_storage`), counted once and freed with the last."""
-        args, body, sizes, items, _ = self._parts()
+        args, body, sizes, items, _ = self._parts
         storage = storage or {}
         alive, views, shared = {}, {}, {}  # bytes of each buffer or input; the inputs alive on each storage
         view_of = {}  # input: the storage it is a view of
@@ -111,7 +112,7 @@ class Program:
         buffer's own name and bytes (as the walk hands them on through reuses), a view's
         (`reinterpret_tensor(buf, ...)`) its buffer's, a resident input's 0 bytes; None bytes where the walk
         does not hold the buffer at the end (the backward then counts the value by its own size)."""
-        returned, left = self._parts()[4], self.walk().at_end
+        returned, left = self._parts[4], self.walk().at_end
         if count > len(returned):
             raise ProgramError(f"the backward takes {count} saved values, the forward returns {len(returned)}")
         out = []
@@ -123,16 +124,17 @@ class Program:
     @property
     def arguments(self) -> list[str]:
         """The graph's inputs, in order."""
-        return self._parts()[0]
+        return self._parts[0]
 
     @property
     def is_backward(self) -> bool:
         """Whether the graph is a backward (it takes the output's gradient, `tangents_*`)."""
         return any(name.startswith("tangents_") for name in self.arguments)
 
+    @cached_property
     def _parts(self) -> tuple[list[str], list[str], dict, dict, list[str]]:
         """(inputs, the lines of `call` between them and its return, {name: bytes}, {call: [its outputs]},
-        the values returned)."""
+        the values returned), parsed once."""
         lines = [line.strip() for line in self.code.splitlines()]
         start = next((k for k, line in enumerate(lines) if line.startswith(_CALL)), None)
         if start is None or start + 1 >= len(lines):
