@@ -8,11 +8,16 @@ the lowest of them; the GA (search space `compiled`: keep / recompute, the compi
 torch's partitions, each read back as keep/recompute actions. The model cannot see every effect of fusion
 (keeping a bool mask can slow a kernel several times), so the `finalists` fastest policies it predicts at
 each budget (the search's Pareto front, filled up with the next fastest that fit where the front holds
-fewer: it can hold one or two when every policy is predicted nearly the same peak) are compiled and timed
-first, in rounds of their own (`_pick`); the fastest whose measured peak fits the budget is the one
-compared, timed afresh with the others. Where none fits (the model erred low), the search runs again under
-the budget divided by how far over their predictions those finalists measured, and its finalists are timed
-the same way; if none of them fits either, that budget is left out (`_refit_budgets`, `_merge_refits`).
+fewer: it can hold one or two when every policy is predicted nearly the same peak), and torch's partitions
+whose measured peak fits, are compiled and timed first, in rounds of their own (`_finalists_round`). Then
+a second round: the time model is fitted again on its calibration points and the finalists' measured
+times (`compiled_costs.refit`), the search runs again with it, and the new finalists it predicts fastest
+are timed beside the first round's choice at their budget (`_second_round`). Where no first-round
+finalist measured under its budget (the model erred low), the second search runs under the budget divided
+by how far over their predictions those finalists measured (`_refit_budgets`). The policy compared at a
+budget is the fastest whose measured peak fits it, of the last round that timed any there; a budget none
+fits is left out (`_final_choice`). A policy's predictions are those of the model that picked it, before
+it was timed.
 Policies are simulated as inductor runs them (`gaswap.compiled_costs`): standalone op costs in CPU
 seconds, fused intermediates not counted, the keep-all step, the cost of recomputation, of kept masks and
 of saved bytes calibrated on seven policies compiled and timed first (`compiled_costs.calibrate`). The
@@ -66,6 +71,7 @@ COLUMNS = ("method", "knob", "predicted_peak_bytes", "predicted_step_s", "peak_b
            "opwise_step_s", "rss_peak_bytes", "origin", "program_peak_bytes")
 # step_*: CPU seconds; opwise_*: the joint graph's ops one by one (no fusion model); program_peak_bytes: the
 # peak of the programs inductor generated for the method (`gaswap.compiled_program`)
+FINALIST_COLUMNS = (*COLUMNS, "round")  # finalists.csv: the round that timed the finalist (`_finalists_round`)
 RECORDED = ("torch.compile", "gaswap")  # the methods whose generated programs are read
 OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.01),
@@ -140,16 +146,18 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
         shortlist = _with_partitions(shortlist, partitions, budgets)
     origin = {c.actions: name for name, (c, _, _) in reversed(partitions.items())}
 
-    def method(label: str, evaluated) -> tuple[Method, policies.Policy]:
-        r = unbounded.simulate(evaluated.chromosome)
-        policy = compiled.make_policy(graph, unbounded.actions_of(evaluated.chromosome),
+    def method(label: str, evaluated, problem) -> tuple[Method, policies.Policy]:
+        """A gaswap method compiled under `evaluated`, predicted by `problem` (a calibrated CompiledProblem)."""
+        r = problem.simulate(evaluated.chromosome)
+        policy = compiled.make_policy(graph, problem.actions_of(evaluated.chromosome),
                                       {"peak_bytes": r.peak_bytes, "step_time_s": r.step_time,
                                        "resident_bytes": resident},
                                       {"experiment": exp.name, "experiment_file": str(exp.path), "budget": label,
                                        "budget_bytes": budget_of[label],
                                        "optimizer": exp.optimizer, "counts": sorted(exp.counts),
-                                       "cost_source": unbounded.simulator.costs.source,
-                                       "calibration": calibration.to_dict(), "torch_version": str(torch.__version__)})
+                                       "cost_source": problem.simulator.costs.source,
+                                       "calibration": problem.calibration.to_dict(),
+                                       "torch_version": str(torch.__version__)})
         m, opt = fresh_copy(model, exp)
         return Method("gaswap", label, m, compiled.compile(m, policy), opt, predicted(evaluated.chromosome, r),
                       _count(evaluated.chromosome), origin=origin.get(evaluated.chromosome.actions, "search")), policy
@@ -162,17 +170,15 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
             row["program_peak_bytes"] = _program_peak(m, output_bytes, exp.loss, progress)
         return rows_
 
-    def time_methods(ms):
-        return measure_methods(ms, TUNING_ROUNDS, TUNING_STEPS)
-
-    picked, tuning, unfit = _pick(shortlist, method, budget_of, resident, time_methods, progress)
-    if unfit:  # every finalist measured over its budget: search again, under the budget the model's error allows
-        progress("  searching again where no finalist measured under its budget: " + ", ".join(unfit))
-        retry = _search(exp, graph, costs, calibration, space, seeds, _refit_budgets(unfit, budget_of, resident),
-                        resident, progress, finalists)
-        refit, refit_tuning, _ = _pick(retry, method, budget_of, resident, time_methods, progress, refit=True)
-        tuning += refit_tuning
-        picked = _merge_refits(picked, refit, unfit, progress)
+    made = {}  # actions -> (Method, Policy, the problem that predicted it): every gaswap policy compiled
+    tuning = []  # the finalists' measured rows, both rounds
+    if finalists == 1:  # the model's choice, untimed
+        chosen = {label: evaluated[0] for label, evaluated in shortlist}
+    else:
+        chosen, tuning = _two_rounds(
+            shortlist, unbounded, budgets, resident, made, method, measure_methods, progress,
+            lambda refit, again: _search(exp, graph, costs, refit, space, seeds, again, resident, progress, finalists))
+    picked = _picked(chosen, made, method, budget_of, unbounded)
     methods += [m for m, _ in picked]
     rows = measure_methods(methods, rounds, steps)
     # written once all is measured: a run that fails midway leaves the earlier run's results whole
@@ -183,7 +189,7 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
         policies.save(_with_program_peak(policy, program_peak[id(m)]), folder / "compiled" / f"p{k:02d}.yaml")
     write_atomic(folder / "compare.csv", csv_text(rows, COLUMNS))
     if tuning:
-        write_atomic(folder / "finalists.csv", csv_text(tuning, COLUMNS))
+        write_atomic(folder / "finalists.csv", csv_text(tuning, FINALIST_COLUMNS))
     elif (folder / "finalists.csv").exists():
         (folder / "finalists.csv").unlink()  # an earlier run's
     write_atomic(folder / "compare.md", to_markdown(rows, exp.name, device_name(device), tuning))
@@ -259,48 +265,108 @@ def _with_partitions(finalists, partitions: dict, budgets) -> list[tuple[str, li
     return out
 
 
-def _pick(finalists, method, budget_of, resident, time_methods, progress,
-          refit: bool = False) -> tuple[list, list[dict], dict[str, float]]:
-    """Per budget, the finalist that measures fastest among those whose measured peak is at or under the
-    budget (the fastest predicted when none is): [(Method, Policy)], the finalists' measured rows (none
-    when each budget has one finalist), and the budgets where none fits by measurement, each with the
-    largest measured / predicted peak of its finalists (`_refit_budgets`). `method(label, evaluated)`
-    compiles one; `time_methods(methods)` measures them in rounds of their own (`_measure`'s rows), so the
-    head to head that follows times the picked ones afresh: picking the fastest of several noisy timings
-    does not flatter the figures compared. `refit` (the finalists of a second search): always timed, named
-    "refit", and a budget where none fits is left out."""
-    made, rows_of = {}, {}  # actions -> (Method, Policy); actions -> measured row
+def _two_rounds(shortlist, problem, budgets, resident, made: dict, method, measure_methods, progress,
+                search_again) -> tuple[dict, list[dict]]:
+    """The policy compared at each budget ({label: Evaluated}) and the finalists' measured rows: `shortlist`'s
+    finalists timed (round 1); the time model of `problem` (calibrated) refit on their times; the search
+    run again with it (`search_again(calibration, budgets)`: (label, [Evaluated]) pairs), under a budget
+    lowered by the model's peak error where no finalist fit (`_refit_budgets`); its new finalists timed
+    beside round 1's choice (round 2)."""
+    budget_of = dict(budgets)
+    chosen, first, unfit = _finalists_round(shortlist, 1, problem, made, method, budget_of, resident,
+                                            measure_methods, progress)
+    keys = problem.encoding.captured_keys()
+    refit = compiled_costs.refit(problem.calibration, problem,
+                                 [(row["knob"], Chromosome(keys, a), row["step_s"]) for a, row in first.items()])
+    progress(f"  second round: the model refit on its seven points and the {len(first)} finalists' times "
+             f"(within {refit.worst_error():.1%} of them), searched again"
+             + "".join(f"; at {label} under the budget over the peak error" for label in unfit))
+    again = [(label, budget) for label, budget in budgets if label not in unfit]
+    retry = search_again(refit, again + _refit_budgets(unfit, budget_of, resident))
+    refitted = compiled_costs.CompiledProblem(problem.graph, problem.costs, None, problem.space, loss=problem.loss,
+                                              calibration=refit)
+    chosen2, second, _ = _finalists_round(_second_round(retry, made, chosen), 2, refitted, made, method, budget_of,
+                                          resident, measure_methods, progress)
+    return _final_choice([label for label, _ in budgets], chosen, chosen2, progress), [*first.values(),
+                                                                                     *second.values()]
+
+
+def _finalists_round(finalists, number: int, problem, made: dict, method, budget_of, resident, measure_methods,
+                     progress) -> tuple[dict, dict, dict]:
+    """Round `number` of the finalists ((label, [Evaluated]) pairs): each distinct one not in `made` compiled
+    (`method(label, evaluated, problem)`, added to `made` as (Method, Policy, problem), numbered in its knob),
+    then all timed together in rounds of their own (`measure_methods`), so the head to head that follows
+    times the chosen ones afresh: picking the fastest of several noisy timings does not flatter the figures
+    compared. Returns per budget the finalist measured fastest among those whose measured peak is at or
+    under the budget ({label: Evaluated}), the measured rows ({actions: row}, with their `round`), and the
+    budgets where none is, each with the largest measured / predicted peak of its finalists
+    (`_refit_budgets`)."""
     for label, evaluated in finalists:
         for e in evaluated:
             if e.chromosome.actions not in made:
-                made[e.chromosome.actions] = method(label, e)
-                made[e.chromosome.actions][0].knob = f"{label} {'refit ' if refit else ''}#{len(made)}"
-    tuning, unfit = [], {}
-    if made and (refit or any(len(evaluated) > 1 for _, evaluated in finalists)):
-        progress(f"  timing {len(made)} finalists")
-        tuning = time_methods([m for m, _ in made.values()])
-        rows_of = dict(zip(made, tuning))
-    picked, used = [], set()
-    number = {a: k + 1 for k, a in enumerate(made)}  # as the finalists table numbers them
+                m, policy = method(label, e, problem)
+                m.knob = f"{label} #{len(made) + 1}"
+                made[e.chromosome.actions] = (m, policy, problem)
+    timed = list(dict.fromkeys(e.chromosome.actions for _, evaluated in finalists for e in evaluated))
+    if not timed:
+        return {}, {}, {}
+    progress(f"  timing {len(timed)} finalists (round {number})")
+    rows = {a: row | {"round": number}
+            for a, row in zip(timed, measure_methods([made[a][0] for a in timed], TUNING_ROUNDS, TUNING_STEPS))}
+    chosen, unfit = {}, {}
     for label, evaluated in finalists:
-        fits = [e for e in evaluated if e.chromosome.actions in rows_of
-                and rows_of[e.chromosome.actions]["peak_bytes"] <= budget_of[label] - resident]
-        if rows_of and not fits:
-            unfit[label] = max(rows_of[e.chromosome.actions]["peak_bytes"] / max(e.peak_bytes - resident, 1)
+        fits = [e for e in evaluated if rows[e.chromosome.actions]["peak_bytes"] <= budget_of[label] - resident]
+        if not fits:
+            unfit[label] = max(rows[e.chromosome.actions]["peak_bytes"] / max(e.peak_bytes - resident, 1)
                                for e in evaluated)
-            if refit:
-                progress(f"  at {label}: no finalist of the second search measured under the budget either")
-                continue
-        best = min(fits, key=lambda e: rows_of[e.chromosome.actions]["step_s"]) if fits else evaluated[0]
-        m, policy = made[best.chromosome.actions] if best.chromosome.actions not in used else method(label, best)
-        used.add(best.chromosome.actions)  # the same policy picked at two budgets is compiled apart
+            continue
+        chosen[label] = min(fits, key=lambda e: rows[e.chromosome.actions]["step_s"])
+        number_of = lambda e: made[e.chromosome.actions][0].knob.rsplit(" ", 1)[-1]  # noqa: E731
+        progress(f"  at {label}: finalist {number_of(chosen[label])} of "
+                 + ", ".join(number_of(e) for e in evaluated))
+    return chosen, rows, unfit
+
+
+def _second_round(finalists, made: dict, chosen: dict) -> list[tuple[str, list]]:
+    """The second search's `finalists` that no round compiled yet (`made`), each budget's with the first
+    round's choice there (`chosen`: timed again beside them); a budget with none new is dropped (its first
+    choice stands)."""
+    out = []
+    for label, evaluated in finalists:
+        new = [e for e in evaluated if e.chromosome.actions not in made]
+        if new:
+            out.append((label, new + ([chosen[label]] if label in chosen else [])))
+    return out
+
+
+def _final_choice(labels, first: dict, second: dict, progress) -> dict:
+    """Per budget label, in `labels`' order, the second round's choice, else the first's; a budget with
+    neither is left out: a policy over its budget is not gaswap's at that budget."""
+    out = {}
+    for label in labels:
+        chosen = second.get(label, first.get(label))
+        if chosen is None:
+            progress(f"  at {label}: left out, no policy measured under the budget")
+        else:
+            out[label] = chosen
+    return out
+
+
+def _picked(chosen: dict, made: dict, method, budget_of, problem) -> list[tuple[Method, policies.Policy]]:
+    """[(Method, Policy)] of the `chosen` ({label: Evaluated}) at each budget, knobbed by it: the one `made`
+    (actions -> (Method, Policy, problem)) if not picked already, else one compiled apart (the same policy
+    picked at two budgets); a policy not made is compiled as `problem` predicts it (untimed finalists)."""
+    out, used = [], set()
+    for label, e in chosen.items():
+        a = e.chromosome.actions
+        if a in made and a not in used:
+            m, policy, _ = made[a]
+        else:
+            m, policy = method(label, e, made[a][2] if a in made else problem)
+        used.add(a)
         m.knob = label
-        policy = _with_budget(policy, label, budget_of[label])
-        picked.append((m, policy))
-        if tuning:
-            progress(f"  at {label}: finalist #{number[best.chromosome.actions]} of "
-                     + ", ".join(f"#{number[e.chromosome.actions]}" for e in evaluated))
-    return picked, tuning, unfit
+        out.append((m, _with_budget(policy, label, budget_of[label])))
+    return out
 
 
 def _refit_budgets(unfit: dict[str, float], budget_of: dict[str, int], resident: int) -> list[tuple[str, int]]:
@@ -309,21 +375,6 @@ def _refit_budgets(unfit: dict[str, float], budget_of: dict[str, int], resident:
     the largest measured / predicted peak), so that a policy the model errs on as much still fits."""
     return [(label, resident + int((budget_of[label] - resident) / ratio)) for label, ratio in unfit.items()
             if ratio > 1]
-
-
-def _merge_refits(picked: list, refit: list, unfit: dict, progress) -> list:
-    """`picked` with the pick of each budget in `unfit` replaced by its second search's (`refit`), or left
-    out where that found nothing under the budget: a policy over its budget is not gaswap's at that budget."""
-    refit_of = {m.knob: (m, policy) for m, policy in refit}
-    out = []
-    for m, policy in picked:
-        if m.knob not in unfit:
-            out.append((m, policy))
-        elif m.knob in refit_of:
-            out.append(refit_of[m.knob])
-        else:
-            progress(f"  at {m.knob}: left out, no policy measured under the budget")
-    return out
 
 
 def _with_budget(policy: policies.Policy, label: str, budget_bytes: int) -> policies.Policy:
@@ -505,11 +556,15 @@ def to_markdown(rows: list[dict], name: str, device: str, tuning: list[dict] = (
         lines += ["", "By peak resident set (the process's high-water mark):", *goal_lines(rows, "rss_peak_bytes")]
     if tuning:
         lines += ["", "Finalists: the gaswap policies fastest in prediction at each budget, and torch's partitions "
-                  "whose measured peak fits it, timed in rounds of their own before the table above; the fastest "
-                  "whose measured peak is at or under the budget is compared.", "",
-                  "| finalist | recomputed | predicted peak | generated program's peak | measured peak allocated "
-                  "| predicted time | CPU time per step (median, range) |", "|---|---:|---:|---:|---:|---:|---|"]
-        lines += [f"| {r['knob']}{_origin(r)} | {r['recomputed']} | {format_size(r['predicted_peak_bytes'])} | "
+                  "whose measured peak fits it, timed in rounds of their own before the table above; round 2: "
+                  "those of a second search, by the model refit on round 1's times, beside round 1's choice. "
+                  "The fastest whose measured peak is at or under the budget, of the last round there, is "
+                  "compared.", "",
+                  "| finalist | round | recomputed | predicted peak | generated program's peak "
+                  "| measured peak allocated | predicted time | CPU time per step (median, range) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|"]
+        lines += [f"| {r['knob']}{_origin(r)} | {r.get('round', 1)} | {r['recomputed']} | "
+                  f"{format_size(r['predicted_peak_bytes'])} | "
                   f"{'-' if r.get('program_peak_bytes') is None else format_size(r['program_peak_bytes'])} | "
                   f"{format_size(r['peak_bytes'])} | {r['predicted_step_s'] * 1e3:.2f} ms | {r['step_s'] * 1e3:.2f} ms "
                   f"({r['step_min'] * 1e3:.2f}-{r['step_max'] * 1e3:.2f}) |" for r in tuning]

@@ -226,7 +226,8 @@ class Calibration:
     forward and backward, the eager loss, the optimizer step), plus `scale` times the standalone time of the
     generated ops a policy recomputes and `extern_scale` times that of the library calls it recomputes, plus
     `mask_rate` seconds per byte of bool mask kept and `saved_rate` per byte the forward saves for the
-    backward. `points` are the (policy, measured s, predicted s) fitted on.
+    backward. `points` are the (policy, measured s, predicted s) fitted on; `samples` the fit's inputs
+    (`fit`), which `refit` fits again with more.
 
     Why saved bytes are priced: a saved tensor is written by the forward and read back by the backward,
     while inductor fuses a pointwise recomputation into the backward kernel that reads its sources (on
@@ -244,6 +245,7 @@ class Calibration:
     mask_rate: float = 0.0
     saved_rate: float = 0.0
     points: tuple = ()
+    samples: tuple = ()
 
     def costs(self, graph: Graph, costs: Costs) -> Costs:
         """`costs` with every generated op's time multiplied by `scale`, every extern op's by `extern_scale`."""
@@ -265,7 +267,7 @@ class Calibration:
 def features(problem: CompiledProblem, chromosomes: list[Chromosome]) -> list[tuple[float, float, int, int]]:
     """Each of `chromosomes` in the calibration's terms: what it adds to keep-all (standalone seconds of the
     library calls it recomputes, of the generated ops it recomputes), the bytes of bool masks it keeps and the
-    bytes the forward saves for the backward. `problem` is uncalibrated."""
+    bytes the forward saves for the backward. `problem`'s calibration, if any, is not used."""
     keep_all = problem.encoding.uniform(Action.KEEP)
     extra, saved = [], []
     for extern in (True, False):
@@ -297,7 +299,7 @@ def fit(points: list[tuple[str, float, float, int, int, float]]) -> Calibration:
     base = float(solved[-1])
     predict = lambda p: base + sum(p[k] * factor[k] for k in default)  # noqa: E731
     return Calibration(base, factor[2], factor[1], factor[3], factor[4],
-                       tuple((p[0], p[5], predict(p)) for p in points))
+                       tuple((p[0], p[5], predict(p)) for p in points), tuple(points))
 
 
 CALIBRATION_MIXES = 3  # random half-recomputed policies calibrated on besides the four set ones
@@ -331,6 +333,15 @@ def calibration_policies(problem: CompiledProblem, seed: int = 0) -> dict[str, C
         if c.actions not in {d.actions for d in out.values()}:
             out[label] = c
     return out
+
+
+def refit(calibration: Calibration, problem: CompiledProblem, measured: list[tuple[str, Chromosome, float]]
+          ) -> Calibration:
+    """`calibration` fitted again on its samples and the `measured` (label, policy, CPU seconds a step) besides,
+    priced by `problem` (of the same graph; its own calibration, if any, is not used)."""
+    labels, chromosomes, seconds = zip(*measured)
+    more = [(label, *terms, s) for label, terms, s in zip(labels, features(problem, list(chromosomes)), seconds)]
+    return fit([*calibration.samples, *more])
 
 
 def calibrate(graph: Graph, costs: Costs, cpu_times, provenance: dict, loss: str = "sum") -> Calibration:

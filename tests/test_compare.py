@@ -67,65 +67,136 @@ def test_compare_refuses_an_experiment_without_a_loss(tmp_path):
         compare.run(path, results_root=tmp_path)
 
 
-def test_pick_compares_the_finalist_that_measures_fastest_within_its_budget():
+def _finalist_harness(measured: dict):
+    """Stand-ins for compiling and timing finalists: (evaluated(k), method, time_methods, actions_of, timed).
+    `measured`: actions -> (peak above resident, seconds); every policy is predicted at 40 above resident."""
     from gaswap.encoding import Chromosome
     from gaswap.policy import Policy
     from gaswap.problem import Evaluated
 
-    def evaluated(k):  # predicted at 50 bytes, 40 above resident
+    actions_of, problem_of, timed = {}, {}, []  # method -> its actions, the problem it was made with; timed
+
+    def evaluated(k):
         return Evaluated(Chromosome((0.0,), (k,)), 1.0 + k / 10, 50)
 
-    actions_of = {}  # method -> the actions it was compiled for
-
-    def method(label, e):  # stands for compiling a policy
+    def method(label, e, problem):  # stands for compiling a policy
         m = compare.Method("gaswap", label, None, None, None)
-        actions_of[id(m)] = e.chromosome.actions
+        actions_of[id(m)], problem_of[id(m)] = e.chromosome.actions, problem
         return m, Policy("f", (), {}, provenance={"budget": label})
 
-    measured = {(0,): (150, 2.0), (1,): (90, 1.5), (2,): (80, 1.2), (3,): (40, 3.0)}  # actions -> peak, seconds
-    timed = []
-
-    def time_methods(methods):
+    def time_methods(methods, rounds, steps):
         timed.extend(actions_of[id(m)] for m in methods)
-        return [dict(zip(("peak_bytes", "step_s"), measured[actions_of[id(m)]])) for m in methods]
+        return [{"knob": m.knob, **dict(zip(("peak_bytes", "step_s"), measured[actions_of[id(m)]]))}
+                for m in methods]
 
-    def pick(finalists, refit=False):
-        return compare._pick(finalists, method, {"A": 110, "B": 60}, 10, time_methods, lambda line: None, refit)
+    return evaluated, method, time_methods, actions_of, problem_of, timed
 
-    picked, tuning, unfit = pick([("A", [evaluated(0), evaluated(1), evaluated(2)]),
-                                  ("B", [evaluated(2), evaluated(3)])])
-    assert unfit == {}
-    assert len(tuning) == 4 and sorted(timed) == [(0,), (1,), (2,), (3,)]  # each distinct finalist timed once
-    (a, policy_a), (b, policy_b) = picked
+
+def test_a_finalists_round_chooses_per_budget_the_fastest_measured_within_it():
+    measured = {(0,): (150, 2.0), (1,): (90, 1.5), (2,): (80, 1.2), (3,): (40, 3.0), (5,): (70, 1.0)}
+    evaluated, method, time_methods, actions_of, problem_of, timed = _finalist_harness(measured)
+    made = {}
+
+    def one_round(finalists, number=1, problem="first"):
+        return compare._finalists_round(finalists, number, problem, made, method, {"A": 110, "B": 60}, 10,
+                                        time_methods, lambda line: None)
+
+    chosen, rows, unfit = one_round([("A", [evaluated(0), evaluated(1), evaluated(2)]),
+                                     ("B", [evaluated(2), evaluated(3)])])
+    assert sorted(timed) == [(0,), (1,), (2,), (3,)]  # each distinct finalist compiled and timed once
+    assert [made[a][0].knob for a in rows] == ["A #1", "A #2", "A #3", "B #4"]
+    assert all(row["round"] == 1 for row in rows.values()) and unfit == {}
     # A (100 bytes above resident): #0 measures 150, over it; #2 is faster than #1. B (50): only #3 fits.
-    assert actions_of[id(a)] == (2,) and actions_of[id(b)] == (3,)
-    assert a.knob == "A" and policy_a.provenance == {"budget": "A", "budget_bytes": 110}
-    assert b.knob == "B" and policy_b.provenance == {"budget": "B", "budget_bytes": 60}
-    picked, _, _ = pick([("A", [evaluated(3), evaluated(0)]), ("B", [evaluated(3), evaluated(0)])])
-    assert [actions_of[id(m)] for m, _ in picked] == [(3,), (3,)] and picked[0][0] is not picked[1][0]  # compiled apart
-    picked, _, unfit = pick([("B", [evaluated(1), evaluated(2)])])
-    (m, _), = picked
-    assert actions_of[id(m)] == (1,)  # none fits when measured: the fastest predicted
-    assert unfit == {"B": 90 / 40}  # how far over their predictions they measured, at most
-    assert pick([("B", [evaluated(1), evaluated(2)])], refit=True)[0] == []  # a second search's: left out
+    assert {label: e.chromosome.actions for label, e in chosen.items()} == {"A": (2,), "B": (3,)}
     timed.clear()
-    (m, _), = pick([("A", [evaluated(0)])])[0]
-    assert actions_of[id(m)] == (0,) and timed == []  # one finalist: nothing to time
-    assert pick([("A", [evaluated(0)])], refit=True)[2] == {"A": 150 / 40} and timed == [(0,)]  # a refit's is
-    assert pick([], refit=True) == ([], [], {})  # a second search where nothing fits by the model: nothing timed
+    chosen, rows, unfit = one_round([("B", [evaluated(1), evaluated(5), evaluated(2)])], 2, "second")
+    assert timed == [(1,), (5,), (2,)] and made[(5,)][0].knob == "B #5"  # made once; numbered on
+    assert problem_of[id(made[(5,)][0])] == "second" and problem_of[id(made[(1,)][0])] == "first"
+    assert chosen == {} and unfit == {"B": 90 / 40}  # none fits: how far over their predictions, at most
+    assert all(row["round"] == 2 for row in rows.values())
+    timed.clear()
+    assert one_round([]) == ({}, {}, {}) and timed == []  # nothing to time
 
 
-def test_a_budget_no_finalist_fits_is_searched_again_under_the_model_error_and_left_out_if_still_unmet():
+
+def test_a_second_round_times_the_new_finalists_beside_the_first_choice_which_stands_where_none_is_new():
+    evaluated, *_ = _finalist_harness({})
+    made = {(0,): None, (1,): None, (2,): None}
+    first = {"A": evaluated(1), "B": evaluated(2)}
+    second = compare._second_round([("A", [evaluated(0), evaluated(4)]), ("B", [evaluated(1), evaluated(0)]),
+                                    ("C", [evaluated(5)])], made, first)
+    assert [(label, [e.chromosome.actions[0] for e in es]) for label, es in second] == [("A", [4, 1]), ("C", [5])]
+    lines = []
+    final = compare._final_choice(["A", "B", "C", "D"], first, {"A": evaluated(4), "C": evaluated(5)}, lines.append)
+    assert {label: e.chromosome.actions[0] for label, e in final.items()} == {"A": 4, "B": 2, "C": 5}
+    assert list(final) == ["A", "B", "C"] and lines == ["  at D: left out, no policy measured under the budget"]
+
+
+def test_the_picked_policies_are_the_ones_timed_and_one_picked_twice_is_compiled_apart():
+    evaluated, method, time_methods, actions_of, problem_of, timed = _finalist_harness(
+        {(1,): (40, 1.0), (2,): (30, 2.0)})
+    made = {}
+    compare._finalists_round([("A", [evaluated(1), evaluated(2)])], 1, "timed", made, method, {"A": 110}, 10,
+                             time_methods, lambda line: None)
+    picked = compare._picked({"A": evaluated(1), "B": evaluated(1), "C": evaluated(3)}, made, method,
+                             {"A": 110, "B": 60, "C": 40}, "untimed")
+    (a, policy_a), (b, _), (c, policy_c) = picked
+    assert a is made[(1,)][0] and b is not a and actions_of[id(b)] == (1,)  # the same policy, compiled apart
+    assert problem_of[id(b)] == "timed" and problem_of[id(c)] == "untimed"  # predicted as it was when timed
+    assert [m.knob for m, _ in picked] == ["A", "B", "C"]
+    assert policy_a.provenance == {"budget": "A", "budget_bytes": 110}
+    assert policy_c.provenance == {"budget": "C", "budget_bytes": 40}
+
+
+def test_two_rounds_refit_the_time_model_on_round_one_and_time_round_twos_new_finalists_beside_its_choice():
+    from gaswap import compiled_costs as cc
+    from gaswap.encoding import Action, Chromosome
+    from gaswap.problem import Evaluated
+    from helpers import unit_costs
+    from test_compiled_costs import _masked
+
+    g = _masked()
+    calibration = cc.fit([("a", 0.0, 0.0, 0, 0, 1.0), ("b", 1.0, 1.0, 1, 1, 2.0)])
+    problem = cc.CompiledProblem(g, unit_costs(g), None, actions=(Action.KEEP, Action.RECOMPUTE),
+                                 calibration=calibration)
+    keys = problem.encoding.captured_keys()
+
+    def evaluated(*actions):  # predicted at 50 bytes, 40 above resident
+        return Evaluated(Chromosome(keys, actions), 1.0, 50)
+
+    measured = {(0, 0, 0): (30, 2.0), (0, 0, 1): (35, 1.5), (1, 0, 1): (45, 1.0), (1, 1, 1): (20, 1.2),
+                (0, 1, 1): (25, 1.1)}  # actions -> (peak above resident, seconds)
+    made, searched, problems = {}, [], []
+
+    def method(label, e, problem_):
+        problems.append(problem_)
+        return compare.Method("gaswap", label, None, None, None, origin=e.chromosome.actions), None
+
+    def time_methods(methods, rounds, steps):
+        return [{"knob": m.knob, **dict(zip(("peak_bytes", "step_s"), measured[m.origin]))} for m in methods]
+
+    def search_again(refit, budgets):
+        searched.append((refit, budgets))
+        return [("A", [evaluated(0, 0, 1), evaluated(1, 1, 1)]), ("B", [evaluated(0, 1, 1)])]
+
+    # A: 40 above resident; B: 30 above, where neither finalist fits: measured 45 and 35, 40 predicted
+    chosen, rows = compare._two_rounds([("A", [evaluated(0, 0, 0), evaluated(0, 0, 1)]),
+                                        ("B", [evaluated(1, 0, 1), evaluated(0, 0, 1)])],
+                                       problem, [("A", 50), ("B", 40)], 10, made, method, time_methods,
+                                       lambda line: None, search_again)
+    (refit, budgets), = searched
+    assert [p[0] for p in refit.points] == ["a", "b", "A #1", "A #2", "B #3"]  # calibrated on, then round 1
+    assert budgets == [("A", 50), ("B", 10 + int(30 / (45 / 40)))]  # B lowered by how far over it measured
+    assert [(row["knob"], row["round"]) for row in rows] == [
+        ("A #1", 1), ("A #2", 1), ("B #3", 1), ("A #4", 2), ("A #2", 2), ("B #5", 2)]  # A's choice timed again
+    assert {label: e.chromosome.actions for label, e in chosen.items()} == {"A": (1, 1, 1), "B": (0, 1, 1)}
+    assert problems[:3] == [problem] * 3 and all(p.calibration is refit for p in problems[3:])
+
+
+def test_a_budget_no_finalist_fits_is_searched_again_under_the_model_error():
     budget_of, resident = {"A": 110, "B": 60, "C": 40}, 10
     # A's finalists measured up to 1.25x their predictions: search A under 100 / 1.25; C erred low: no search
     assert compare._refit_budgets({"A": 1.25, "C": 0.9}, budget_of, resident) == [("A", 10 + 80)]
-
-    def picked(*labels):
-        return [(compare.Method("gaswap", label, None, None, None), label) for label in labels]
-    first = picked("A", "B", "C")
-    merged = compare._merge_refits(first, picked("A"), {"A": 1.25, "C": 1.1}, lambda line: None)
-    assert [(m.knob, policy) for m, policy in merged] == [("A", "A"), ("B", "B")]  # A refit, B kept, C left out
-    assert merged[0][0] is not first[0][0] and merged[1][0] is first[1][0]
 
 
 def test_torch_partitions_that_measure_within_a_budget_join_its_finalists():

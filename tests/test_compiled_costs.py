@@ -147,6 +147,24 @@ def test_fit_recovers_the_base_the_recomputation_factors_and_the_byte_prices():
     assert same_extern.extern_scale == 1.0 and same_extern.scale == pytest.approx(0.5)  # extern can't be told apart
 
 
+def test_a_refit_fits_the_calibrations_points_and_the_policies_measured_since():
+    g = _masked()
+    problem = cc.CompiledProblem(g, unit_costs(g), None, actions=(Action.KEEP, Action.RECOMPUTE))
+    truth = lambda e, g_, m, s: 0.1 + 0.8 * e + 0.25 * g_ + 2e-8 * m + 5e-9 * s  # noqa: E731
+    chosen = {"keep-all": _policy(problem, set()), "mask": _policy(problem, {"m"})}
+    first = cc.fit([(label, *f, truth(*f)) for label, f in zip(chosen, cc.features(problem, list(chosen.values())))])
+    assert first.samples == tuple((label, *f, truth(*f)) for label, f in
+                                  zip(chosen, cc.features(problem, list(chosen.values()))))
+    b = _policy(problem, {"b"})  # the two points cannot tell recomputing a library call from a generated op
+    refit = cc.refit(first, problem, [("b", b, truth(*cc.features(problem, [b])[0]))])
+    assert [p[0] for p in refit.points] == ["keep-all", "mask", "b"] and len(refit.samples) == 3
+    assert refit.worst_error() == pytest.approx(0.0, abs=1e-9)
+    calibrated = cc.CompiledProblem(g, unit_costs(g), None, actions=(Action.KEEP, Action.RECOMPUTE),
+                                    calibration=refit)
+    assert calibrated.simulate(b).step_time == pytest.approx(truth(*cc.features(problem, [b])[0]))
+    assert cc.features(calibrated, [b]) == cc.features(problem, [b])  # features ignore a calibration
+
+
 def test_calibration_policies_are_distinct_and_include_the_masks_recomputed_alone():
     g = _masked()
     problem = cc.CompiledProblem(g, unit_costs(g), None, actions=(Action.KEEP, Action.RECOMPUTE))
