@@ -275,6 +275,8 @@ def _two_rounds(shortlist, problem, budgets, resident, made: dict, method, measu
     budget_of = dict(budgets)
     chosen, first, unfit = _finalists_round(shortlist, 1, problem, made, method, budget_of, resident,
                                             measure_methods, progress)
+    if not first:  # nothing fits by the model: nothing to refit on or to search again for
+        return _final_choice([label for label, _ in budgets], {}, {}, progress), []
     keys = problem.encoding.captured_keys()
     refit = compiled_costs.refit(problem.calibration, problem,
                                  [(row["knob"], Chromosome(keys, a), row["step_s"]) for a, row in first.items()])
@@ -346,7 +348,7 @@ def _final_choice(labels, first: dict, second: dict, progress) -> dict:
     for label in labels:
         chosen = second.get(label, first.get(label))
         if chosen is None:
-            progress(f"  at {label}: left out, no policy measured under the budget")
+            progress(f"  at {label}: left out, no policy at or under the budget (by the model or measured)")
         else:
             out[label] = chosen
     return out

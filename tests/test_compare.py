@@ -129,7 +129,8 @@ def test_a_second_round_times_the_new_finalists_beside_the_first_choice_which_st
     lines = []
     final = compare._final_choice(["A", "B", "C", "D"], first, {"A": evaluated(4), "C": evaluated(5)}, lines.append)
     assert {label: e.chromosome.actions[0] for label, e in final.items()} == {"A": 4, "B": 2, "C": 5}
-    assert list(final) == ["A", "B", "C"] and lines == ["  at D: left out, no policy measured under the budget"]
+    assert list(final) == ["A", "B", "C"] and lines == [
+        "  at D: left out, no policy at or under the budget (by the model or measured)"]
 
 
 def test_the_picked_policies_are_the_ones_timed_and_one_picked_twice_is_compiled_apart():
@@ -191,6 +192,9 @@ def test_two_rounds_refit_the_time_model_on_round_one_and_time_round_twos_new_fi
         ("A #1", 1), ("A #2", 1), ("B #3", 1), ("A #4", 2), ("A #2", 2), ("B #5", 2)]  # A's choice timed again
     assert {label: e.chromosome.actions for label, e in chosen.items()} == {"A": (1, 1, 1), "B": (0, 1, 1)}
     assert problems[:3] == [problem] * 3 and all(p.calibration is refit for p in problems[3:])
+    searched.clear()
+    assert compare._two_rounds([], problem, [("A", 50)], 10, {}, method, time_methods, lambda line: None,
+                               search_again) == ({}, []) and searched == []  # no finalist: no second round
 
 
 def test_a_budget_no_finalist_fits_is_searched_again_under_the_model_error():
