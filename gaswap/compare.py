@@ -280,7 +280,8 @@ def _two_rounds(shortlist, problem, budgets, resident, made: dict, method, measu
     keys = problem.encoding.captured_keys()
     refit = compiled_costs.refit(problem.calibration, problem,
                                  [(row["knob"], Chromosome(keys, a), row["step_s"]) for a, row in first.items()])
-    progress(f"  second round: the model refit on its seven points and the {len(first)} finalists' times "
+    progress(f"  second round: the model refit on its {len(problem.calibration.samples)} calibration points and "
+             f"the {len(first)} finalists' times "
              f"(within {refit.worst_error():.1%} of them), searched again"
              + "".join(f"; at {label} under the budget over the peak error" for label in unfit))
     again = [(label, budget) for label, budget in budgets if label not in unfit]
@@ -316,6 +317,7 @@ def _finalists_round(finalists, number: int, problem, made: dict, method, budget
     rows = {a: row | {"round": number}
             for a, row in zip(timed, measure_methods([made[a][0] for a in timed], TUNING_ROUNDS, TUNING_STEPS))}
     chosen, unfit = {}, {}
+    number_of = lambda e: made[e.chromosome.actions][0].knob.rsplit(" ", 1)[-1]  # noqa: E731 ("#3")
     for label, evaluated in finalists:
         fits = [e for e in evaluated if rows[e.chromosome.actions]["peak_bytes"] <= budget_of[label] - resident]
         if not fits:
@@ -323,7 +325,6 @@ def _finalists_round(finalists, number: int, problem, made: dict, method, budget
                                for e in evaluated)
             continue
         chosen[label] = min(fits, key=lambda e: rows[e.chromosome.actions]["step_s"])
-        number_of = lambda e: made[e.chromosome.actions][0].knob.rsplit(" ", 1)[-1]  # noqa: E731
         progress(f"  at {label}: finalist {number_of(chosen[label])} of "
                  + ", ".join(number_of(e) for e in evaluated))
     return chosen, rows, unfit
