@@ -272,11 +272,11 @@ def _two_rounds(shortlist, problem, budgets, resident, made: dict, method, measu
     run again with it (`search_again(calibration, budgets)`: (label, [Evaluated]) pairs), under a budget
     lowered by the model's peak error where no finalist fit (`_refit_budgets`); its new finalists timed
     beside round 1's choice (round 2)."""
-    budget_of = dict(budgets)
+    budget_of, labels = dict(budgets), [label for label, _ in budgets]
     chosen, first, unfit = _finalists_round(shortlist, 1, problem, made, method, budget_of, resident,
                                             measure_methods, progress)
     if not first:  # nothing fits by the model: nothing to refit on or to search again for
-        return _final_choice([label for label, _ in budgets], {}, {}, progress), []
+        return _final_choice(labels, {}, {}, progress), []
     keys = problem.encoding.captured_keys()
     refit = compiled_costs.refit(problem.calibration, problem,
                                  [(row["knob"], Chromosome(keys, a), row["step_s"]) for a, row in first.items()])
@@ -290,8 +290,7 @@ def _two_rounds(shortlist, problem, budgets, resident, made: dict, method, measu
                                               calibration=refit)
     chosen2, second, _ = _finalists_round(_second_round(retry, made, chosen), 2, refitted, made, method, budget_of,
                                           resident, measure_methods, progress)
-    return _final_choice([label for label, _ in budgets], chosen, chosen2, progress), [*first.values(),
-                                                                                     *second.values()]
+    return _final_choice(labels, chosen, chosen2, progress), [*first.values(), *second.values()]
 
 
 def _finalists_round(finalists, number: int, problem, made: dict, method, budget_of, resident, measure_methods,

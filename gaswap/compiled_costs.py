@@ -226,8 +226,8 @@ class Calibration:
     forward and backward, the eager loss, the optimizer step), plus `scale` times the standalone time of the
     generated ops a policy recomputes and `extern_scale` times that of the library calls it recomputes, plus
     `mask_rate` seconds per byte of bool mask kept and `saved_rate` per byte the forward saves for the
-    backward. `points` are the (policy, measured s, predicted s) fitted on; `samples` the fit's inputs
-    (`fit`), which `refit` fits again with more.
+    backward. `samples` are the fit's inputs (`fit`: label, terms, measured s), which `refit` fits again with
+    more; `points` the (label, measured s, predicted s) of each.
 
     Why saved bytes are priced: a saved tensor is written by the forward and read back by the backward,
     while inductor fuses a pointwise recomputation into the backward kernel that reads its sources (on
@@ -244,8 +244,14 @@ class Calibration:
     extern_scale: float = 1.0
     mask_rate: float = 0.0
     saved_rate: float = 0.0
-    points: tuple = ()
     samples: tuple = ()
+
+    @property
+    def points(self) -> tuple:
+        """(label, measured s, predicted s) of each sample fitted on."""
+        factors = (self.extern_scale, self.scale, self.mask_rate, self.saved_rate)
+        return tuple((p[0], p[5], self.base + sum(term * f for term, f in zip(p[1:5], factors)))
+                     for p in self.samples)
 
     def costs(self, graph: Graph, costs: Costs) -> Costs:
         """`costs` with every generated op's time multiplied by `scale`, every extern op's by `extern_scale`."""
@@ -296,10 +302,7 @@ def fit(points: list[tuple[str, float, float, int, int, float]]) -> Calibration:
     ys = [p[5] - sum(p[k] * f for k, f in fixed.items()) for p in points]
     solved, _ = nnls(np.array(rows), np.array(ys))
     factor = fixed | {k: float(x) / spread[k] for k, x in zip(free, solved)}
-    base = float(solved[-1])
-    predict = lambda p: base + sum(p[k] * factor[k] for k in default)  # noqa: E731
-    return Calibration(base, factor[2], factor[1], factor[3], factor[4],
-                       tuple((p[0], p[5], predict(p)) for p in points), tuple(points))
+    return Calibration(float(solved[-1]), factor[2], factor[1], factor[3], factor[4], tuple(points))
 
 
 CALIBRATION_MIXES = 3  # random half-recomputed policies calibrated on besides the four set ones
@@ -339,9 +342,13 @@ def refit(calibration: Calibration, problem: CompiledProblem, measured: list[tup
           ) -> Calibration:
     """`calibration` fitted again on its samples and the `measured` (label, policy, CPU seconds a step) besides,
     priced by `problem` (of the same graph; its own calibration, if any, is not used)."""
+    return fit([*calibration.samples, *samples(problem, measured)])
+
+
+def samples(problem: CompiledProblem, measured: list[tuple[str, Chromosome, float]]) -> list[tuple]:
+    """The `measured` (label, policy, CPU seconds a step) as `fit`'s points, in `features`' terms."""
     labels, chromosomes, seconds = zip(*measured)
-    more = [(label, *terms, s) for label, terms, s in zip(labels, features(problem, list(chromosomes)), seconds)]
-    return fit([*calibration.samples, *more])
+    return [(label, *terms, s) for label, terms, s in zip(labels, features(problem, list(chromosomes)), seconds)]
 
 
 def calibrate(graph: Graph, costs: Costs, cpu_times, provenance: dict, loss: str = "sum") -> Calibration:
@@ -353,5 +360,4 @@ def calibrate(graph: Graph, costs: Costs, cpu_times, provenance: dict, loss: str
     problem = CompiledProblem(graph, costs, None, actions=(Action.KEEP, Action.RECOMPUTE), loss=loss)
     chosen = calibration_policies(problem)
     made = [compiled.make_policy(graph, problem.actions_of(c), provenance=provenance) for c in chosen.values()]
-    return fit([(label, *terms, seconds)
-                for label, terms, seconds in zip(chosen, features(problem, list(chosen.values())), cpu_times(made))])
+    return fit(samples(problem, list(zip(chosen, chosen.values(), cpu_times(made)))))

@@ -68,8 +68,9 @@ def test_compare_refuses_an_experiment_without_a_loss(tmp_path):
 
 
 def _finalist_harness(measured: dict):
-    """Stand-ins for compiling and timing finalists: (evaluated(k), method, time_methods, actions_of, timed).
-    `measured`: actions -> (peak above resident, seconds); every policy is predicted at 40 above resident."""
+    """Stand-ins for compiling and timing finalists: (evaluated(k), method, time_methods, actions_of,
+    problem_of, timed). `measured`: actions -> (peak above resident, seconds); every policy is predicted at
+    40 above resident."""
     from gaswap.encoding import Chromosome
     from gaswap.policy import Policy
     from gaswap.problem import Evaluated
@@ -116,7 +117,6 @@ def test_a_finalists_round_chooses_per_budget_the_fastest_measured_within_it():
     assert all(row["round"] == 2 for row in rows.values())
     timed.clear()
     assert one_round([]) == ({}, {}, {}) and timed == []  # nothing to time
-
 
 
 def test_a_second_round_times_the_new_finalists_beside_the_first_choice_which_stands_where_none_is_new():
