@@ -15,7 +15,7 @@ import random
 import statistics
 
 from gaswap import compiled, compiled_costs, compiled_program, config
-from gaswap.compare import Method, _actions, fresh_copy, metered_round, prepare, train_step
+from gaswap.compare import Method, _actions, _allow_recompiles, fresh_copy, metered_round, prepare, train_step
 from gaswap.config import format_size
 from gaswap.encoding import Action, Chromosome
 from gaswap.measure import measure
@@ -49,6 +49,7 @@ def main() -> None:
           "| measured allocated | error (compiled model) | error (program) | measured resident |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     provenance = {"optimizer": exp.optimizer, "counts": sorted(exp.counts)}
+    _allow_recompiles(len(policies))
     for label, c in policies.items():
         policy = compiled.make_policy(graph, fused.actions_of(c), provenance=provenance)
         m, opt = fresh_copy(model, exp)
