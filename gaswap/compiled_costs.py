@@ -72,19 +72,7 @@ def fused_graph(graph: Graph, loss: str = "sum") -> Graph:
     them to the backward's end matched the resident-set meter on the CNN, but torch's allocator counts
     show the frees: that variant predicted keep-all 15 % high on the CNN and 12 % high on DenseNet.)
     """
-    candidates = set(graph.candidates())
-    extern = {op.name for op in graph.ops if is_extern(op.target)}
-    readers = graph.consumers()
-    position = graph.op_index()
-    extern_at = [k for k, op in enumerate(graph.ops) if op.name in extern]
-
-    def library_call_between(t: str) -> bool:
-        start, end = position[graph.tensors[t].producer], max(position[r] for r in readers[t])
-        return bisect.bisect_right(extern_at, start) < bisect.bisect_left(extern_at, end)
-
-    inside = {name for name, t in graph.tensors.items()
-              if t.kind == "activation" and t.producer not in extern and name not in candidates and name != graph.loss
-              and readers[name] and not any(r in extern for r in readers[name]) and not library_call_between(name)}
+    inside = inlined(graph)[0]
     producer = {op.name: op for op in graph.ops}
     sources: dict[str, tuple[str, ...]] = {}  # inside tensor -> the materialized tensors it is computed from
 
@@ -100,6 +88,95 @@ def fused_graph(graph: Graph, loss: str = "sum") -> Graph:
     tensors = {name: Tensor(t.name, 0, t.kind, t.producer) if name in inside else t
                for name, t in graph.tensors.items()}
     return with_loss(replace(graph, ops=tuple(ops), tensors=tensors), loss)
+
+
+# Ops whose result inductor always writes to a buffer (reductions, scatters, concatenations, pooling, copies),
+# and those that make a value read more than once worth writing on a CPU (transcendental math). Prefixes of
+# the aten target names.
+REALIZED = ("aten.sum.", "aten.mean.", "aten.amax.", "aten.amin.", "aten.var_mean.", "aten.var.", "aten.std.",
+            "aten.max.", "aten.min.", "aten.argmax.", "aten.argmin.", "aten.prod.", "aten.cumsum.", "aten.logsumexp.",
+            "aten.cat.", "aten.scatter", "aten.index_put",
+            "aten._unsafe_masked_index_put_accumulate.", "aten.embedding_dense_backward.", "aten.avg_pool",
+            "aten.max_pool", "aten.copy_.", "aten.copy.", "aten.clone.")
+HEAVY = ("aten.exp.", "aten.log", "aten.sigmoid.", "aten.tanh.", "aten.pow.", "aten.erf.")
+# inductor's thresholds (torch._inductor.config): distinct buffers a value read more than once may read and
+# stay inlined (`realize_reads_threshold`); that any value may read (`realize_cpu_acc_reads_threshold`, 8 on
+# a GPU); ops an inlined expression may hold (`realize_cpu_opcount_threshold`, 30 on a GPU).
+REUSED_READS, READS, OPS = 4, {True: 12, False: 8}, {True: 50, False: 30}
+
+
+def library_calls(graph: Graph) -> set[str]:
+    """The ops of `graph` inductor runs as library calls: `is_extern`'s, and an `add` of a matrix product
+    read by nothing else (inductor makes the two one `addmm`: an unrolled RNN's gradient sums)."""
+    readers = graph.consumers()
+    by_name = {op.name: op for op in graph.ops}
+    calls = {op.name for op in graph.ops if is_extern(op.target)}
+    for op in graph.ops:
+        if op.target == "aten.add.Tensor" and any(
+                graph.tensors[t].producer in by_name and by_name[graph.tensors[t].producer].target == "aten.mm.default"
+                and readers[t] == [op.name] and graph.tensors[t].size == graph.tensors[op.outputs[0]].size
+                for t in op.inputs):
+            calls.add(op.name)
+    return calls
+
+
+def inlined(graph: Graph, cpu: bool = True) -> tuple[set[str], set[str]]:
+    """The tensors of `graph` inductor computes inside the kernels that read them instead of writing them to
+    memory, and the candidates it would so compute where a policy recomputes them (the others it saves).
+
+    As inductor's lowering decides: a tensor made by a generated op that is not `REALIZED`, read by generated
+    ops alone, in the same graph (the forward's or the backward's: a candidate's backward readers read its
+    recomputation), and not the loss, is inlined unless its expression is too big: a value read by several
+    ops of a graph is written when its inlined expression reads more than `REUSED_READS` buffers or, on a
+    CPU, holds `HEAVY` math; any value when it reads more than `READS` or holds more than `OPS` ops. An
+    inlined value's buffers stay alive until its last reader runs. Measured against inductor's programs,
+    one more rule: a value whose readers run after a library call that follows its making is inlined only if
+    every buffer it reads is smaller than it. (On compare_cnn_cpu, ReLU's gradient, read on both sides of a
+    convolution's backward, is computed twice from the 4x smaller mask and small gradients; on
+    compare_gru_cpu, inductor writes the gradient sums of the 24 steps, which read buffers of their size.)"""
+    candidates = set(graph.candidates())
+    readers = graph.consumers()
+    by_name = {op.name: op for op in graph.ops}
+    calls = library_calls(graph)
+    position = graph.op_index()
+    call_at = sorted(position[name] for name in calls)
+    reads: dict[str, frozenset] = {}  # inlined tensor -> the buffers its expression reads
+    heavy: dict[str, bool] = {}
+    count: dict[str, int] = {}  # ops in its expression
+    recomputable = set()
+    for op in graph.ops:  # in topological order
+        if op.name in calls or op.target.startswith(REALIZED):
+            continue
+        srcs, is_heavy, n = set(), op.target.startswith(HEAVY) and cpu, 1
+        for t in op.inputs:
+            if t in reads:
+                srcs |= reads[t]
+                is_heavy |= heavy[t]
+                n += count[t]
+            else:
+                srcs.add(t)
+        for t in op.outputs:
+            users = [by_name[r] for r in readers[t]]
+            candidate = t in candidates
+            if (graph.tensors[t].kind != "activation" or t == graph.loss or not users
+                    or any(u.name in calls or not candidate and u.phase != op.phase for u in users)):
+                continue
+            spans = []  # (made at, last read at) in each graph it is computed in
+            for phase in ("fwd", "bwd"):
+                at = [position[u.name] for u in users if u.phase == phase]
+                if at:
+                    spans.append((position[op.name] if phase == op.phase else min(at) - 1, max(at), len(at)))
+            reused = any(k > 1 for *_, k in spans)
+            if len(srcs) > READS[cpu] or n > OPS[cpu] or reused and (is_heavy or len(srcs) > REUSED_READS):
+                continue
+            if (any(bisect.bisect_right(call_at, a) < bisect.bisect_left(call_at, b) for a, b, _ in spans)
+                    and any(graph.tensors[s].size >= graph.tensors[t].size for s in srcs)):
+                continue
+            if candidate:
+                recomputable.add(t)
+            else:
+                reads[t], heavy[t], count[t] = frozenset(srcs), is_heavy, n
+    return set(reads), recomputable
 
 
 LOSS_OP = "gaswap.loss"
@@ -148,7 +225,7 @@ class CompiledProblem(Problem):
         loss_time = {LOSS_OP: 0.0} if self._loss is not None else {}  # in the calibrated base
         simulated = costs if calibration is None else calibration.costs(graph, costs)
         self.simulator = Simulator(self.fused, replace(simulated, op_time=simulated.op_time | loss_time), budget,
-                                   hold_sources=True)
+                                   hold_sources=True, inlined_if_recomputed=inlined(graph)[1])
         self._offset = 0.0
         if calibration is not None:  # the keep-all step (masks and saved bytes aside) costs `base`
             keep_all = self.simulate(self.encoding.uniform(Action.KEEP))

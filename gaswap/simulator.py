@@ -20,6 +20,8 @@ Memory is counted in bytes on the device, in time order:
   reader runs (`room_until`); a reader waits for the copy to land;
 - RECOMPUTE: freed after its last forward reader; before its first backward reader its producer runs again,
   first re-producing (recursively) inputs that are gone; re-produced tensors stay until their last reader.
+  One `inlined_if_recomputed` (a compiled step's: inductor computes it inside the kernels that read it)
+  takes no memory when recomputed; what its producer reads stays until its last reader instead.
 
 A tensor that must be re-produced but cannot be (its producer is random or mutates state, and it is
 neither resident nor on the host) makes the policy invalid: the result says why.
@@ -141,9 +143,11 @@ class _Reads(NamedTuple):
 class Simulator:
     """Holds the graph and costs as flat arrays, so that `run` evaluates many policies fast."""
 
-    def __init__(self, graph: Graph, costs: Costs, budget: int | None = None, *, hold_sources: bool | None = None):
+    def __init__(self, graph: Graph, costs: Costs, budget: int | None = None, *, hold_sources: bool | None = None,
+                 inlined_if_recomputed=()):
         """`hold_sources` (see the module's KEEP): by default, where the graph has `decidable` tensors, which
-        only a compiled graph has."""
+        only a compiled graph has. `inlined_if_recomputed`: names of candidates that take no memory when
+        recomputed (see the module's RECOMPUTE)."""
         self.graph = graph
         self.costs = costs
         names = list(graph.tensors)
@@ -175,6 +179,15 @@ class Simulator:
         # candidates latest made first: where a recomputation may start (`hold_sources`)
         hold = bool(graph.decidable) if hold_sources is None else hold_sources
         self.sources = _candidate_sources(graph, self.candidates, tid) if hold else None
+        self.inlined_if_recomputed = np.zeros(len(names), dtype=bool)
+        self.inlined_if_recomputed[[tid[t] for t in inlined_if_recomputed]] = True
+        # an inlined tensor -> what its producer reads that is not resident all step
+        self.inline_sources = {t: np.array([u for u in self.op_in[self.producer[t]] if not self.persistent[u]],
+                                           dtype=np.intp) for t in self.inlined_if_recomputed.nonzero()[0].tolist()}
+        # forward values that are not candidates and can be re-produced
+        candidate = set(self.candidates)
+        self.reproducible = np.array([p >= 0 and self.op_recomputable[p] and not self.persistent[t] and t not in candidate
+                                      for t, p in enumerate(self.producer)], dtype=bool)
 
     def static_tables(self) -> None:
         """Arrays that turn an order into its liveness and schedules without a loop over ops in Python."""
@@ -267,6 +280,11 @@ class _Run:
         if sim.sources is not None:
             held = hold_sources(sim.sources, moved, last_use, first_bwd, n)  # recomputed from
             self.saved_bytes += sum(sim.size[t] for t in held if first_bwd[t] >= n)
+        self.size, self.out_bytes = sim.size, sim.out_bytes
+        recomputed = candidates[acts == int(Action.RECOMPUTE)]
+        inlined = recomputed[sim.inlined_if_recomputed[recomputed]]
+        if len(inlined):
+            self.inline(inlined[np.argsort(-made[inlined], kind="stable")], moved, last_use, last_fwd, first_bwd, n)
         swapped = candidates[acts == int(Action.SWAP)]  # in the order of the candidates
         swaps = np.zeros(nt, dtype=bool)
         swaps[swapped] = True
@@ -292,6 +310,27 @@ class _Run:
         self.compute = 0.0
         self.pos = 0  # position of the op being prepared or run
         self.needed = [0] * nt  # inputs of the recomputations under way (nested)
+
+    def inline(self, inlined, moved, last_use, last_fwd, first_bwd, n: int) -> None:
+        """The recomputed tensors `inlined` take no memory; what their producers read stays, in the forward and
+        when re-produced for the backward, until their last readers there (a forward value the backward does
+        not read is re-produced there, as a recomputed one is)."""
+        sim = self.sim
+        self.size, self.out_bytes = sim.size[:], sim.out_bytes[:]
+        for t in inlined.tolist():
+            self.size[t] = 0
+            self.out_bytes[sim.producer[t]] -= sim.size[t]
+        sources = [sim.inline_sources[t] for t in inlined.tolist()]
+        ts = np.repeat(inlined, [len(u) for u in sources])  # (t, u) pairs: u is read to make t
+        us = np.concatenate(sources)
+        moved[us[~moved[us] & (first_bwd[us] >= n) & sim.reproducible[us]]] = True
+        back = moved[us]
+        while True:  # to a fixed point: an inlined tensor may be made from another
+            before = (last_use[us].sum(), last_fwd[us].sum())
+            np.maximum.at(last_use, us, last_use[ts])
+            np.maximum.at(last_fwd, us[back], last_fwd[ts[back]])
+            if (last_use[us].sum(), last_fwd[us].sum()) == before:
+                break
 
     # --- schedules ---
     def release_schedule(self, made, last_use, last_fwd, moved) -> tuple[list[int], list[int]]:
@@ -340,8 +379,8 @@ class _Run:
         peak and compute time live in local variables here, and in `self` around the calls that use them.
         """
         sim = self.sim
-        op_in, op_out, op_time, out_bytes, size, names = (sim.op_in, sim.op_out, sim.op_time, sim.out_bytes,
-                                                          sim.size, sim.op_names)
+        op_in, op_out, op_time, out_bytes, size, names = (sim.op_in, sim.op_out, sim.op_time, self.out_bytes,
+                                                          self.size, sim.op_names)
         d2h_time, serial = sim.d2h_time, sim.serial_copies
         resident, ready, swapped, on_host, d2h_end = self.resident, self.ready, self.swapped, self.on_host, self.d2h_end
         prefetch, released, release_at, pending = self.prefetch, self.released, self.release_at, self.pending
@@ -427,11 +466,11 @@ class _Run:
         of recomputations and of later prefetches is not foreseen."""
         sim = self.sim
         self.settle(self.clock)
-        level = self.mem + sim.size[t]
+        level = self.mem + self.size[t]
         if level + self.made_before[c] - self.made_before[p] <= sim.budget:  # fits even if nothing is freed
             return True
         order, swapped = self.order, self.swapped
-        size, op_out, op_time, out_bytes = sim.size, sim.op_out, sim.op_time, sim.out_bytes
+        size, op_out, op_time, out_bytes = self.size, sim.op_out, sim.op_time, self.out_bytes
         landing = sorted((when, nbytes) for when, _, nbytes in self.pending)
         born: dict[int, float] = {}  # tensors made in the window -> when their copy to the host lands
         gone = set()
@@ -470,12 +509,12 @@ class _Run:
 
     def free(self, t: int, when: float) -> None:
         self.resident[t] = False
-        self.mem -= self.sim.size[t]
+        self.mem -= self.size[t]
 
     def retire(self, t: int) -> None:
         """`t`'s device copy goes once its copy to the host has landed."""
         self.resident[t] = False
-        heapq.heappush(self.pending, (self.d2h_end[t], t, self.sim.size[t]))
+        heapq.heappush(self.pending, (self.d2h_end[t], t, self.size[t]))
 
     # --- streams ---
     def start_time(self, i: int) -> float:
@@ -494,10 +533,10 @@ class _Run:
         end = start + sim.op_time[i]
         if self.pending and self.pending[0][0] <= start:  # frees of copies landed by then
             self.settle(start)
-        mem = self.mem + sim.out_bytes[i]
+        mem = self.mem + self.out_bytes[i]
         if mem > self.peak:
             self.peak = mem
-        resident, ready, size = self.resident, self.ready, sim.size
+        resident, ready, size = self.resident, self.ready, self.size
         for t in sim.op_out[i]:
             if resident[t]:
                 mem -= size[t]
@@ -523,7 +562,7 @@ class _Run:
         copy starts."""
         sim = self.sim
         self.settle(when)
-        self.mem += sim.size[t]
+        self.mem += self.size[t]
         if self.mem > self.peak:
             self.peak = self.mem
         self.resident[t] = True
@@ -626,7 +665,7 @@ class _TracedRun(_Run):
     def free(self, t: int, when: float) -> None:
         super().free(t, when)
         self.memory.append((when, self.mem))
-        self.changes.append((when, self.category[t], -self.sim.size[t]))
+        self.changes.append((when, self.category[t], -self.size[t]))
         self.program.append(Instruction(Verb.FREE, self.sim.tensor_names[t]))
 
     def retire(self, t: int) -> None:
@@ -649,14 +688,14 @@ class _TracedRun(_Run):
         _Run.run_op(self, i, start)
         for t in sim.op_out[i]:
             category = "recomputed" if verb == Verb.RECOMPUTE else "gradients" if sim.kind[t] == "grad" else "activations"
-            self.changes.append((start, category, sim.size[t]))
+            self.changes.append((start, category, self.size[t]))
             if t not in duplicates:
                 self.category[t] = category
-        level = self.mem + sum(sim.size[t] for t in duplicates)  # just after the outputs were allocated
+        level = self.mem + sum(self.size[t] for t in duplicates)  # just after the outputs were allocated
         self.memory.append((start, level))
         for t in duplicates:
-            level -= sim.size[t]
-            self.changes.append((start, "recomputed", -sim.size[t]))
+            level -= self.size[t]
+            self.changes.append((start, "recomputed", -self.size[t]))
             self.memory.append((start, level))
         self.events.append(Event(COMPUTE, verb, sim.op_names[i], start, self.clock, reason))
         self.program.append(Instruction(verb, sim.op_names[i]))
@@ -673,7 +712,7 @@ class _TracedRun(_Run):
         self.memory.append((when, self.mem))  # after its allocation
         name = self.sim.tensor_names[t]
         self.category[t] = "swapped in"
-        self.changes.append((when, "swapped in", self.sim.size[t]))
+        self.changes.append((when, "swapped in", self.size[t]))
         self.events.append(Event(H2D, Verb.SWAP_IN, name, start, self.ready[t], f"swap-in {name}: {why} {reader}"))
         self.program.append(Instruction(Verb.SWAP_IN, name))
         return start

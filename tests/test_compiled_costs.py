@@ -52,9 +52,10 @@ def test_compiled_problem_simulates_policies_on_the_fused_graph():
     costs = unit_costs(g)
     problem = cc.CompiledProblem(g, costs, None, actions=(Action.KEEP, Action.RECOMPUTE))
     on_fused = Problem(cc.fused_graph(g), costs, None, actions=(Action.KEEP, Action.RECOMPUTE))
-    for action in (Action.KEEP, Action.RECOMPUTE):
-        c = problem.encoding.uniform(action)
-        assert problem.simulate(c) == on_fused.simulate(c)
+    c = problem.encoding.uniform(Action.KEEP)
+    assert problem.simulate(c) == on_fused.simulate(c)
+    c = problem.encoding.uniform(Action.RECOMPUTE)  # c, recomputed, is inlined by inductor: no memory of its own
+    assert problem.simulate(c).peak_bytes < on_fused.simulate(c).peak_bytes
     keep = problem.simulate(problem.encoding.uniform(Action.KEEP))
     recompute = problem.simulate(problem.encoding.uniform(Action.RECOMPUTE))
     assert recompute.peak_bytes <= keep.peak_bytes and recompute.step_time > keep.step_time
@@ -252,3 +253,56 @@ def test_what_is_computed_from_constants_alone_is_always_recomputed():
     assert problem.actions_of(keep_all) == {"m": "recompute", "a": "keep"}
     assert problem.simulate(keep_all) == problem.simulate(_policy(problem, {"m"}))
     assert problem.canonical(_policy(problem, {"m"})) == _policy(problem, {"m"})
+
+
+def _chain(reused_sources: int, heavy: bool = False, call_between: bool = False) -> Graph:
+    """A forward value v (a sigmoid if `heavy`, else an add) computed from `reused_sources` inputs and read
+    by two generated ops, optionally with a matmul between its making and its readers."""
+    t = {f"x{k}": Tensor(f"x{k}", MB, "input") for k in range(reused_sources)}
+    t |= {"w": Tensor("w", MB, "param"), "v": Tensor("v", MB, "activation", "make"),
+          "p": Tensor("p", MB, "activation", "mm"), "r1": Tensor("r1", MB, "activation", "read1"),
+          "r2": Tensor("r2", MB, "activation", "read2"), "y": Tensor("y", MB, "activation", "out")}
+    ops = [Op("make", "aten.sigmoid.default" if heavy else "aten.add.Tensor", tuple(f"x{k}" for k in range(reused_sources)), ("v",)),
+           Op("mm", "aten.mm.default", ("x0", "w"), ("p",))]
+    readers = [Op("read1", "aten.mul.Tensor", ("v",), ("r1",)), Op("read2", "aten.mul.Tensor", ("v", "r1"), ("r2",)),
+               Op("out", "aten.add.Tensor", ("r2", "p"), ("y",))]
+    ops = [ops[0], *([ops[1]] if call_between else []), *readers[:2], *([] if call_between else [ops[1]]), readers[2]]
+    return Graph(tuple(ops), t, loss="y")
+
+
+def test_inductor_writes_a_value_read_twice_when_its_expression_reads_many_buffers_or_heavy_math():
+    assert "v" in cc.inlined(_chain(2))[0]
+    assert "v" not in cc.inlined(_chain(cc.REUSED_READS + 1))[0]  # read twice, reads more than 4 buffers
+    assert "v" not in cc.inlined(_chain(2, heavy=True))[0]  # a sigmoid read twice: written on a CPU
+    assert "v" in cc.inlined(_chain(2, heavy=True), cpu=False)[0]  # not on a GPU
+    assert cc.fused_graph(_chain(2)).tensors["v"].size == 0
+
+
+def test_a_value_read_after_a_library_call_is_inlined_only_if_what_it_reads_is_smaller():
+    g = _chain(2, call_between=True)
+    assert "v" not in cc.inlined(g)[0]  # it reads buffers of its own size
+    small = Graph(g.ops, g.tensors | {"x1": Tensor("x1", MB // 4, "input")} | {"x0": Tensor("x0", MB // 4, "input")},
+                  loss="y")
+    assert "v" in cc.inlined(small)[0]
+
+
+def test_an_add_of_a_matrix_product_read_by_nothing_else_is_a_library_call():
+    t = {"a": Tensor("a", MB, "input"), "w": Tensor("w", MB, "param"), "acc": Tensor("acc", MB, "input")}
+    t |= {"p": Tensor("p", MB, "activation", "mm"), "s": Tensor("s", MB, "activation", "add")}
+    ops = (Op("mm", "aten.mm.default", ("a", "w"), ("p",)), Op("add", "aten.add.Tensor", ("acc", "p"), ("s",)))
+    assert cc.library_calls(Graph(ops, t, loss="s")) == {"mm", "add"}  # inductor's addmm
+    read_twice = ops + (Op("other", "aten.mul.Tensor", ("p",), ("q",)),)
+    t2 = t | {"q": Tensor("q", MB, "activation", "other")}
+    assert cc.library_calls(Graph(read_twice, t2, loss="s")) == {"mm"}
+
+
+def test_a_recomputed_candidate_inductor_inlines_takes_no_memory():
+    g = _net()
+    assert cc.inlined(g)[1] == {"b"}  # ReLU's output, read by generated ops alone (c is read by convolutions)
+    problem = cc.CompiledProblem(g, unit_costs(g), None, actions=(Action.KEEP, Action.RECOMPUTE))
+    r = problem.simulate(_policy(problem, {"b"}), trace=True)
+    assert not any(category == "recomputed" and delta for _, category, delta in r.changes)
+    assert "recompute relu" in [str(i) for i in r.program]  # it runs again, for le, taking no memory
+    plain = Problem(cc.fused_graph(g), unit_costs(g), None, actions=(Action.KEEP, Action.RECOMPUTE))
+    assert any(category == "recomputed" and delta for _, category, delta in
+               plain.simulate(_policy(plain, {"b"}), trace=True).changes)  # without the rule, b is counted

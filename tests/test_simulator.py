@@ -285,3 +285,24 @@ def test_liveness_is_where_tensors_are_read(data):
                 first_bwd[t] = min(first_bwd[t], p)
     assert liveness(sim, order) == ([last_use[t] for t in names], [last_fwd[t] for t in names],
                                      [first_bwd[t] for t in names])
+
+
+def test_a_tensor_inlined_when_recomputed_takes_no_memory():
+    from helpers import unit_costs
+
+    mb = 1 << 20
+    t = {"x": Tensor("x", mb, "input"), "a": Tensor("a", mb // 4, "activation", "f1"),
+         "b": Tensor("b", mb, "activation", "f2"), "c": Tensor("c", mb, "activation", "f3"),
+         "y": Tensor("y", mb, "activation", "f4"), "g": Tensor("g", mb, "activation", "b1")}
+    ops = (Op("f1", "aten.mul.Tensor", ("x",), ("a",)), Op("f2", "aten.mul.Tensor", ("a",), ("b",)),
+           Op("f3", "aten.mul.Tensor", ("x",), ("c",)), Op("f4", "aten.mul.Tensor", ("b", "c"), ("y",)),
+           Op("b1", "aten.mul.Tensor", ("y", "b", "a"), ("g",), phase="bwd"))
+    g = Graph(ops, t, loss="y")
+    order = list(range(len(ops)))
+    actions = [int(Action.RECOMPUTE if c == "b" else Action.KEEP) for c in g.candidates()]
+    plain = Simulator(g, unit_costs(g), hold_sources=True).run(order, actions, trace=True)
+    inlined = Simulator(g, unit_costs(g), hold_sources=True, inlined_if_recomputed={"b"}).run(order, actions,
+                                                                                             trace=True)
+    assert inlined.peak_bytes == plain.peak_bytes - mb  # b, alive with c and y in the forward, takes nothing
+    assert not any(category == "recomputed" and delta for _, category, delta in inlined.changes)
+    assert any(category == "recomputed" and delta for _, category, delta in plain.changes)
