@@ -6,9 +6,10 @@ op makes. Inductor does not run the joint graph that way: it runs matmuls and co
 generated C++ (or Triton) kernels whose intermediates never reach memory. This module turns the joint graph
 and its costs into what the compiled step does, leaving the simulator as it is:
 
-- `fused_graph(graph, loss)`: the same graph, with the tensors that stay inside a fused kernel sized 0 (made
-  and read only by generated ops, with no library call in between, and not a candidate, a gradient or the
-  loss), and the eager loss between the compiled forward and backward as an op of its own (`with_loss`).
+- `fused_graph(graph, loss)`: the same graph, with the tensors inductor computes inside the kernels that
+  read them sized 0 (`inlined`), and the eager loss between the compiled forward and backward as an op of
+  its own (`with_loss`); `CompiledProblem` also gives no memory to the recomputed candidates inductor
+  would inline (`inlined`'s second set).
 - `calibrate(...)`: the cost of a compiled step, measured where it differs from policy to policy. Every
   policy runs the same forward and backward once; a policy adds the ops it recomputes, and drops the masks
   and the other tensors it does not save. So a step costs a `base` (keep-all, no mask kept, nothing saved:
@@ -55,24 +56,23 @@ def is_extern(target: str) -> bool:
 LOSS_TEMPORARIES = {"cross_entropy": 1, "mse": 0, "sum": 0}
 
 
-def fused_graph(graph: Graph, loss: str = "sum") -> Graph:
-    """`graph` as inductor runs it, for the simulator (the same under every policy), with the step's `loss`
-    computed eagerly between the compiled forward and backward (`with_loss`):
+def fused_graph(graph: Graph, loss: str = "sum", cpu: bool = True) -> Graph:
+    """`graph` as inductor runs it on a CPU (`cpu`) or a GPU, for the simulator (the same under every
+    policy), with the step's `loss` computed eagerly between the compiled forward and backward (`with_loss`):
 
-    - a tensor stays inside a fused kernel (sized 0) if a generated op makes it, generated ops alone read it,
-      no library call runs between its making and its last reading (inductor does not fuse across one: an
-      unrolled GRU's gradient sums, chained across 24 matmuls, would otherwise keep every matmul's output
-      alive: predicted 13.7 MB, measured 6.3), and it is neither the loss nor a candidate (a kept one is
-      saved; a recomputed one is counted too: measured on DenseNet, counting recomputed tensors as fused
-      predicted peaks up to 2.2x too low, since inductor materializes much of what the backward recomputes);
-    - an op reading such a tensor reads what it is computed from instead (inductor inlines it), so those
-      tensors live until the op runs.
+    - a tensor inductor inlines (`inlined`: not a candidate) is sized 0, and an op reading one reads what it
+      is computed from instead, so those tensors live until the op runs. (The first rule, "made and read by
+      generated ops with no library call in between", missed that inductor inlines a value into readers on
+      both sides of a library call: on compare_cnn_cpu it kept ReLU's gradient written across the
+      convolution's backward, and erred -13 to -33 % on five of thirteen policies.)
+    - a candidate is counted: a kept one is saved; a recomputed one too, unless inductor would inline it
+      (`CompiledProblem` tells the simulator which: `inlined_if_recomputed`).
 
     Saved tensors are freed after their last reader, as the compiled backward frees its inputs. (Holding
     them to the backward's end matched the resident-set meter on the CNN, but torch's allocator counts
     show the frees: that variant predicted keep-all 15 % high on the CNN and 12 % high on DenseNet.)
     """
-    inside = inlined(graph)[0]
+    inside = inlined(graph, cpu)[0]
     producer = {op.name: op for op in graph.ops}
     sources: dict[str, tuple[str, ...]] = {}  # inside tensor -> the materialized tensors it is computed from
 
@@ -213,7 +213,7 @@ class CompiledProblem(Problem):
                  loss: str = "sum", calibration: Calibration | None = None):
         super().__init__(graph, costs, budget, space, actions=actions)
         self.loss, self.calibration = loss, calibration
-        self.fused = fused_graph(graph, loss)
+        self.fused = fused_graph(graph, loss, cpu=costs.device.startswith("cpu"))
         index = self.fused.op_index()
         self._position = [index[op.name] for op in graph.ops]  # joint graph's op k -> the fused graph's op
         self._loss = index.get(LOSS_OP)
@@ -225,7 +225,8 @@ class CompiledProblem(Problem):
         loss_time = {LOSS_OP: 0.0} if self._loss is not None else {}  # in the calibrated base
         simulated = costs if calibration is None else calibration.costs(graph, costs)
         self.simulator = Simulator(self.fused, replace(simulated, op_time=simulated.op_time | loss_time), budget,
-                                   hold_sources=True, inlined_if_recomputed=inlined(graph)[1])
+                                   hold_sources=True,
+                                   inlined_if_recomputed=inlined(graph, cpu=costs.device.startswith("cpu"))[1])
         self._offset = 0.0
         if calibration is not None:  # the keep-all step (masks and saved bytes aside) costs `base`
             keep_all = self.simulate(self.encoding.uniform(Action.KEEP))
