@@ -161,7 +161,7 @@ def inlined(graph: Graph, cpu: bool = True) -> tuple[set[str], set[str]]:
             if (graph.tensors[t].kind != "activation" or t == graph.loss or not users
                     or any(u.name in calls or not candidate and u.phase != op.phase for u in users)):
                 continue
-            spans = []  # (made at, last read at) in each graph it is computed in
+            spans = []  # (made at, last read at, readers) in each graph it is computed in
             for phase in ("fwd", "bwd"):
                 at = [position[u.name] for u in users if u.phase == phase]
                 if at:
@@ -213,7 +213,8 @@ class CompiledProblem(Problem):
                  loss: str = "sum", calibration: Calibration | None = None):
         super().__init__(graph, costs, budget, space, actions=actions)
         self.loss, self.calibration = loss, calibration
-        self.fused = fused_graph(graph, loss, cpu=costs.device.startswith("cpu"))
+        cpu = costs.device.startswith("cpu")  # inductor's CPU heuristics, else its GPU ones
+        self.fused = fused_graph(graph, loss, cpu)
         index = self.fused.op_index()
         self._position = [index[op.name] for op in graph.ops]  # joint graph's op k -> the fused graph's op
         self._loss = index.get(LOSS_OP)
@@ -226,7 +227,7 @@ class CompiledProblem(Problem):
         simulated = costs if calibration is None else calibration.costs(graph, costs)
         self.simulator = Simulator(self.fused, replace(simulated, op_time=simulated.op_time | loss_time), budget,
                                    hold_sources=True,
-                                   inlined_if_recomputed=inlined(graph, cpu=costs.device.startswith("cpu"))[1])
+                                   inlined_if_recomputed=inlined(graph, cpu)[1])
         self._offset = 0.0
         if calibration is not None:  # the keep-all step (masks and saved bytes aside) costs `base`
             keep_all = self.simulate(self.encoding.uniform(Action.KEEP))

@@ -284,7 +284,7 @@ class _Run:
         recomputed = candidates[acts == int(Action.RECOMPUTE)]
         inlined = recomputed[sim.inlined_if_recomputed[recomputed]]
         if len(inlined):
-            self.inline(inlined[np.argsort(-made[inlined], kind="stable")], moved, last_use, last_fwd, first_bwd, n)
+            self.inline(inlined, moved, last_use, last_fwd, first_bwd, n)
         swapped = candidates[acts == int(Action.SWAP)]  # in the order of the candidates
         swaps = np.zeros(nt, dtype=bool)
         swaps[swapped] = True

@@ -35,7 +35,7 @@ def test_tensors_inside_a_fused_kernel_take_no_memory_and_their_readers_read_the
     fused = cc.fused_graph(g)
     sizes = {n: t.size for n, t in fused.tensors.items()}
     assert sizes["m"] == 0  # generated, read only by generated ops, not a candidate
-    assert sizes["b"] == MB  # a candidate is counted, kept or recomputed (inductor materializes much of it)
+    assert sizes["b"] == MB  # a candidate is counted (the simulator drops one inductor inlines, if recomputed)
     assert sizes["c"] == MB and sizes["a"] == MB and sizes["g1"] == MB  # candidates / made by a library call
     assert sizes["g2"] == MB  # read by the mm (extern)
     ops = {op.name: op for op in fused.ops}
@@ -44,7 +44,8 @@ def test_tensors_inside_a_fused_kernel_take_no_memory_and_their_readers_read_the
     assert fused.candidates() == g.candidates()
     ops = list(g.ops)
     ops[4], ops[5] = ops[5], ops[4]  # the mask made before the convolution's backward, read after it
-    assert cc.fused_graph(Graph(tuple(ops), g.tensors, loss="y")).tensors["m"].size == MB  # not fused across a library call
+    # the mask made before the convolution's backward and read after it, from b, as big as it: written
+    assert cc.fused_graph(Graph(tuple(ops), g.tensors, loss="y")).tensors["m"].size == MB
 
 
 def test_compiled_problem_simulates_policies_on_the_fused_graph():
