@@ -72,7 +72,12 @@ def fused_graph(graph: Graph, loss: str = "sum", cpu: bool = True) -> Graph:
     them to the backward's end matched the resident-set meter on the CNN, but torch's allocator counts
     show the frees: that variant predicted keep-all 15 % high on the CNN and 12 % high on DenseNet.)
     """
-    inside = inlined(graph, cpu)[0]
+    return with_loss(without(graph, inlined(graph, cpu)[0]), loss)
+
+
+def without(graph: Graph, inside: set[str]) -> Graph:
+    """`graph` with the tensors `inside` sized 0, and each op reading one of them reading what it is computed
+    from instead."""
     producer = {op.name: op for op in graph.ops}
     sources: dict[str, tuple[str, ...]] = {}  # inside tensor -> the materialized tensors it is computed from
 
@@ -87,7 +92,7 @@ def fused_graph(graph: Graph, loss: str = "sum", cpu: bool = True) -> Graph:
            for op in graph.ops]
     tensors = {name: Tensor(t.name, 0, t.kind, t.producer) if name in inside else t
                for name, t in graph.tensors.items()}
-    return with_loss(replace(graph, ops=tuple(ops), tensors=tensors), loss)
+    return replace(graph, ops=tuple(ops), tensors=tensors)
 
 
 # Ops whose result inductor always writes to a buffer (reductions, scatters, concatenations, pooling, copies),
@@ -213,8 +218,8 @@ class CompiledProblem(Problem):
                  loss: str = "sum", calibration: Calibration | None = None):
         super().__init__(graph, costs, budget, space, actions=actions)
         self.loss, self.calibration = loss, calibration
-        cpu = costs.device.startswith("cpu")  # inductor's CPU heuristics, else its GPU ones
-        self.fused = fused_graph(graph, loss, cpu)
+        inside, recomputable = inlined(graph, cpu=costs.device.startswith("cpu"))  # else inductor's GPU rules
+        self.fused = with_loss(without(graph, inside), loss)  # = fused_graph(graph, loss, cpu)
         index = self.fused.op_index()
         self._position = [index[op.name] for op in graph.ops]  # joint graph's op k -> the fused graph's op
         self._loss = index.get(LOSS_OP)
@@ -227,7 +232,7 @@ class CompiledProblem(Problem):
         simulated = costs if calibration is None else calibration.costs(graph, costs)
         self.simulator = Simulator(self.fused, replace(simulated, op_time=simulated.op_time | loss_time), budget,
                                    hold_sources=True,
-                                   inlined_if_recomputed=inlined(graph, cpu)[1])
+                                   inlined_if_recomputed=recomputable)
         self._offset = 0.0
         if calibration is not None:  # the keep-all step (masks and saved bytes aside) costs `base`
             keep_all = self.simulate(self.encoding.uniform(Action.KEEP))
