@@ -76,25 +76,35 @@ def use_cpu(threads: int | None = None) -> None:
 
 
 def device_name(device: str | torch.device) -> str:
-    """A name for the hardware: the GPU's name, or "cpu: <model> (<n> threads)" (CPU timings depend on both)."""
+    """A name for the hardware: the GPU's name, or "cpu: <model>, family <f> model <m>, <ISA> (<n> threads)"
+    (CPU timings depend on all of these: a virtual machine's CPU is often named only "AMD EPYC", whatever its
+    generation, and ATen picks its kernels by the vector ISA, `torch.backends.cpu.get_cpu_capability`)."""
     dev = resolve_device(device)
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
     if dev.type == "cpu":
         threads = torch.get_num_threads()
-        return f"cpu: {_cpu_model()} ({threads} thread{'' if threads == 1 else 's'})"
+        return f"cpu: {_cpu_identity()}, {torch.backends.cpu.get_cpu_capability()} ({threads} thread{'' if threads == 1 else 's'})"
     return dev.type
 
 
-def _cpu_model() -> str:
+@functools.cache
+def _cpu_identity() -> str:
+    """The CPU's model name, with its family and model numbers where /proc/cpuinfo gives them."""
+    fields = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                if not line.strip():
+                    break  # the first processor's block is enough
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or platform.machine() or "unknown"
+    name = fields.get("model name") or platform.processor() or platform.machine() or "unknown"
+    if "cpu family" in fields and "model" in fields:
+        name += f", family {fields['cpu family']} model {fields['model']}"
+    return name
 
 
 def measure(graph: Graph, device: str = "auto", cache_dir=None, *, progress=None, warmup=2, repeats=5,

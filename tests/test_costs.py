@@ -149,6 +149,18 @@ def test_measure_cpu_and_cache(tmp_path, caplog):
     assert second == Costs(**{**first.__dict__, "measured": 0})
 
 
+def test_cpu_device_name_tells_generations_and_isa_apart(monkeypatch):
+    # A virtual machine's CPU is often named only "AMD EPYC": costs measured on one generation must not be
+    # read as another's, so the name carries the family, the model and the ISA ATen dispatches on.
+    name = device_name("cpu")
+    assert torch.backends.cpu.get_cpu_capability() in name
+    assert name.endswith(f"({torch.get_num_threads()} thread{'' if torch.get_num_threads() == 1 else 's'})")
+    if "cpu family" in open("/proc/cpuinfo").read():
+        assert ", family " in name and " model " in name
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert device_name("cpu") != name or "AVX2" in name
+
+
 def test_corrupted_cache_is_moved_aside(tmp_path):
     graph = small_graph()
     measure(graph, "cpu", tmp_path, warmup=0, repeats=1)
