@@ -103,8 +103,9 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     if exp.loss == "external":
         raise config.ConfigError(f"{exp.path}: loss: compare computes the loss outside the compiled model; give a "
                                  f"loss (cross_entropy, mse or sum) and its target")
-    progress(f"{exp.name} on {device_name(resolve_device('auto'))}: capturing torch.compile's joint graph")
+    progress(f"{exp.name}: capturing torch.compile's joint graph")
     device, model, inputs, target, graph = prepare(exp)
+    progress(f"  on {device_name(device)}")
     costs = measure(graph, device, cache_dir, threads=exp.costs.threads)
     space = config.load_search_space(compiled.SPACE)
     progress("  calibrating the compiled model: seven policies compiled and timed")

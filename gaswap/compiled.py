@@ -24,7 +24,7 @@ gaswap uses that graph itself, so the graph searched is the graph compiled:
 - Policies for it are searched in the `compiled` search space (keep / recompute per activation). The
   operator order is not searched: the compiler orders and fuses the ops (forward graph, then backward
   graph in the order AOTAutograd mimics of the autograd engine), and the simulator replays the captured
-  order. Swaps are refused (see below).
+  order. The search space is keep / recompute; `backend` also runs policies that swap (see below).
 - `backend(policy)` is a torch.compile backend (inductor with `PolicyPartitioner`): the partitioner checks
   that the joint graph is the one the policy was made for, and partitions it as the policy says, with no
   partitioner's choice left: the forward saves the kept candidates (and the outputs of forward ops that may
@@ -37,9 +37,14 @@ gaswap uses that graph itself, so the graph searched is the graph compiled:
 Behaviour to know: a graph break (fullgraph=True) and dynamic shapes (dynamic=False) are refused by
 torch.compile; a recompilation (new shapes, dtypes, or a changed model) gives another joint graph, which the
 partitioner refuses naming both fingerprints. Eval mode and `torch.no_grad()` compile an inference graph,
-which is not partitioned: the policy does not apply there. Swapping (offloading) is refused: torch 2.13's
-compiled offloading (`torch/_functorch/_activation_offloading/`) is CUDA-only, and on a CPU a host copy
-lowers no memory.
+which is not partitioned: the policy does not apply there.
+
+Swapped tensors are saved by the forward and handed to torch's own activation offloading
+(`torch/_functorch/_activation_offloading/`, as `MUST_CPU_OFFLOAD` does): the forward copies each to the host
+after its last forward reader, the backward copies it back before its first reader. On CUDA the copies run
+on a side stream into pinned host buffers, the reloads prefetched (`ao::offload` / `ao::reload`); on a CPU
+they are plain host copies, which lower no memory (the host store is the same RAM) but run the same graph.
+torch refuses to offload views, getitems and non-contiguous tensors: a policy that swaps one is refused.
 """
 from __future__ import annotations
 
@@ -68,6 +73,7 @@ from gaswap.graph import Graph, Tensor
 from gaswap.policy import Policy, PolicyError
 
 SPACE = "compiled"  # the search space of compiled policies: keep / recompute, captured order
+OFFLOADED_PREFIX = "cpu_offload_"  # torch's activation offloading names a saved value's host copy so
 
 
 class CompiledCaptureError(RuntimeError):
@@ -104,6 +110,12 @@ def torch_partition(fn: Callable, *example_args, budget: float = 1.0, optimizer:
 def saved_by(fn: Callable, policy: Policy, *example_args) -> list[str]:
     """The activations the forward saves for the backward when `fn` is compiled under `policy` (partitioned
     as `backend(policy)` does, then stopped before inductor generates code)."""
+    return partitioned_by(fn, policy, *example_args).saved
+
+
+def partitioned_by(fn: Callable, policy: Policy, *example_args) -> PolicyPartitioner:
+    """The partitioner of `backend(policy)` after partitioning `fn`'s joint graph (`saved`, `offloaded`), stopped
+    before inductor generates code (a compiled artifact from inductor's cache would skip the partitioner)."""
     partitioner = PolicyPartitioner(policy)
 
     class _Stop(_Recorder):
@@ -113,7 +125,7 @@ def saved_by(fn: Callable, policy: Policy, *example_args) -> list[str]:
             raise _Captured()
 
     _record(_Stop("sgd_momentum", ()), fn, example_args)
-    return partitioner.saved
+    return partitioner
 
 
 def _record(recorder: "_Recorder", fn: Callable, example_args) -> "_Recorder":
@@ -144,16 +156,11 @@ def compile(model: Callable, policy: Policy | str, **inductor_options) -> Callab
 
 
 def check_compiled(policy: Policy) -> None:
-    """Refuse a policy that was not made for a compiled graph, or that swaps."""
+    """Refuse a policy that was not made for a compiled graph."""
     if policy.provenance.get("form") != "compiled":
         raise PolicyError("the policy was searched on gaswap's own captured graph, not on torch.compile's joint graph: "
                           "`gaswap compare EXPERIMENT` searches compiled policies (results/<experiment>/compiled/), "
                           "or use gaswap.apply / apply_step for this one")
-    swapped = [t for t, a in policy.actions.items() if a == "swap"]
-    if swapped:
-        raise PolicyError(f"the policy swaps {len(swapped)} tensors (e.g. {swapped[0]}): compiled policies keep or "
-                          f"recompute only (torch 2.13 offloads in compiled graphs on CUDA only, and on a CPU a host "
-                          f"copy lowers no memory)")
 
 
 class PolicyPartitioner(CustomPartitionerFn):
@@ -163,6 +170,7 @@ class PolicyPartitioner(CustomPartitionerFn):
     def __init__(self, policy: Policy):
         self.policy = policy
         self.saved: list[str] = []  # storages the forward saved in the last partition (for tests and reports)
+        self.offloaded: list[str] = []  # those of them it offloaded to the host
 
     def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs) -> tuple[fx.GraphModule, fx.GraphModule]:
         num_fwd_outputs = kwargs["num_fwd_outputs"]
@@ -171,8 +179,12 @@ class PolicyPartitioner(CustomPartitionerFn):
                        self.policy.provenance.get("counts", graphs.COUNTABLE))
         policies.check_matches(self.policy, joint.graph, "policy")
         check_recomputable(joint.graph, self.policy.actions)
-        fw, bw = partition(gm, saved_values(gm, joint, self.policy.actions), num_fwd_outputs, static_indices)
+        swapped = {t for t, a in self.policy.actions.items() if a == "swap"}
+        fw, bw = partition(gm, saved_values(gm, joint, self.policy.actions), num_fwd_outputs, static_indices,
+                           offloaded=swapped)
         self.saved = saved_storages(fw, num_fwd_outputs, joint)
+        self.offloaded = sorted(n.name.removeprefix(OFFLOADED_PREFIX) for n in fw.graph.output_node().args[0]
+                                if isinstance(n, fx.Node) and n.name.startswith(OFFLOADED_PREFIX))
         _check_saved(self.saved, self.policy.actions)
         return fw, bw
 
@@ -185,7 +197,7 @@ class PolicyPartitioner(CustomPartitionerFn):
 def saved_storages(fw: fx.GraphModule, num_fwd_outputs: int, joint: Joint) -> list[str]:
     """The activations (storage names) a partitioned forward graph saves for the backward."""
     outputs = arg_tree_leaves(*fw.graph.output_node().args)[num_fwd_outputs:]
-    names = {joint.storage_of.get(n.name) for n in outputs if isinstance(n, fx.Node)}
+    names = {joint.storage_of.get(n.name.removeprefix(OFFLOADED_PREFIX)) for n in outputs if isinstance(n, fx.Node)}
     return sorted(t for t in names if t is not None and joint.graph.tensors[t].kind == "activation")
 
 
@@ -336,32 +348,60 @@ def _layer(node: fx.Node) -> str:
 # --- the policy's partition ----------------------------------------------------------------------------
 
 def saved_values(gm: fx.GraphModule, joint: Joint, actions: dict[str, str]) -> list[fx.Node]:
-    """The fx nodes of `gm` the forward may save under `actions`, in graph order: every kept candidate, every
-    output of a forward op that may not run twice (e.g. dropout's seeds: the backward regenerates a recomputed
-    mask from them), and the primal inputs (parameters, inputs, buffers). `partition` drops those the
-    backward does not read."""
-    kept = {t for t, a in actions.items() if a == "keep"}
+    """The fx nodes of `gm` the forward may save under `actions`, in graph order: every kept or swapped
+    candidate, every output of a forward op that may not run twice (e.g. dropout's seeds: the backward
+    regenerates a recomputed mask from them), and the primal inputs (parameters, inputs, buffers). `partition`
+    drops those the backward does not read."""
+    kept = {t for t, a in actions.items() if a in ("keep", "swap")}
     kept |= {t for op in joint.graph.ops if op.phase == "fwd" and not op.recomputable for t in op.outputs}
     return [n for n in gm.graph.nodes if n.name in kept or (n.op == "placeholder" and _is_primal(n))]
 
 
-def partition(gm: fx.GraphModule, saved: list[fx.Node], num_fwd_outputs: int,
-              static_indices) -> tuple[fx.GraphModule, fx.GraphModule]:
+def partition(gm: fx.GraphModule, saved: list[fx.Node], num_fwd_outputs: int, static_indices,
+              offloaded: set[str] = frozenset()) -> tuple[fx.GraphModule, fx.GraphModule]:
     """Forward and backward modules of the joint graph `gm` where the forward saves `saved` (those the backward
     reads) and the backward recomputes every other forward value it needs from them, as torch's min-cut
     partitioner builds them once it has chosen what to save: its extraction, then the backward reordered as
     the autograd engine would run it (a recomputation just before its first reader), getitems raised, the
     random states of higher-order ops threaded through. (Its rng functionalization is for recomputed random
-    ops: a policy never recomputes those.)"""
+    ops: a policy never recomputes those.) The saved values named in `offloaded` go to the host and back
+    (`offload`)."""
     primals = [n for n in gm.graph.nodes if n.op == "placeholder" and _is_primal(n)]
     if any(is_sym_node(n) for n in gm.graph.nodes):
         raise PolicyError("the joint graph has symbolic sizes: compiled policies need static shapes (dynamic=False)")
+    static = OrderedSet(p for i, p in enumerate(primals) if i in static_indices)
     fw, bw = _extract_fwd_bwd_modules(gm, list(saved), saved_sym_nodes=[], num_fwd_outputs=num_fwd_outputs,
-                                      static_lifetime_input_nodes=OrderedSet(p for i, p in enumerate(primals)
-                                                                             if i in static_indices))
+                                      static_lifetime_input_nodes=static)
     bw = reordering_to_mimic_autograd_engine(bw)
+    if offloaded:
+        offload(fw, bw, offloaded, num_fwd_outputs, static)
     return (thread_graphsafe_rng_from_hops(raise_getitems(fw), is_backward=False),
             thread_graphsafe_rng_from_hops(raise_getitems(bw), is_backward=True))
+
+
+def offload(fw: fx.GraphModule, bw: fx.GraphModule, names: set[str], num_fwd_outputs: int, static) -> None:
+    """Offload the values named `names` that the forward `fw` saves for the backward `bw` with torch's activation
+    offloading: copied to the host after their last forward reader, back before their first backward reader
+    (CUDA: on a side stream into pinned buffers, reloads prefetched; CPU: synchronous copies). A swapped value
+    the backward does not read is not saved, so there is nothing to offload. Refuses one torch cannot offload."""
+    try:
+        from torch._functorch._activation_offloading.activation_offloading import enable_activation_offloading
+    except ImportError:
+        raise PolicyError(f"the policy swaps {sorted(names)[0]}: torch {torch.__version__} has no activation "
+                          f"offloading in compiled graphs; keep or recompute it") from None
+    saved = {n.name: n for n in arg_tree_leaves(*fw.graph.output_node().args)[num_fwd_outputs:]
+             if isinstance(n, fx.Node)}
+    chosen = [saved[t] for t in sorted(names) if t in saved]
+    for node in chosen:
+        node.meta["should_offload"] = True
+    cuda = any(n.meta["val"].device.type == "cuda" for n in chosen)
+    with functorch_config.patch(activation_offload_separate_stream=cuda, activation_offload_sink_wait=cuda,
+                                activation_reload_prefetch=cuda):
+        enable_activation_offloading(fw, bw, num_fwd_outputs, static)
+    refused = [n.name for n in chosen if not n.meta.get("saved_for_offloading")]
+    if refused:
+        raise PolicyError(f"the policy swaps {refused[0]}, which torch's activation offloading refuses (a view, a "
+                          f"getitem or a non-contiguous tensor): keep or recompute it")
 
 
 def check_recomputable(graph: Graph, actions: dict[str, str]) -> None:
@@ -427,7 +467,7 @@ def _name(fn) -> str:
 
 def make_policy(graph: Graph, actions: dict[str, str], predicted: dict | None = None, provenance: dict | None = None,
                 program=()) -> Policy:
-    """A compiled policy for `graph` (from `capture`): `actions` maps candidates to "keep" or "recompute"
+    """A compiled policy for `graph` (from `capture`): `actions` maps candidates to "keep", "recompute" or "swap"
     (candidates not named are kept); the order is the captured one."""
     unknown = sorted(set(actions) - set(graph.candidates()))
     if unknown:

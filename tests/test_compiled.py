@@ -129,9 +129,6 @@ def test_refusals_before_any_code_is_generated():
     policy = compiled.make_policy(g, {})
     with pytest.raises(PolicyError, match="not on torch.compile's joint graph"):
         compiled.backend(policy.__class__(**{**policy.__dict__, "provenance": {}}))
-    swapping = policy.__class__(**{**policy.__dict__, "actions": {**policy.actions, "relu": "swap"}})
-    with pytest.raises(PolicyError, match="swaps 1 tensors"):
-        compiled.backend(swapping)
     with pytest.raises(PolicyError, match="not candidates"):
         compiled.make_policy(g, {"primals_1": "recompute"})
     # another batch size is another joint graph: the partitioner refuses it, naming both fingerprints
@@ -203,6 +200,45 @@ def test_mlp_with_dropout_trains_bitwise_as_plain_torch_compile():
 
 
 @pytest.mark.slow
+def test_swapped_tensors_are_offloaded_and_train_bitwise_as_plain_torch_compile():
+    """A swapped tensor is saved and handed to torch's activation offloading (on a CPU, a host copy after its last
+    forward reader and back before its first backward reader): the step computes the same values."""
+    model, x, y = _mlp()
+    graph = compiled.capture(model, x)
+    saved = _saved(model, graph, x, {})
+    ops = {op.name: op for op in graph.ops}
+    swapped = sorted(t for t in saved if ops[graph.tensors[t].producer].recomputable)  # masks and activations
+    assert len(swapped) >= 4
+    reference = _train(torch.compile(m := copy.deepcopy(model), fullgraph=True, dynamic=False), m, x, y)
+    backend = compiled.backend(compiled.make_policy(graph, {t: "swap" for t in swapped}))
+    m = copy.deepcopy(model)
+    result = _train(torch.compile(m, backend=backend, fullgraph=True, dynamic=False), m, x, y)
+    assert _equal(result, reference)
+    partitioned = compiled.partitioned_by(copy.deepcopy(model), backend.partitioner.policy, x)
+    assert partitioned.offloaded == swapped
+    assert partitioned.saved == sorted(saved)  # offloaded, they are still what the forward saves
+
+
+class _Transposed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(12, 16))
+
+    def forward(self, x):
+        return torch.sin((x @ self.w).t())  # sin's backward reads cos of a transposed matmul: not contiguous
+
+
+@pytest.mark.slow
+def test_swapping_what_torch_cannot_offload_is_refused():
+    model, x = _Transposed(), torch.randn(8, 12)
+    graph = compiled.capture(model, x)
+    assert "cos" in graph.candidates()
+    step = compiled.compile(model, compiled.make_policy(graph, {"cos": "swap"}))
+    with pytest.raises(Exception, match="the policy swaps cos, which torch's activation offloading refuses"):
+        step(x)
+
+
+@pytest.mark.slow
 def test_cnn_with_batchnorm_trains_as_plain_torch_compile():
     """Recompute-all is bitwise equal to plain torch.compile. A policy that saves other tensors changes which
     ops inductor fuses into one kernel, and a reduction (BatchNorm's var_mean, the average pool, the backward's
@@ -243,3 +279,34 @@ def test_a_policy_recomputing_what_may_not_run_twice_is_refused():
     with pytest.raises(PolicyError, match="recomputes r, whose op may not run twice"):
         compiled.make_policy(g, {"r": "recompute"})
     assert compiled.make_policy(g, {"r": "keep"}).actions == {"r": "keep"}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_swapped_activations_leave_the_gpu_and_gradients_stay_the_same():
+    """On CUDA the offloaded activations are copied to pinned host buffers on a side stream and freed on the GPU:
+    between the forward and the backward the allocator holds less than keep-all's by what they take, and the
+    gradients are the same."""
+    torch.manual_seed(0)
+    model = zoo.mlp(sizes=(1024, 4096, 4096, 4096, 10), dropout=0.0).cuda()
+    x, y = torch.randn(512, 1024, device="cuda"), torch.randint(0, 10, (512,), device="cuda")
+    graph = compiled.capture(model, x)
+    saved = _saved(model, graph, x, {})
+    ops = {op.name: op for op in graph.ops}
+    swapped = {t: "swap" for t in saved if ops[graph.tensors[t].producer].recomputable}
+    held, grads = {}, {}
+    for name, actions in (("keep", {}), ("swap", swapped)):
+        m = copy.deepcopy(model)
+        step = compiled.compile(m, compiled.make_policy(graph, actions))
+        F.cross_entropy(step(x), y).backward()  # compile, warm up
+        m.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        out = step(x)
+        torch.cuda.synchronize()
+        held[name] = torch.cuda.memory_allocated() - before
+        F.cross_entropy(out, y).backward()
+        grads[name] = [p.grad.clone() for p in m.parameters()]
+    offloaded = sum(graph.tensors[t].size for t in swapped)
+    assert offloaded > 0 and held["swap"] <= held["keep"] - 0.9 * offloaded
+    assert all(torch.equal(a, b) for a, b in zip(grads["keep"], grads["swap"], strict=True))
