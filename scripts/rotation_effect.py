@@ -1,0 +1,58 @@
+"""Does timing a compiled policy among others (as `gaswap compare` does) change its step time?
+
+    PYTHONPATH=. python scripts/rotation_effect.py experiments/compare_gpt_cpu.yaml results/compare_gpt_cpu/compiled
+
+In one process: every policy in the folder and torch.compile at budgets 1.0 / 0.5 / 0.2 are compiled; the
+folder's first policy is then timed in alternating blocks, `--blocks` times: `--rounds` rounds of its own
+(`compare.metered_round`: a metered step, an untimed one, three timed), then `--rounds` rounds in which
+every method runs in rotated order, as `compare` times them. Prints the first policy's CPU ms per step,
+median and range, alone and rotated, and their ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+from gaswap import compiled, config
+from gaswap import policy as policies
+from gaswap.compare import Method, _allow_recompiles, _torch_compiled, fresh_copy, metered_round, prepare, train_step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("experiment")
+    parser.add_argument("policies", help="a folder of compiled policies (results/<experiment>/compiled)")
+    parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    exp = config.load_experiment(args.experiment)
+    device, model, inputs, target, _ = prepare(exp)
+    methods = []
+    for k, path in enumerate(sorted(Path(args.policies).glob("p*.yaml"))):
+        m, opt = fresh_copy(model, exp)
+        methods.append(Method("gaswap", str(k), m, compiled.compile(m, policies.load(path)), opt))
+    if not methods:
+        raise SystemExit(f"{args.policies}: no p*.yaml policies")
+    for budget in (1.0, 0.5, 0.2):
+        m, opt = fresh_copy(model, exp)
+        methods.append(Method("torch.compile", str(budget), m, _torch_compiled(m, budget), opt))
+    _allow_recompiles(len(methods))
+    for m in methods:  # the compiles
+        for _ in range(2):
+            train_step(m, inputs, target, exp.loss, device)
+    timed, alone, rotated = methods[0], [], []
+    for _ in range(args.blocks):
+        for _ in range(args.rounds):
+            alone += [cpu for _, cpu in metered_round(timed, inputs, target, exp.loss, device, 3)[2]]
+        for r in range(args.rounds):
+            for m in methods[r % len(methods):] + methods[:r % len(methods)]:
+                times = [cpu for _, cpu in metered_round(m, inputs, target, exp.loss, device, 3)[2]]
+                rotated += times if m is timed else []
+    show = lambda v: f"{statistics.median(v) * 1e3:.2f} ms ({min(v) * 1e3:.2f}-{max(v) * 1e3:.2f})"  # noqa: E731
+    print(f"{exp.name}, {len(methods)} methods: alone {show(alone)}, rotated {show(rotated)}, "
+          f"ratio {statistics.median(rotated) / statistics.median(alone):.3f}")
+
+
+if __name__ == "__main__":
+    main()
