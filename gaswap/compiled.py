@@ -394,7 +394,7 @@ def offload(fw: fx.GraphModule, bw: fx.GraphModule, names: set[str], num_fwd_out
     chosen = [saved[t] for t in sorted(names) if t in saved]
     for node in chosen:
         node.meta["should_offload"] = True
-    cuda = any(n.meta["val"].device.type == "cuda" for n in chosen)
+    cuda = any(isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].is_cuda for n in chosen)
     with functorch_config.patch(activation_offload_separate_stream=cuda, activation_offload_sink_wait=cuda,
                                 activation_reload_prefetch=cuda):
         enable_activation_offloading(fw, bw, num_fwd_outputs, static)
