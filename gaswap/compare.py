@@ -157,6 +157,7 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
                                        "budget_bytes": budget_of[label],
                                        "optimizer": exp.optimizer, "counts": sorted(exp.counts),
                                        "cost_source": problem.simulator.costs.source,
+                                       "device": problem.simulator.costs.device,  # costs and calibration timed here
                                        "calibration": problem.calibration.to_dict(),
                                        "torch_version": str(torch.__version__)})
         m, opt = fresh_copy(model, exp)
