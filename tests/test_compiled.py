@@ -281,6 +281,35 @@ def test_a_policy_recomputing_what_may_not_run_twice_is_refused():
     assert compiled.make_policy(g, {"r": "keep"}).actions == {"r": "keep"}
 
 
+def test_cuda_offloading_uses_torchs_async_copies_and_prefetched_reloads_on_fake_cuda_tensors():
+    """The CUDA branch of `compiled.offload`, on a CPU: graphs whose values are fake CUDA tensors (as inductor's
+    partitioner sees them) get torch's asynchronous offload (`ao.offload`, waited on) after the saved value's
+    last forward reader, and its reload (`ao.reload`, waited on) before its first backward reader."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    from torch.utils._ordered_set import OrderedSet
+
+    def forward(x, w):
+        relu = torch.relu(x @ w)
+        return relu.sum(), relu
+
+    def backward(x, relu, tangents_1):
+        return ((relu > 0) * tangents_1,)
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        x, w, relu, grad = (torch.empty(64, 64, device="cuda") for _ in range(4))
+    fw, bw = torch.fx.symbolic_trace(forward), torch.fx.symbolic_trace(backward)
+    FakeTensorProp(fw, mode).propagate(x, w)
+    FakeTensorProp(bw, mode).propagate(x, relu, grad)
+    with mode:  # as inside torch.compile
+        compiled.offload(fw, bw, {"relu"}, 1, OrderedSet())
+    calls = lambda g: [n.target for n in g.graph.nodes if n.op == "call_function"]  # noqa: E731
+    assert calls(fw)[-2:] == [torch.ops.ao.offload.default, torch.ops.ao.wait_tensor.default]
+    assert [n.name for n in fw.graph.output_node().args[0]] == ["sum_1", compiled.OFFLOADED_PREFIX + "relu"]
+    assert calls(bw)[:2] == [torch.ops.ao.reload.default, torch.ops.ao.wait_tensor.default]  # before `relu > 0`
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_swapped_activations_leave_the_gpu_and_gradients_stay_the_same():
