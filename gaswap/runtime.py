@@ -201,6 +201,7 @@ class _Codegen:
         self.live: dict[str, str] = {}
         self.retired: dict[str, list[str]] = {}  # a tensor re-made while its first copy waits is retired twice
         self.pending: set[str] = set()
+        self.cached: dict[str, set[str]] = {}  # a view rebuilt and kept -> the tensors it is a view of
         self.at = -1  # the index in the program of the instruction being written
 
     def compile(self) -> tuple[str, dict]:
@@ -227,7 +228,7 @@ class _Codegen:
     def begin(self, function: str, live: list[str]) -> None:
         """`def function(args, copies):`, taking the placeholders in `live` from `args` (then emptied)."""
         self.live = {name: self.local(name) for name in live} | self.constants
-        self.retired, self.pending = {}, set()
+        self.retired, self.pending, self.cached = {}, set(), {}
         self.emit(f"def {function}({self.args}, {self.copies}):", indent=0)
         names = [self.live.get(name, self.unused) for name in self.r.placeholders]
         self.emit(f"({', '.join(names)},) = {self.args}")
@@ -245,6 +246,7 @@ class _Codegen:
             self.emit(f"{h} = {self.state}[{h!r}]")
         self.emit(f"{self.state}.clear()")
         self.live[self.r.grad_output] = grad
+        self.cached = {}  # forward's locals
 
     def end(self, results: list) -> None:
         """Wait for the copies and return `results`."""
@@ -283,8 +285,9 @@ class _Codegen:
             self.emit(f"{self.constant(times, 'times')}.append({now} - {self.started})")
 
     def op(self, name: str) -> None:
-        """Run (or re-run) an op: wait for inputs being copied in, rebuild the views it reads, call it, keep
-        the outputs that are not on the device already, drop the views."""
+        """Run (or re-run) an op: wait for inputs being copied in, rebuild the views it reads (kept for later
+        readers until what they are views of goes), call it, keep the outputs that are not on the device
+        already."""
         node, op = self.r.nodes[name], self.r.ops[name]
         for t in op.inputs:
             if t not in self.live:
@@ -337,6 +340,7 @@ class _Codegen:
         self.emit(f"del {local}")
         del self.live[name]
         self.retired.setdefault(name, []).append(retired)
+        self.drop_views_of(name)
 
     def swap_in(self, name: str) -> None:
         into = self.slot(name)
@@ -358,6 +362,15 @@ class _Codegen:
             self.emit(f"{self.copies}.release({name!r})")
         if name not in self.constants:
             self.emit(f"del {local}")
+        self.drop_views_of(name)
+
+    def drop_views_of(self, name: str) -> None:
+        """Drop the kept views of `name`, which is gone from the device: a view holds its memory."""
+        gone = [view for view, bases in self.cached.items() if name in bases]
+        for view in gone:
+            del self.cached[view]
+        if gone:
+            self.emit(f"del {', '.join(gone)}")
 
     def present(self, name: str, verb: str) -> str:
         if name not in self.live:
@@ -368,25 +381,30 @@ class _Codegen:
 
     def views(self, nodes) -> list[str]:
         """Write the values of `nodes` that are not on the device, views rebuilt from their bases (and the
-        views those read); their local names."""
-        order, seen = [], set()
+        views those read) unless kept from an earlier reader; they are kept (`cached`) until a tensor they are
+        views of goes (`drop_views_of`). Returns the locals to drop after the op: none."""
+        order, bases = [], {}
 
-        def visit(node: fx.Node) -> None:
-            if node.name in self.live or node in seen:
-                return
+        def visit(node: fx.Node) -> set[str]:  # the tensors on the device its value is a view of
+            if node.name in self.live:
+                return {node.name}
+            if node.name in self.cached:
+                return self.cached[node.name]
+            if node.name in bases:
+                return bases[node.name]
             if node.op != "call_function" or node.name in self.r.ops:
                 raise ProgramError(f"{node.name} is needed but is not on the device")
-            seen.add(node)
-            for a in node.all_input_nodes:
-                visit(a)
+            bases[node.name] = set().union(*(visit(a) for a in node.all_input_nodes))
             order.append(node)
+            return bases[node.name]
 
         for node in nodes:
             if isinstance(node, fx.Node):
                 visit(node)
         for node in order:
             self.emit(f"{node.name} = {self.call(node)}")
-        return [node.name for node in order]
+            self.cached[node.name] = bases[node.name]
+        return []
 
     def call(self, node: fx.Node) -> str:
         if node.target is operator.getitem:
