@@ -84,10 +84,10 @@ class _ArenaCodegen(_Codegen):
             self.r.placed["swap_in"].append(tensor)
         return self.constant(carved, f"{tensor}_slot")
 
-    def store(self, node: fx.Node, call: str, new: list, views: list[str]) -> None:
+    def store(self, node: fx.Node, call: str, new: list, dropped: list[str]) -> None:
         slots = {out: self.slot(out) for _, out in new}
         if not any(slots.values()):
-            return super().store(node, call, new, views)
+            return super().store(node, call, new, dropped)
         val, variant = node.meta["val"], out_variant(node.target)
         results = [(None, val)] if isinstance(val, torch.Tensor) else list(enumerate(val))
         if variant is not None and len(variant[1]) == len(results) and all(isinstance(v, torch.Tensor) for _, v in
@@ -103,7 +103,7 @@ class _ArenaCodegen(_Codegen):
                     self.emit(f"{slot} = {empty}({self.arg(tuple(v.shape))}, {self.arg(tuple(v.stride()))}, "
                               f"dtype={self.arg(v.dtype)}, device={self.arg(self.r.device)})")
                     if i not in made:
-                        views.append(slot)
+                        dropped.append(slot)
                 outs.append(slot)
             args = [self.arg(a) for a in node.args]
             args += [f"{k}={self.arg(v)}" for k, v in node.kwargs.items() if k in accepted]
@@ -123,7 +123,7 @@ class _ArenaCodegen(_Codegen):
                 else:
                     self.emit(f"{slots[out]}.copy_({item})")
             self.r.placed["copy"].append(node.name)
-            views.append(result)
+            dropped.append(result)
         for _, out in new:
             if slots[out] is not None:
                 self.emit(f"{self.local(out)} = {slots[out]}")

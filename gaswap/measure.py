@@ -388,7 +388,7 @@ def profile_step(captured, make_args, device: str | torch.device = "cpu", warmup
     reading is less the clock's own cost (`clock_overhead`).
 
     In place, an op finds its inputs where the op before left them (caches, allocator) and pays the
-    runtime's own overhead (the views it reads rebuilt and dropped, waits for copies), as it will in
+    runtime's own overhead (the views it is first to read rebuilt, waits for copies), as it will in
     training: the clock is read around each instruction of the runner's generated code, so what the step
     costs beyond its instructions is only the call itself. On a CPU, an op timed alone on the same inputs
     over and over looks a third faster than in a real step.
@@ -436,12 +436,11 @@ def clock_overhead(device: torch.device, samples: int = 2001) -> float:
     and the wall clock): median of `samples`. On a step of many small ops it is a large part of each reading
     (a GRU cell unrolled over 24 steps: 941 ops of about 3 us and as many frees, predicted 1.4x its time)."""
     clock = device_clock(device)
-    synchronize = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     readings = []
     for _ in range(samples):
-        synchronize()
+        sync(device)
         started = clock()
-        synchronize()
+        sync(device)
         readings.append(clock() - started)
     return statistics.median(readings)
 

@@ -3,10 +3,10 @@
 The simulator turns a policy into a program (`SimResult.program`, stored in the policy file): which op
 runs next, which tensor is copied to the host or back, which is dropped. `StepRunner` compiles the program
 into Python code over the captured fx graph (`runner.source`), one statement per instruction in program
-order: an op is a call of its ATen target, the views it reads are rebuilt from their bases just before it
-and dropped after it (so a tensor dropped by the program is really gone), a copy is a call of the step's
-`_Copies`, a free is a `del`. There is no interpreter loop: a keep-all program costs about what the
-captured graph costs run plainly (scripts/runtime_overhead.py measures it). Copies go through the
+order: an op is a call of its ATen target, a view it reads is rebuilt from its base just before the first
+op that reads it and dropped with that base (so a tensor dropped by the program is really gone), a copy is
+a call of the step's `_Copies`, a free is a `del`. There is no interpreter loop: a keep-all program costs
+about what the captured graph costs run plainly (scripts/runtime_overhead.py measures it). Copies go through the
 runner's streams (gaswap/streams.py): on CUDA one stream per direction, events and one pinned host arena
 sized from the program; on the CPU the same code copies into a host arena at once.
 
@@ -296,7 +296,8 @@ class _Codegen:
             if t in self.pending:
                 self.emit(f"{self.copies}.wait_for({t!r})")
                 self.pending.discard(t)
-        views = self.views(node.all_input_nodes)
+        self.views(node.all_input_nodes)
+        dropped: list[str] = []  # locals to drop after the op
         call, val = self.call(node), node.meta.get("val")
         if isinstance(val, torch.Tensor):
             outputs = [(None, node.name)]
@@ -306,15 +307,15 @@ class _Codegen:
         else:
             outputs = []
         new = [(i, out) for i, out in outputs if out in op.outputs and out not in self.live]
-        self.store(node, call, new, views)
+        self.store(node, call, new, dropped)
         for _, out in new:
             self.live[out] = self.local(out)
-        if views:
-            self.emit(f"del {', '.join(views)}")
+        if dropped:
+            self.emit(f"del {', '.join(dropped)}")
 
-    def store(self, node: fx.Node, call: str, new: list, views: list[str]) -> None:
+    def store(self, node: fx.Node, call: str, new: list, dropped: list[str]) -> None:
         """Write the op's call, keeping the outputs in `new` ((index in its result or None, tensor name)) in
-        their locals; a local to drop after the op goes into `views`."""
+        their locals; a local to drop after the op goes into `dropped`."""
         if not new:
             self.emit(call)
         elif len(new) == 1:
@@ -324,7 +325,7 @@ class _Codegen:
             self.emit(f"{node.name} = {call}")
             for i, out in new:
                 self.emit(f"{self.local(out)} = {node.name}[{i}]")
-            views.append(node.name)
+            dropped.append(node.name)
 
     def slot(self, tensor: str) -> str | None:
         """The expression of the memory the current instruction's `tensor` goes into (None: a new tensor)."""
@@ -379,10 +380,10 @@ class _Codegen:
 
     # --- expressions -------------------------------------------------------------------------------
 
-    def views(self, nodes) -> list[str]:
+    def views(self, nodes) -> None:
         """Write the values of `nodes` that are not on the device, views rebuilt from their bases (and the
         views those read) unless kept from an earlier reader; they are kept (`cached`) until a tensor they are
-        views of goes (`drop_views_of`). Returns the locals to drop after the op: none."""
+        views of goes (`drop_views_of`)."""
         order, bases = [], {}
 
         def visit(node: fx.Node) -> set[str]:  # the tensors on the device its value is a view of
@@ -404,7 +405,6 @@ class _Codegen:
         for node in order:
             self.emit(f"{node.name} = {self.call(node)}")
             self.cached[node.name] = bases[node.name]
-        return []
 
     def call(self, node: fx.Node) -> str:
         if node.target is operator.getitem:
