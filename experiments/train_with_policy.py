@@ -18,12 +18,15 @@ import torch
 import torch.nn.functional as F
 
 import gaswap
-from gaswap import config, experiment, policy as policies, zoo
-from gaswap.config import format_size  # decimal units (MB); GASWAP_UNITS=binary for MiB
-from gaswap.locate import experiment_file
-from gaswap.measure import resolve_device
-from gaswap.memory import DeviceMemory
-from gaswap.validate import OPTIMIZERS
+from gaswap import zoo
+from gaswap.app.validate import OPTIMIZERS
+from gaswap.base import config
+from gaswap.base.config import format_size  # decimal units (MB); GASWAP_UNITS=binary for MiB
+from gaswap.base.locate import experiment_file
+from gaswap.plan import policy as policies
+from gaswap.run import experiment
+from gaswap.run.measure import resolve_device
+from gaswap.run.step_memory import DeviceMemory
 
 LOSSES = {
     "cross_entropy": lambda out, y: F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)),

@@ -1,5 +1,5 @@
 import sys
 
-from gaswap.cli import main
+from gaswap.app.cli import main
 
 sys.exit(main())

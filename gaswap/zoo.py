@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gaswap.locate import import_module
+from gaswap.base.locate import import_module
 
 
 def alexnet(num_classes: int = 1000) -> nn.Module:

@@ -3,9 +3,9 @@ activation_memory_budget 1.0 / 0.5 / 0.2, and random keep/recompute policies, ea
 
     PYTHONPATH=. python scripts/compiled_peaks.py experiments/compare_cnn_cpu.yaml [--random 2] [--steps 3]
 
-The measured peak is `gaswap.meter`'s (torch's allocator, above what is allocated before the step; on a CPU
+The measured peak is `gaswap.run.peak_meter`'s (torch's allocator, above what is allocated before the step; on a CPU
 the resident-set high-water mark beside it); the predicted ones are the compiled model's
-(`compiled_costs.CompiledProblem`) and the joint graph's ops one by one (`Problem`), less the resident bytes,
+(`step_model.CompiledProblem`) and the joint graph's ops one by one (`Problem`), less the resident bytes,
 and the peak of the programs inductor generated for the policy (`compiled_program`).
 """
 from __future__ import annotations
@@ -14,12 +14,13 @@ import argparse
 import random
 import statistics
 
-from gaswap import compiled, compiled_costs, compiled_program, config
-from gaswap.compare import Method, _actions, _allow_recompiles, fresh_copy, metered_round, prepare, train_step
-from gaswap.config import format_size
-from gaswap.encoding import Action, Chromosome
-from gaswap.measure import measure
-from gaswap.problem import Problem
+from gaswap.app.compare import Method, _actions, _allow_recompiles, fresh_copy, metered_round, prepare, train_step
+from gaswap.base import config
+from gaswap.base.config import format_size
+from gaswap.compiled import partition, programs, step_model
+from gaswap.plan.encoding import Action, Chromosome
+from gaswap.plan.problem import Problem
+from gaswap.run.measure import measure
 
 
 def main() -> None:
@@ -31,13 +32,13 @@ def main() -> None:
     exp = config.load_experiment(args.experiment)
     device, model, inputs, target, graph = prepare(exp)
     costs = measure(graph, device, threads=exp.costs.threads)
-    space = config.load_search_space(compiled.SPACE)
-    fused = compiled_costs.CompiledProblem(graph, costs, None, space, loss=exp.loss)
+    space = config.load_search_space(partition.SPACE)
+    fused = step_model.CompiledProblem(graph, costs, None, space, loss=exp.loss)
     opwise = Problem(graph, costs, None, space)
     encoding, resident = fused.encoding, fused.fused.resident_bytes()
     policies = {"keep-all": encoding.uniform(Action.KEEP), "recompute-all": encoding.uniform(Action.RECOMPUTE)}
     for budget in (1.0, 0.5, 0.2):
-        _, actions = compiled.torch_partition(model, *inputs, budget=budget, optimizer=exp.optimizer,
+        _, actions = partition.torch_partition(model, *inputs, budget=budget, optimizer=exp.optimizer,
                                               counted=exp.counts)
         policies[f"torch {budget:g}"] = Chromosome(encoding.captured_keys(), _actions(encoding, actions))
     rng = random.Random(0)
@@ -51,13 +52,13 @@ def main() -> None:
     provenance = {"optimizer": exp.optimizer, "counts": sorted(exp.counts)}
     _allow_recompiles(len(policies))
     for label, c in policies.items():
-        policy = compiled.make_policy(graph, fused.actions_of(c), provenance=provenance)
+        policy = partition.make_policy(graph, fused.actions_of(c), provenance=provenance)
         m, opt = fresh_copy(model, exp)
-        method = Method("gaswap", label, m, compiled.compile(m, policy), opt)
-        with compiled_program.Recorder() as recorder:
+        method = Method("gaswap", label, m, partition.compile(m, policy), opt)
+        with programs.Recorder() as recorder:
             train_step(method, inputs, target, exp.loss, device)
         train_step(method, inputs, target, exp.loss, device)
-        program = compiled_program.step_peak(recorder.programs, graph.tensors[graph.loss].size, exp.loss)
+        program = programs.step_peak(recorder.programs, graph.tensors[graph.loss].size, exp.loss)
         rounds = [metered_round(method, inputs, target, exp.loss, device, 0) for _ in range(args.steps)]
         peaks, rss = [peak for peak, _, _ in rounds], [rss_peak for _, rss_peak, _ in rounds]
         predicted = fused.simulate(c).peak_bytes - resident

@@ -1,4 +1,4 @@
-"""The memory of a compiled graph's generated code (`gaswap.compiled_program`), read from a
+"""The memory of a compiled graph's generated code (`gaswap.compiled.programs`), read from a
 `TORCH_LOGS=output_code` log: prints the graph's peak (inputs other than `primals_*` included: saved
 tensors, the incoming gradient) and the buffers alive at it.
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from gaswap.compiled_program import Program
+from gaswap.compiled.programs import Program
 
 
 def programs(log_lines: list[str]) -> list[Program]:

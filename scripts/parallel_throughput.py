@@ -1,4 +1,4 @@
-"""Evaluation throughput of the search's maps: one process against `gaswap.parallel.ProcessMap(n)`.
+"""Evaluation throughput of the search's maps: one process against `gaswap.plan.parallel.ProcessMap(n)`.
 
     PYTHONPATH=. python scripts/parallel_throughput.py [--ops 1000,2000] [--workers 2] [--rounds 5]
 
@@ -14,10 +14,10 @@ import random
 import statistics
 import time
 
-from gaswap.costs import Costs
-from gaswap.graph import residual_graph
-from gaswap.parallel import ProcessMap, serial_map
-from gaswap.problem import Problem
+from gaswap.plan.costs import Costs
+from gaswap.plan.graph import residual_graph
+from gaswap.plan.parallel import ProcessMap, serial_map
+from gaswap.plan.problem import Problem
 
 
 def main() -> None:

@@ -3,18 +3,19 @@
     PYTHONPATH=. python scripts/readback.py experiments/compare_gpt_cpu.yaml [--budgets 1.0 0.5 0.2] [--rounds 5]
 
 For each `activation_memory_budget`, torch.compile with inductor at that budget, and gaswap's compiled
-backend under `compiled.torch_partition`'s keep/recompute actions (what torch's min-cut saved, as a policy),
+backend under `partition.torch_partition`'s keep/recompute actions (what torch's min-cut saved, as a policy),
 each with its own copy of the model, trained in rounds with the order rotated: the allocator peak of one
-metered step (`gaswap.meter`) and the CPU time per step (the experiment's `costs.threads` intra-op
+metered step (`gaswap.run.peak_meter`) and the CPU time per step (the experiment's `costs.threads` intra-op
 threads), median and range. Equal figures mean gaswap's search space holds torch's choice as torch runs it.
 """
 from __future__ import annotations
 
 import argparse
 
-from gaswap import compiled, config
-from gaswap.compare import Method, _measure, _torch_compiled, fresh_copy, prepare
-from gaswap.config import format_size
+from gaswap.app.compare import Method, _measure, _torch_compiled, fresh_copy, prepare
+from gaswap.base import config
+from gaswap.base.config import format_size
+from gaswap.compiled import partition
 
 
 def main() -> None:
@@ -29,13 +30,13 @@ def main() -> None:
     provenance = {"optimizer": exp.optimizer, "counts": sorted(exp.counts)}
     methods = []
     for budget in args.budgets:
-        graph, actions = compiled.torch_partition(model, *inputs, budget=budget, optimizer=exp.optimizer,
+        graph, actions = partition.torch_partition(model, *inputs, budget=budget, optimizer=exp.optimizer,
                                                   counted=exp.counts)
-        policy = compiled.make_policy(graph, actions, provenance=provenance)
+        policy = partition.make_policy(graph, actions, provenance=provenance)
         m, opt = fresh_copy(model, exp)
         methods.append(Method("torch.compile", f"{budget:g}", m, _torch_compiled(m, budget), opt))
         m, opt = fresh_copy(model, exp)
-        methods.append(Method("read back", f"{budget:g}", m, compiled.compile(m, policy), opt))
+        methods.append(Method("read back", f"{budget:g}", m, partition.compile(m, policy), opt))
     rows = _measure(methods, inputs, target, exp, device, args.rounds, args.steps, progress=lambda _: None)
     print(f"{exp.name}: {args.rounds} rounds x {args.steps} steps, CPU ms per step")
     print("| budget | method | peak | step (median) | range |")

@@ -6,9 +6,10 @@ import random
 import statistics
 import time
 
-from gaswap import config, workflow
-from gaswap.allocator import ReservedProblem
-from gaswap.problem import Problem
+from gaswap.app import workflow
+from gaswap.base import config
+from gaswap.plan.memory.allocator import ReservedProblem
+from gaswap.plan.problem import Problem
 
 for name in ["alexnet_4gb", "gpt_bench"]:
     exp = config.load_experiment(f"experiments/{name}.yaml")

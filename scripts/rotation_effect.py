@@ -14,9 +14,18 @@ import argparse
 import statistics
 from pathlib import Path
 
-from gaswap import compiled, config
-from gaswap import policy as policies
-from gaswap.compare import Method, _allow_recompiles, _torch_compiled, fresh_copy, metered_round, prepare, train_step
+from gaswap.app.compare import (
+    Method,
+    _allow_recompiles,
+    _torch_compiled,
+    fresh_copy,
+    metered_round,
+    prepare,
+    train_step,
+)
+from gaswap.base import config
+from gaswap.compiled import partition
+from gaswap.plan import policy as policies
 
 
 def main() -> None:
@@ -31,7 +40,7 @@ def main() -> None:
     methods = []
     for k, path in enumerate(sorted(Path(args.policies).glob("p*.yaml"))):
         m, opt = fresh_copy(model, exp)
-        methods.append(Method("gaswap", str(k), m, compiled.compile(m, policies.load(path)), opt))
+        methods.append(Method("gaswap", str(k), m, partition.compile(m, policies.load(path)), opt))
     if not methods:
         raise SystemExit(f"{args.policies}: no p*.yaml policies")
     for budget in (1.0, 0.5, 0.2):

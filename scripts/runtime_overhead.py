@@ -8,7 +8,7 @@ Each round runs `--block` training steps of each method back to back, the order 
 round, and takes the process CPU time of each block. Printed: CPU ms per step (median and range over the
 rounds) and the per-round ratio to the plain graph (median and range). Then the step time the costs
 `profile_step` measures in place predict (they include the runtime's own per-op overhead) against the
-measured one. With `--arena`, the same keep-all policy run from a preallocated arena (gaswap.arena_runtime,
+measured one. With `--arena`, the same keep-all policy run from a preallocated arena (gaswap.run.arena_runtime,
 gradients in it too) is timed as well.
 """
 from __future__ import annotations
@@ -21,12 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from gaswap import zoo
-from gaswap.capture import capture
-from gaswap.costs import Costs
-from gaswap.encoding import Action, Encoding
-from gaswap.measure import profile_step, use_cpu
-from gaswap.runtime import StepRunner
-from gaswap.simulator import Simulator
+from gaswap.plan.costs import Costs
+from gaswap.plan.encoding import Action, Encoding
+from gaswap.plan.simulator import Simulator
+from gaswap.run.capture import capture
+from gaswap.run.measure import profile_step, use_cpu
+from gaswap.run.runtime import StepRunner
 
 
 def main() -> None:
@@ -63,7 +63,7 @@ def main() -> None:
 
     methods = {"plain graph": plain, "keep-all policy": policy, "eager PyTorch": eager}
     if a.arena:
-        from gaswap.arena_runtime import ArenaRunner
+        from gaswap.run.arena_runtime import ArenaRunner
 
         from_arena = ArenaRunner(cap, program, results_in_arena=True)
         methods["keep-all, arena"] = lambda: from_arena(args())

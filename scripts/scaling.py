@@ -18,10 +18,10 @@ import argparse
 import dataclasses
 import time
 
-from gaswap.config import GASettings, load_search_space
-from gaswap.problem import Problem
-from gaswap.search import search
-from gaswap.speed import deep_gpt_graph
+from gaswap.app.speed import deep_gpt_graph
+from gaswap.base.config import GASettings, load_search_space
+from gaswap.plan.problem import Problem
+from gaswap.plan.search import search
 
 LONG_SEED = 100
 

@@ -14,11 +14,11 @@ import dataclasses
 import json
 import time
 
-from gaswap import mincut
-from gaswap import search as searching
-from gaswap.config import GASettings, load_search_space
-from gaswap.problem import Problem
-from gaswap.speed import deep_gpt_graph
+from gaswap.app.speed import deep_gpt_graph
+from gaswap.base.config import GASettings, load_search_space
+from gaswap.plan import search as searching
+from gaswap.plan.problem import Problem
+from gaswap.plan.solvers import mincut
 
 
 def main() -> None:

@@ -28,11 +28,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from gaswap import simulator as new_simulator
-from gaswap.costs import Costs
-from gaswap.encoding import Action, Chromosome, Encoding
-from gaswap.graph import residual_graph
-from gaswap.problem import Problem
+from gaswap.plan import simulator as new_simulator
+from gaswap.plan.costs import Costs
+from gaswap.plan.encoding import Action, Chromosome, Encoding
+from gaswap.plan.graph import residual_graph
+from gaswap.plan.problem import Problem
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = 32
@@ -62,12 +62,13 @@ def graphs(names: list[str]):
             costs = Costs({op.name: 1e-4 for op in g.ops}, 12e9, 12e9, "synthetic", "synthetic")
             yield "2000-op synthetic graph", g, costs, half_keep_all(g, costs)
         elif name == "alexnet":
-            from gaswap import config, workflow
+            from gaswap.app import workflow
+            from gaswap.base import config
             prepared = workflow.prepare(config.load_experiment(str(ROOT / "experiments/alexnet_4gb.yaml")))
             budget = prepared.experiment.budget.resolve(workflow.keep_all(prepared).peak_bytes)
             yield "AlexNet (alexnet_4gb)", prepared.graph, prepared.costs, budget
         elif name == "gpt":
-            from gaswap.speed import deep_gpt_graph
+            from gaswap.app.speed import deep_gpt_graph
             g, costs = deep_gpt_graph()
             yield f"GPT, 44 layers ({len(g.ops)} ops)", g, costs, half_keep_all(g, costs)
         else:

@@ -15,9 +15,9 @@ import argparse
 import dataclasses
 import json
 
-from gaswap.config import GASettings, load_search_space
-from gaswap.problem import Generation, Problem
-from gaswap.search import search, stopping_generation
+from gaswap.base.config import GASettings, load_search_space
+from gaswap.plan.problem import Generation, Problem
+from gaswap.plan.search import search, stopping_generation
 
 RULES = [(p, t) for p in (20, 30, 40, 50, 60) for t in (0.0, 0.001)]
 
@@ -25,14 +25,15 @@ RULES = [(p, t) for p in (20, 30, 40, 50, 60) for t in (0.0, 0.001)]
 def problem_of(graph_name: str):
     """(graph, costs, space, population, budget, keep-all step time) of a graph this script knows."""
     if graph_name == "alexnet":
-        from gaswap import config, workflow
+        from gaswap.app import workflow
+        from gaswap.base import config
 
         experiment = config.load_experiment("experiments/alexnet_4gb.yaml")
         prepared = workflow.prepare(experiment)
         keep = workflow.keep_all(prepared)
         return (prepared.graph, prepared.costs, experiment.search_space, 128,
                 experiment.budget.resolve(keep.peak_bytes), keep.step_time)
-    from gaswap.speed import deep_gpt_graph
+    from gaswap.app.speed import deep_gpt_graph
 
     graph, costs = deep_gpt_graph(int(graph_name.removeprefix("gpt")), profile="a100-pcie-40gb")
     keep = Problem(graph, costs).keep_all()

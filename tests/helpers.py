@@ -1,6 +1,6 @@
 """Small hand-made graphs and costs shared by the core tests (no torch)."""
-from gaswap.costs import Costs
-from gaswap.graph import Graph
+from gaswap.plan.costs import Costs
+from gaswap.plan.graph import Graph
 
 
 def unit_costs(graph: Graph, op_time: float = 1.0, bandwidth: float = 1.0, **times) -> Costs:

@@ -22,9 +22,9 @@ from __future__ import annotations
 from hypothesis import event
 from hypothesis import strategies as st
 
-from gaswap.costs import Costs
-from gaswap.encoding import Action, Chromosome, Encoding
-from gaswap.graph import COUNTABLE, Graph, Op, Tensor
+from gaswap.plan.costs import Costs
+from gaswap.plan.encoding import Action, Chromosome, Encoding
+from gaswap.plan.graph import COUNTABLE, Graph, Op, Tensor
 
 SIZES = st.integers(min_value=0, max_value=64)
 

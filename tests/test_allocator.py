@@ -1,12 +1,20 @@
 """The caching-allocator model on hand-worked sequences, and the replay of simulated steps through it."""
 import pytest
 
-from gaswap.allocator import (CachingAllocator, OutOfMemory, ReservedProblem, allocation_size, predict, replay,
-                              replay_recorded, round_size)
-from gaswap.costs import Costs
-from gaswap.encoding import Action, Encoding
-from gaswap.graph import chain
-from gaswap.simulator import Simulator
+from gaswap.plan.costs import Costs
+from gaswap.plan.encoding import Action, Encoding
+from gaswap.plan.graph import chain
+from gaswap.plan.memory.allocator import (
+    CachingAllocator,
+    OutOfMemory,
+    ReservedProblem,
+    allocation_size,
+    predict,
+    replay,
+    replay_recorded,
+    round_size,
+)
+from gaswap.plan.simulator import Simulator
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -146,7 +154,7 @@ def test_swap_in_on_the_copy_stream_reserves_more():
 
 
 def test_adam_temporaries_are_modelled_after_the_step():
-    from gaswap.graph import Graph, Op, Tensor
+    from gaswap.plan.graph import Graph, Op, Tensor
 
     tensors = {"w": Tensor("w", 4 * MiB, "param"), "x": Tensor("x", MiB, "input"),
                "y": Tensor("y", MiB, "activation", "f"), "gw": Tensor("gw", 4 * MiB, "grad", "b")}
@@ -163,8 +171,8 @@ def test_adam_temporaries_are_modelled_after_the_step():
 def test_a_search_can_target_reserved_memory():
     import pickle
 
-    from gaswap.config import GASettings, load_search_space
-    from gaswap.search import search
+    from gaswap.base.config import GASettings, load_search_space
+    from gaswap.plan.search import search
 
     graph, sim, encoding = _setup()
     keep = encoding.uniform(Action.KEEP)

@@ -5,7 +5,10 @@ import json
 
 import pytest
 
-from gaswap import allocator, config, policy as policies, results, workflow
+from gaswap.app import results, workflow
+from gaswap.base import config
+from gaswap.plan import policy as policies
+from gaswap.plan.memory import allocator
 
 EXPERIMENT = """
 model: {factory: gaswap.zoo:tiny_cnn, kwargs: {num_classes: 10, width: 16}}

@@ -9,16 +9,15 @@ import torch
 import torch.nn.functional as F
 
 import gaswap
-from gaswap import policy as policies
-from gaswap.capture import capture, make_inputs
-from gaswap.cli import main
-from gaswap.costs import estimate, load_profile
-from gaswap.encoding import Encoding
-from gaswap.memory import DeviceMemory
-from gaswap.policy import PolicyError
-from gaswap.runtime import PolicyModule, ProgramError, StepRunner
-from gaswap.simulator import Simulator
-
+from gaswap.app.cli import main
+from gaswap.plan import policy as policies
+from gaswap.plan.costs import estimate, load_profile
+from gaswap.plan.encoding import Encoding
+from gaswap.plan.policy import PolicyError
+from gaswap.plan.simulator import Simulator
+from gaswap.run.capture import capture, make_inputs
+from gaswap.run.runtime import PolicyModule, ProgramError, StepRunner
+from gaswap.run.step_memory import DeviceMemory
 from tiny_models import MODELS as ALL_MODELS
 from tiny_models import policy_set
 

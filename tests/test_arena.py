@@ -2,12 +2,13 @@
 import pytest
 import torch
 
-from gaswap.allocator import replay
-from gaswap.arena import _best_gap, arena_buffer, carve, plan
-from gaswap.costs import Costs
-from gaswap.encoding import Action, Encoding
-from gaswap.graph import chain
-from gaswap.simulator import Simulator
+from gaswap.plan.costs import Costs
+from gaswap.plan.encoding import Action, Encoding
+from gaswap.plan.graph import chain
+from gaswap.plan.memory.allocator import replay
+from gaswap.plan.memory.arena import _best_gap, plan
+from gaswap.run.arena_runtime import arena_buffer, carve
+from gaswap.plan.simulator import Simulator
 
 MiB = 1 << 20
 

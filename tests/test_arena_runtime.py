@@ -1,17 +1,17 @@
-"""A policy run from one preallocated arena (gaswap.arena_runtime): the same values bit for bit as the plain
+"""A policy run from one preallocated arena (gaswap.run.arena_runtime): the same values bit for bit as the plain
 runtime, the arena the size of its plan, and what is allocated outside it measured (CPU, tiny models)."""
 import pytest
 import torch
-
-from gaswap.arena_runtime import ArenaRunner, OutsideArena, arena_figures, out_variant
-from gaswap.capture import capture, make_inputs
-from gaswap.costs import estimate, load_profile
-from gaswap.encoding import Action, Encoding
-from gaswap.memory import DeviceMemory
-from gaswap.runtime import StepRunner
-from gaswap.simulator import Simulator
-from gaswap.streams import LaggingStreams
 from test_runtime import fresh_args, policies_for, setup, train
+
+from gaswap.plan.costs import estimate, load_profile
+from gaswap.plan.encoding import Action, Encoding
+from gaswap.plan.simulator import Simulator
+from gaswap.run.arena_runtime import ArenaRunner, OutsideArena, arena_figures, out_variant
+from gaswap.run.capture import capture, make_inputs
+from gaswap.run.runtime import StepRunner
+from gaswap.run.step_memory import DeviceMemory
+from gaswap.run.streams import LaggingStreams
 from tiny_models import MODELS
 
 
@@ -191,7 +191,8 @@ def test_out_overloads_that_copy_inside_are_told_apart_from_kernels_that_write_i
 
 
 def test_validate_runs_a_policy_from_an_arena_and_counts_it(tmp_path):
-    from gaswap import config, validate, workflow
+    from gaswap.app import validate, workflow
+    from gaswap.base import config
 
     path = tmp_path / "exp.yaml"
     path.write_text("model: {factory: gaswap.zoo:tiny_cnn, kwargs: {num_classes: 10, width: 8}}\n"

@@ -2,16 +2,15 @@
 from types import SimpleNamespace
 
 import pytest
-from helpers import unit_costs
-
-from gaswap.baselines import BASELINES, chen_greedy, chen_sqrt, dtr, knapsack
-from gaswap.problem import Problem
-from gaswap.bench import _bench, parse_budget
-from gaswap.graph import residual_graph
-from gaswap.config import Budget, GASettings
-from gaswap.encoding import Action, Encoding
-from gaswap.graph import chain
 from test_simulator import _dropout_graph
+
+from gaswap.app.bench import _bench, parse_budget
+from gaswap.base.config import Budget, GASettings
+from gaswap.plan.encoding import Action, Encoding
+from gaswap.plan.graph import chain, residual_graph
+from gaswap.plan.problem import Problem
+from gaswap.plan.solvers.baselines import BASELINES, chen_greedy, chen_sqrt, dtr, knapsack
+from helpers import unit_costs
 
 K, S, R = Action.KEEP, Action.SWAP, Action.RECOMPUTE
 

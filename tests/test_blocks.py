@@ -1,15 +1,14 @@
-"""Identical blocks and block-policy sharing (gaswap.blocks), on synthetic graphs (no torch)."""
+"""Identical blocks and block-policy sharing (gaswap.plan.blocks), on synthetic graphs (no torch)."""
 import dataclasses
 import random
 
+from gaswap.base.config import GASettings, load_search_space
+from gaswap.plan.blocks import block_of, repeated_blocks, share, tied
+from gaswap.plan.encoding import Encoding
+from gaswap.plan.graph import Graph, residual_graph
+from gaswap.plan.problem import Problem
+from gaswap.plan.search import Search, search
 from helpers import unit_costs
-
-from gaswap.blocks import block_of, repeated_blocks, share, tied
-from gaswap.config import GASettings, load_search_space
-from gaswap.encoding import Encoding
-from gaswap.graph import Graph, residual_graph
-from gaswap.problem import Problem
-from gaswap.search import Search, search
 
 
 def numbered(g: Graph) -> Graph:
@@ -94,7 +93,7 @@ def test_sharing_changes_nothing_where_the_graph_has_no_repeated_blocks():
 def test_blocks_smaller_than_min_block_ops_form_no_class(monkeypatch):
     """AlexNet's ReLUs `features.9` and `features.11` look alike (one op forward, one backward): too small to
     tie. Here the residual blocks hold 5 ops each: a class at the threshold 4, none above 5."""
-    from gaswap import blocks
+    from gaswap.plan import blocks
 
     encoding = Encoding(numbered(residual_graph(40)))
     assert blocks.MIN_BLOCK_OPS <= 5 and len(repeated_blocks(encoding)) == 1

@@ -1,4 +1,4 @@
-"""Tests of gaswap.capture (model -> training-step Graph) and gaswap.zoo, on tiny models."""
+"""Tests of gaswap.run.capture (model -> training-step Graph) and gaswap.zoo, on tiny models."""
 import copy
 import json
 
@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from gaswap import zoo
-from gaswap import capture as capturing
-from gaswap.capture import LOSSES, CaptureError, make_inputs
-from gaswap.graph import Graph, Tensor
+from gaswap.plan.graph import Graph, Tensor
+from gaswap.run import capture as capturing
+from gaswap.run.capture import LOSSES, CaptureError, make_inputs
 from tiny_models import classifier_capture as capture
 
 F32 = 4  # bytes per float32
@@ -492,10 +492,10 @@ class _AttentionWithConstant(nn.Module):
 
 
 def test_tensor_constants_become_placeholders_and_the_step_runs_under_a_program():
-    from gaswap.costs import Costs
-    from gaswap.encoding import Action, Encoding
-    from gaswap.runtime import StepRunner
-    from gaswap.simulator import Simulator
+    from gaswap.plan.costs import Costs
+    from gaswap.plan.encoding import Action, Encoding
+    from gaswap.plan.simulator import Simulator
+    from gaswap.run.runtime import StepRunner
 
     torch.manual_seed(0)
     model, x, y = _AttentionWithConstant(), torch.randn(2, 5, 8), torch.randn(2, 5)
@@ -515,7 +515,7 @@ def test_tensor_constants_become_placeholders_and_the_step_runs_under_a_program(
 
 
 def test_cpu_flash_attention_is_replaced_off_the_cpu_by_equal_math():
-    from gaswap.capture import sdpa_backward, sdpa_forward
+    from gaswap.run.capture import sdpa_backward, sdpa_forward
 
     torch.manual_seed(0)
     model, x, y = _AttentionWithConstant(), torch.randn(2, 5, 8), torch.randn(2, 5)

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from gaswap import checkpoint as checkpoints
-from gaswap.checkpoint import CheckpointError
+from gaswap.plan import checkpoint as checkpoints
+from gaswap.plan.checkpoint import CheckpointError
 
 STATE = {"generation": 3, "evaluations": 100, "seconds": 1.5, "smallest_peak": 4096, "rng": [3, [1, 2], None],
          "population": [], "archive": [], "seeds": {}, "history": []}

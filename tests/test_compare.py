@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from gaswap import compare
-from gaswap.meter import PeakMeter
+from gaswap.app import compare
+from gaswap.run.peak_meter import PeakMeter
 
 
 def test_cpu_peak_meter_sees_what_a_block_holds_at_once():
@@ -58,7 +58,7 @@ def test_goal_compares_each_torch_point_with_the_fastest_gaswap_policy_at_or_bel
 
 
 def test_compare_refuses_an_experiment_without_a_loss(tmp_path):
-    from gaswap import config
+    from gaswap.base import config
 
     path = tmp_path / "e.yaml"
     path.write_text("model: {factory: gaswap.zoo:mlp}\ninputs: [{shape: [batch, 32]}]\nloss: external\n"
@@ -71,9 +71,9 @@ def _finalist_harness(measured: dict):
     """Stand-ins for compiling and timing finalists: (evaluated(k), method, time_methods, actions_of,
     problem_of, timed). `measured`: actions -> (peak above resident, seconds); every policy is predicted at
     40 above resident."""
-    from gaswap.encoding import Chromosome
-    from gaswap.policy import Policy
-    from gaswap.problem import Evaluated
+    from gaswap.plan.encoding import Chromosome
+    from gaswap.plan.policy import Policy
+    from gaswap.plan.problem import Evaluated
 
     actions_of, problem_of, timed = {}, {}, []  # method -> its actions, the problem it was made with; timed
 
@@ -150,11 +150,12 @@ def test_the_picked_policies_are_the_ones_timed_and_one_picked_twice_is_compiled
 
 
 def test_two_rounds_refit_the_time_model_on_round_one_and_time_round_twos_new_finalists_beside_its_choice():
-    from gaswap import compiled_costs as cc
-    from gaswap.encoding import Action, Chromosome
-    from gaswap.problem import Evaluated
-    from helpers import unit_costs
     from test_compiled_costs import _masked
+
+    from gaswap.compiled import step_model as cc
+    from gaswap.plan.encoding import Action, Chromosome
+    from gaswap.plan.problem import Evaluated
+    from helpers import unit_costs
 
     g = _masked()
     calibration = cc.fit([("a", 0.0, 0.0, 0, 0, 1.0), ("b", 1.0, 1.0, 1, 1, 2.0)])
@@ -206,8 +207,8 @@ def test_a_budget_no_finalist_fits_is_searched_again_under_the_model_error():
 def test_torch_partitions_that_measure_within_a_budget_join_its_finalists():
     from types import SimpleNamespace
 
-    from gaswap.encoding import Chromosome
-    from gaswap.problem import Evaluated
+    from gaswap.plan.encoding import Chromosome
+    from gaswap.plan.problem import Evaluated
 
     ours = Evaluated(Chromosome((0.0,), (0,)), 1.0, 100)
     partitions = {"torch 1": (Chromosome((0.0,), (1,)), SimpleNamespace(step_time=2.0, peak_bytes=90), 150),
@@ -222,8 +223,8 @@ def test_torch_partitions_that_measure_within_a_budget_join_its_finalists():
 
 
 def test_the_shortlist_fills_a_small_front_with_the_next_fastest_policies():
-    from gaswap.encoding import Chromosome
-    from gaswap.problem import Evaluated
+    from gaswap.plan.encoding import Chromosome
+    from gaswap.plan.problem import Evaluated
 
     def evaluated(action, seconds, peak):
         return Evaluated(Chromosome((0.0,), (action,)), seconds, peak)
@@ -250,9 +251,9 @@ def test_the_shortlist_fills_a_small_front_with_the_next_fastest_policies():
 def test_a_policy_written_predicts_its_generated_programs_peak_and_keeps_the_models_beside_it(tmp_path):
     import json
 
-    from gaswap import compiled_validate
-    from gaswap.compiled_program import Program
-    from gaswap.policy import Policy
+    from gaswap.app import validate_compiled
+    from gaswap.compiled.programs import Program
+    from gaswap.plan.policy import Policy
 
     policy = Policy("f", (), {}, {"peak_bytes": 1000, "step_time_s": 1.0, "resident_bytes": 100},
                     provenance={"budget_bytes": 1200})
@@ -260,7 +261,7 @@ def test_a_policy_written_predicts_its_generated_programs_peak_and_keeps_the_mod
     written = compare._with_program_peak(policy, 1050)
     assert written.predicted == {"peak_bytes": 1150, "step_time_s": 1.0, "resident_bytes": 100,
                                  "search_peak_bytes": 1000}
-    r = compiled_validate.report(written, tmp_path / "p.yaml", "e", "cpu", 1, [1000], [1.1], [None], 0.1)
+    r = validate_compiled.report(written, tmp_path / "p.yaml", "e", "cpu", 1, [1000], [1.1], [None], 0.1)
     assert r["predicted"] == {"peak_bytes": 1050, "step_time_s": 1.0, "search_peak_bytes": 900}
     assert r["peak_ratio"] == 1000 / 1050 and r["search_peak_ratio"] == 1000 / 900
     assert r["targets"] == {"peak_within_5pc": True, "peak_within_budget": True, "time_within_15pc": True}

@@ -1,4 +1,4 @@
-"""Policies inside torch.compile (gaswap.compiled): the joint graph, refusals, and exact training (CPU).
+"""Policies inside torch.compile (gaswap.compiled.partition): the joint graph, refusals, and exact training (CPU).
 
 Compiling with inductor takes tens of seconds on a 2-core machine: those tests are marked slow. Capture and
 the refusals stop at the partitioner, before inductor generates code (seconds).
@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gaswap import compiled, zoo
-from gaswap import graph as graphs
-from gaswap.policy import PolicyError
+from gaswap import zoo
+from gaswap.compiled import partition
+from gaswap.plan import graph as graphs
+from gaswap.plan.policy import PolicyError
 
 
 def _cnn():
@@ -27,7 +28,7 @@ def _mlp():
 
 def _saved(model, graph, x, actions) -> set[str]:
     """What the forward saves when `model` is compiled under a policy of `actions` on its joint graph `graph`."""
-    return set(compiled.saved_by(copy.deepcopy(model), compiled.make_policy(graph, actions), x))
+    return set(partition.saved_by(copy.deepcopy(model), partition.make_policy(graph, actions), x))
 
 
 def _recomputable(graph):
@@ -37,8 +38,8 @@ def _recomputable(graph):
 
 def test_capture_is_the_joint_graph_torch_partitions():
     model, x, _ = _cnn()
-    g = compiled.capture(model, x)
-    assert g.fingerprint() == compiled.capture(copy.deepcopy(model), x.clone()).fingerprint()  # stable names
+    g = partition.capture(model, x)
+    assert g.fingerprint() == partition.capture(copy.deepcopy(model), x.clone()).fingerprint()  # stable names
     kinds = {t.kind for t in g.tensors.values()}
     assert {"param", "buffer", "input", "grad_output", "activation", "grad"} <= kinds
     cands = g.candidates()
@@ -48,7 +49,7 @@ def test_capture_is_the_joint_graph_torch_partitions():
     assert not ops["inductor_seeds_default"].recomputable
     assert all(ops[n].phase == "fwd" and not ops[n].recomputable for n in ops if n.startswith("copy_"))  # BN stats
     # torch's own partition, as actions: it keeps the convolutions (compute intensive) at budget 1.0
-    graph, actions = compiled.torch_partition(model, x, budget=1.0)
+    graph, actions = partition.torch_partition(model, x, budget=1.0)
     assert graph.fingerprint() == g.fingerprint() and actions["convolution"] == "keep"
     assert set(actions) == set(cands)
 
@@ -59,7 +60,7 @@ def test_a_kept_mask_is_saved_instead_of_the_activation_it_reads():
     (the backward does not read it). Keeping the mask saves it and not relu_1; recomputing it and keeping relu_1
     saves relu_1 (the backward computes the mask from it); recomputing both saves neither."""
     model, x, _ = _cnn()
-    g = compiled.capture(model, x)
+    g = partition.capture(model, x)
     ops = {op.name: op for op in g.ops}
     assert ops["le"].phase == "fwd" and ops["le"].target == "aten.le.Scalar"
     assert "le" in g.candidates() and "relu_1" in g.candidates() and "relu_1" in g.decidable
@@ -82,7 +83,7 @@ def test_a_backward_value_computed_from_forward_values_alone_may_be_saved_in_the
     forward as a candidate, and the convolution's output becomes a decidable one. Keep-all saves sub_6; keeping
     the convolution's output and recomputing sub_6 saves the output, as torch's own partition at 1.0 does."""
     model, x, _ = _cnn()
-    g = compiled.capture(model, x)
+    g = partition.capture(model, x)
     ops = {op.name: op for op in g.ops}
     assert ops["sub_6"].phase == "fwd" and set(ops["sub_6"].inputs) == {"convolution", "getitem_1"}
     assert {"sub_6", "convolution"} <= set(g.candidates()) and "convolution" in g.decidable
@@ -90,7 +91,7 @@ def test_a_backward_value_computed_from_forward_values_alone_may_be_saved_in_the
     keep_all, from_convolution = _saved(model, g, x, {}), _saved(model, g, x, {"sub_6": "recompute"})
     assert "sub_6" in keep_all and "convolution" not in keep_all
     assert "convolution" in from_convolution and "sub_6" not in from_convolution
-    _, actions = compiled.torch_partition(model, x, budget=1.0)
+    _, actions = partition.torch_partition(model, x, budget=1.0)
     assert actions["convolution"] == "keep" and actions["sub_6"] == "recompute"
 
 
@@ -98,7 +99,7 @@ def test_a_kept_library_output_is_saved_only_when_the_backward_recomputes_from_i
     """A matmul's output (`addmm`, read by the forward's ReLU alone) is a candidate, as torch's min-cut may save
     it to recompute what follows it. Kept, it is saved only if something computed from it is recomputed."""
     model, x, _ = _mlp()
-    g = compiled.capture(model, x)
+    g = partition.capture(model, x)
     assert {"addmm", "addmm_1"} <= g.decidable and {"addmm", "addmm_1"} <= set(g.candidates())
 
     assert "addmm" not in _saved(model, g, x, {})  # keep-all: the backward reads the mask le_1 alone
@@ -116,23 +117,23 @@ def test_torchs_own_partitions_read_back_save_what_torch_saves(make):
     a random state it keeps otherwise.)"""
     model, x, _ = make()
     for budget in (1.0, 0.5, 0.2):
-        torch_run = compiled._record(compiled._Recorder("sgd_momentum", graphs.COUNTABLE, budget), model, (x,))
+        torch_run = partition._record(partition._Recorder("sgd_momentum", graphs.COUNTABLE, budget), model, (x,))
         graph = torch_run.joint.graph
         seeds = {t for op in graph.ops if not op.recomputable for t in op.outputs}
-        actions = compiled.policy_of_partition(torch_run.joint, torch_run.saved)
+        actions = partition.policy_of_partition(torch_run.joint, torch_run.saved)
         assert _saved(model, graph, x, actions) - seeds == set(torch_run.saved), budget
 
 
 def test_refusals_before_any_code_is_generated():
     model, x, _ = _cnn()
-    g = compiled.capture(model, x)
-    policy = compiled.make_policy(g, {})
+    g = partition.capture(model, x)
+    policy = partition.make_policy(g, {})
     with pytest.raises(PolicyError, match="not on torch.compile's joint graph"):
-        compiled.backend(policy.__class__(**{**policy.__dict__, "provenance": {}}))
+        partition.backend(policy.__class__(**{**policy.__dict__, "provenance": {}}))
     with pytest.raises(PolicyError, match="not candidates"):
-        compiled.make_policy(g, {"primals_1": "recompute"})
+        partition.make_policy(g, {"primals_1": "recompute"})
     # another batch size is another joint graph: the partitioner refuses it, naming both fingerprints
-    step = compiled.compile(copy.deepcopy(model), policy)
+    step = partition.compile(copy.deepcopy(model), policy)
     with pytest.raises(Exception, match=f"made for graph {g.fingerprint()}"):
         step(torch.randn(8, 3, 16, 16))
 
@@ -160,22 +161,22 @@ def _policies(model, x, graph, names):
         "mixed": lambda: {t: rng.choice(["keep", "recompute"]) for t in recomputable},
         "mixed, first dropout mask recomputed": lambda: {t: rng.choice(["keep", "recompute"]) for t in recomputable}
         | {"gt": "recompute"},
-        "torch": lambda: compiled.torch_partition(model, x, budget=1.0)[1],  # torch's own partition, read back
+        "torch": lambda: partition.torch_partition(model, x, budget=1.0)[1],  # torch's own partition, read back
     }
     return {name: every[name]() for name in names}
 
 
 def _run_all(make, names):
-    """Plain torch.compile and gaswap.compiled under each named policy, trained from the same start."""
+    """Plain torch.compile and gaswap.compiled.partition under each named policy, trained from the same start."""
     model, x, y = make()
-    graph = compiled.capture(model, x)
+    graph = partition.capture(model, x)
     reference = _train(torch.compile(m := copy.deepcopy(model), fullgraph=True, dynamic=False), m, x, y)
     out = {}
     for name, actions in _policies(model, x, graph, names).items():
         m = copy.deepcopy(model)
-        backend = compiled.backend(compiled.make_policy(graph, actions))
+        backend = partition.backend(partition.make_policy(graph, actions))
         out[name] = (_train(torch.compile(m, backend=backend, fullgraph=True, dynamic=False), m, x, y),
-                     compiled.saved_by(copy.deepcopy(model), compiled.make_policy(graph, actions), x), actions)
+                     partition.saved_by(copy.deepcopy(model), partition.make_policy(graph, actions), x), actions)
     return graph, reference, out
 
 
@@ -204,16 +205,16 @@ def test_swapped_tensors_are_offloaded_and_train_bitwise_as_plain_torch_compile(
     """A swapped tensor is saved and handed to torch's activation offloading (on a CPU, a host copy after its last
     forward reader and back before its first backward reader): the step computes the same values."""
     model, x, y = _mlp()
-    graph = compiled.capture(model, x)
+    graph = partition.capture(model, x)
     saved = _saved(model, graph, x, {})
     swapped = sorted(set(saved) & set(_recomputable(graph)))  # masks and activations
     assert len(swapped) >= 4
     reference = _train(torch.compile(m := copy.deepcopy(model), fullgraph=True, dynamic=False), m, x, y)
-    backend = compiled.backend(compiled.make_policy(graph, {t: "swap" for t in swapped}))
+    backend = partition.backend(partition.make_policy(graph, {t: "swap" for t in swapped}))
     m = copy.deepcopy(model)
     result = _train(torch.compile(m, backend=backend, fullgraph=True, dynamic=False), m, x, y)
     assert _equal(result, reference)
-    partitioned = compiled.partitioned_by(copy.deepcopy(model), backend.partitioner.policy, x)
+    partitioned = partition.partitioned_by(copy.deepcopy(model), backend.partitioner.policy, x)
     assert partitioned.offloaded == swapped
     assert partitioned.saved == sorted(saved)  # offloaded, they are still what the forward saves
 
@@ -230,9 +231,9 @@ class _Transposed(torch.nn.Module):
 @pytest.mark.slow
 def test_swapping_what_torch_cannot_offload_is_refused():
     model, x = _Transposed(), torch.randn(8, 12)
-    graph = compiled.capture(model, x)
+    graph = partition.capture(model, x)
     assert "cos" in graph.candidates()
-    step = compiled.compile(model, compiled.make_policy(graph, {"cos": "swap"}))
+    step = partition.compile(model, partition.make_policy(graph, {"cos": "swap"}))
     with pytest.raises(Exception, match="the policy swaps cos, which torch's activation offloading refuses"):
         step(x)
 
@@ -267,7 +268,7 @@ def test_cnn_under_torchs_own_partition_read_back_trains_bitwise_as_plain_torch_
 
 
 def test_a_policy_recomputing_what_may_not_run_twice_is_refused():
-    from gaswap.graph import Graph, Op, Tensor
+    from gaswap.plan.graph import Graph, Op, Tensor
 
     t = {"x": Tensor("x", 4, "input"), "r": Tensor("r", 4, "activation", "rand"),
          "y": Tensor("y", 4, "activation", "mul"), "g": Tensor("g", 4, "activation", "mul_bwd")}
@@ -276,12 +277,12 @@ def test_a_policy_recomputing_what_may_not_run_twice_is_refused():
                Op("mul_bwd", "aten.mul.Tensor", ("y", "r"), ("g",), phase="bwd")), t, loss="y")
     assert "r" in g.candidates()
     with pytest.raises(PolicyError, match="recomputes r, whose op may not run twice"):
-        compiled.make_policy(g, {"r": "recompute"})
-    assert compiled.make_policy(g, {"r": "keep"}).actions == {"r": "keep"}
+        partition.make_policy(g, {"r": "recompute"})
+    assert partition.make_policy(g, {"r": "keep"}).actions == {"r": "keep"}
 
 
 def test_cuda_offloading_uses_torchs_async_copies_and_prefetched_reloads_on_fake_cuda_tensors():
-    """The CUDA branch of `compiled.offload`, on a CPU: graphs whose values are fake CUDA tensors (as inductor's
+    """The CUDA branch of `partition.offload`, on a CPU: graphs whose values are fake CUDA tensors (as inductor's
     partitioner sees them) get torch's asynchronous offload (`ao.offload`, waited on) after the saved value's
     last forward reader, and its reload (`ao.reload`, waited on) before its first backward reader."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -302,10 +303,10 @@ def test_cuda_offloading_uses_torchs_async_copies_and_prefetched_reloads_on_fake
     FakeTensorProp(fw, mode).propagate(x, w)
     FakeTensorProp(bw, mode).propagate(x, relu, grad)
     with mode:  # as inside torch.compile
-        compiled.offload(fw, bw, {"relu"}, 1, OrderedSet())
+        partition.offload(fw, bw, {"relu"}, 1, OrderedSet())
     calls = lambda g: [n.target for n in g.graph.nodes if n.op == "call_function"]  # noqa: E731
     assert calls(fw)[-2:] == [torch.ops.ao.offload.default, torch.ops.ao.wait_tensor.default]
-    assert [n.name for n in fw.graph.output_node().args[0]] == ["sum_1", compiled.OFFLOADED_PREFIX + "relu"]
+    assert [n.name for n in fw.graph.output_node().args[0]] == ["sum_1", partition.OFFLOADED_PREFIX + "relu"]
     assert calls(bw)[:2] == [torch.ops.ao.reload.default, torch.ops.ao.wait_tensor.default]  # before `relu > 0`
 
 
@@ -318,13 +319,13 @@ def test_on_cuda_swapped_activations_leave_the_gpu_and_gradients_stay_the_same()
     torch.manual_seed(0)
     model = zoo.mlp(sizes=(1024, 4096, 4096, 4096, 10), dropout=0.0).cuda()
     x, y = torch.randn(512, 1024, device="cuda"), torch.randint(0, 10, (512,), device="cuda")
-    graph = compiled.capture(model, x)
+    graph = partition.capture(model, x)
     saved = _saved(model, graph, x, {})
     swapped = {t: "swap" for t in set(saved) & set(_recomputable(graph))}
     held, grads = {}, {}
     for name, actions in (("keep", {}), ("swap", swapped)):
         m = copy.deepcopy(model)
-        step = compiled.compile(m, compiled.make_policy(graph, actions))
+        step = partition.compile(m, partition.make_policy(graph, actions))
         F.cross_entropy(step(x), y).backward()  # compile, warm up
         m.zero_grad(set_to_none=True)
         torch.cuda.synchronize()

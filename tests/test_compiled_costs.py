@@ -1,11 +1,11 @@
-"""The model of the compiled step (gaswap.compiled_costs): what materializes, how long it lives, the fit of the
+"""The model of the compiled step (gaswap.compiled.step_model): what materializes, how long it lives, the fit of the
 generated kernels' cost. Hand-made graphs; the CPU-time measurement on a tiny op."""
 import pytest
 
-from gaswap import compiled_costs as cc
-from gaswap.encoding import Action
-from gaswap.graph import Graph, Op, Tensor
-from gaswap.problem import Problem
+from gaswap.compiled import step_model as cc
+from gaswap.plan.encoding import Action
+from gaswap.plan.graph import Graph, Op, Tensor
+from gaswap.plan.problem import Problem
 from helpers import unit_costs
 
 MB = 1 << 20
@@ -109,7 +109,7 @@ def _masked() -> Graph:
 
 
 def _policy(problem, recomputed: set[str]):
-    from gaswap.encoding import Chromosome
+    from gaswap.plan.encoding import Chromosome
     return Chromosome(problem.encoding.captured_keys(), tuple(
         int(Action.RECOMPUTE if t in recomputed else Action.KEEP) for t in problem.encoding.candidates))
 
@@ -197,21 +197,24 @@ def _experiment(tmp_path, batch: int):
 def test_validate_trains_a_compiled_policy_and_reports_predicted_against_measured(tmp_path):
     import torch
 
-    from gaswap import compiled, config, experiment, policy as policies
-    from gaswap.measure import measure
-    from gaswap.validate import validate
+    from gaswap.app.validate import validate
+    from gaswap.base import config
+    from gaswap.compiled import partition
+    from gaswap.plan import policy as policies
+    from gaswap.run import experiment
+    from gaswap.run.measure import measure
 
     path = _experiment(tmp_path, 4)
     exp = config.load_experiment(path)
     model = experiment.build_model(exp, device="cpu")
     inputs, _ = experiment.make_inputs(exp, "cpu", torch.Generator("cpu").manual_seed(0))
-    graph = compiled.capture(model, *inputs, counted=exp.counts)
+    graph = partition.capture(model, *inputs, counted=exp.counts)
     costs = measure(graph, "cpu", tmp_path, threads=1)
     problem = cc.CompiledProblem(graph, costs, None, actions=(Action.KEEP, Action.RECOMPUTE))
     c = problem.encoding.uniform(Action.RECOMPUTE)
     r = problem.simulate(c)
     predicted = {"peak_bytes": r.peak_bytes, "step_time_s": r.step_time, "resident_bytes": graph.resident_bytes()}
-    policy = compiled.make_policy(graph, problem.actions_of(c), predicted, {"budget_bytes": r.peak_bytes})
+    policy = partition.make_policy(graph, problem.actions_of(c), predicted, {"budget_bytes": r.peak_bytes})
     policies.save(policy, tmp_path / "p00.yaml")
     report = validate(tmp_path / "p00.yaml", steps=3, experiment=path)
     assert report["compiled"] and report["predicted"]["peak_bytes"] == r.peak_bytes - graph.resident_bytes()
@@ -227,11 +230,12 @@ def test_a_transformers_model_is_captured_and_modelled_compiled():
     pytest.importorskip("transformers")
     import torch
 
-    from gaswap import compiled, zoo
+    from gaswap import zoo
+    from gaswap.compiled import partition
 
     model = zoo.huggingface("GPT2LMHeadModel", vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2,
                             use_cache=False, bos_token_id=0, eos_token_id=0)
-    graph = compiled.capture(model, torch.randint(0, 64, (2, 16)))
+    graph = partition.capture(model, torch.randint(0, 64, (2, 16)))
     fused = cc.fused_graph(graph)
     assert graph.candidates() and sum(t.size for t in fused.tensors.values()) < sum(
         t.size for t in graph.tensors.values())  # some intermediates stay inside fused kernels

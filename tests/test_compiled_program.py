@@ -1,4 +1,4 @@
-"""gaswap.compiled_program: the memory walk over inductor's generated programs, on hand-written ones, and on
+"""gaswap.compiled.programs: the memory walk over inductor's generated programs, on hand-written ones, and on
 a real compile against the allocator's meter."""
 import copy
 
@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from gaswap import zoo
-from gaswap.compiled_program import Program, ProgramError, Recorder, step_peak
-from gaswap.meter import PeakMeter
+from gaswap.compiled.programs import Program, ProgramError, Recorder, step_peak
+from gaswap.run.peak_meter import PeakMeter
 
 BACKWARD = """\
     def call(self, args):

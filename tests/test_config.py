@@ -4,9 +4,20 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gaswap.config import (
-    SEARCH_SPACES_DIR, Budget, ConfigError, CostSpec, Experiment, GASettings, ModelSpec, SearchSpace,
-    TensorSpec, format_size, load_experiment, load_search_space, parse_size,
+from gaswap.base.config import (
+    SEARCH_SPACES_DIR,
+    Budget,
+    ConfigError,
+    CostSpec,
+    Experiment,
+    GASettings,
+    ModelSpec,
+    SearchSpace,
+    TensorSpec,
+    format_size,
+    load_experiment,
+    load_search_space,
+    parse_size,
 )
 
 EXAMPLE = """\
@@ -248,7 +259,7 @@ def test_malformed_search_space(tmp_path, text, fragment):
 
 
 def test_autocast_accepts_the_two_mixed_precision_dtypes(tmp_path):
-    from gaswap.config import load_experiment
+    from gaswap.base.config import load_experiment
 
     body = ("model: {factory: gaswap.zoo:mlp}\ninputs: [{shape: [batch, 4]}]\nbatch_size: 2\nbudget: 1GB\n")
     (tmp_path / "a.yaml").write_text(body + "autocast: bfloat16\n")
@@ -266,14 +277,14 @@ def test_external_loss_needs_no_target(tmp_path):
 def test_the_committed_key_reference_is_generated_from_the_schema():
     from pathlib import Path
 
-    from gaswap.config import reference
+    from gaswap.base.config import reference
 
     committed = (Path(__file__).resolve().parents[1] / "docs/experiment_keys.md").read_text()
-    assert committed == reference() + "\n", "regenerate it: python -m gaswap.config > docs/experiment_keys.md"
+    assert committed == reference() + "\n", "regenerate it: python -m gaswap.base.config > docs/experiment_keys.md"
 
 
 def test_the_reference_names_every_key_of_the_example():
-    from gaswap.config import reference
+    from gaswap.base.config import reference
 
     text = reference()
     for key in VALID:

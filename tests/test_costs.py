@@ -7,10 +7,10 @@ import time
 import pytest
 import torch
 
-from gaswap import measure as measuring
-from gaswap.costs import CostCache, Costs, HardwareProfile, estimate, load_profile, profile_names
-from gaswap.graph import Graph, Op, Tensor
-from gaswap.measure import cost_cache, device_name, measure, measure_link
+from gaswap.plan.costs import CostCache, Costs, HardwareProfile, estimate, load_profile, profile_names
+from gaswap.plan.graph import Graph, Op, Tensor
+from gaswap.run import measure as measuring
+from gaswap.run.measure import cost_cache, device_name, measure, measure_link
 
 SHIPPED = {"v100-pcie-16gb", "a100-pcie-40gb", "h100-sxm-80gb"}
 
@@ -166,8 +166,8 @@ def test_in_place_op_times_are_less_the_clocks_own_cost_per_reading():
     an op charged with the frees after it."""
     from types import SimpleNamespace
 
-    from gaswap.measure import _op_times, clock_overhead
-    from gaswap.program import Verb
+    from gaswap.base.program import Verb
+    from gaswap.run.measure import _op_times, clock_overhead
 
     runner = SimpleNamespace(program=[(Verb.RUN, "a"), (Verb.FREE, "x"), (Verb.RUN, "b")],
                              _times=[[3e-6, 4e-6, 3e-6], [1e-6, 1e-6, 1e-6], [0.2e-6, 0.2e-6, 0.2e-6]])
@@ -231,8 +231,8 @@ def test_measure_in_place_times_every_op_of_the_running_step(tmp_path):
     """On a CPU, with the captured step at hand, ops are timed as the whole step runs (every op of the graph,
     a median per signature), cached apart from standalone figures, and copies are marked as holding up compute."""
     from gaswap import zoo
-    from gaswap.capture import capture, make_inputs
-    from gaswap.measure import profile_step
+    from gaswap.run.capture import capture, make_inputs
+    from gaswap.run.measure import profile_step
 
     torch.manual_seed(0)
     model = zoo.tiny_cnn(num_classes=10, width=8)
@@ -261,8 +261,8 @@ def test_measure_in_place_times_every_op_of_the_running_step(tmp_path):
 
 
 def test_copies_timed_in_place_are_fitted_as_a_latency_plus_bandwidths():
-    from gaswap.graph import chain
-    from gaswap.measure import _fit_link
+    from gaswap.plan.graph import chain
+    from gaswap.run.measure import _fit_link
 
     graph = chain(4, size=1000)
     sizes = {name: 1000 * (k + 1) for k, name in enumerate(["a1", "a2", "a3"])}

@@ -4,9 +4,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gaswap.graph import residual_graph
-from gaswap.encoding import Action, Chromosome, Encoding, crossover, mutate
-from gaswap.graph import chain
+from gaswap.plan.encoding import Action, Chromosome, Encoding, crossover, mutate
+from gaswap.plan.graph import chain, residual_graph
 
 K, S, R = Action.KEEP, Action.SWAP, Action.RECOMPUTE
 

@@ -5,8 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from gaswap import config, policy, workflow
-from gaswap.cli import main
+from gaswap.app import workflow
+from gaswap.app.cli import main
+from gaswap.base import config
+from gaswap.plan import policy
 
 pytestmark = pytest.mark.slow  # real models captured end to end: `pytest -m "not slow"` skips them
 

@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from gaswap import config, gpu_check
+from gaswap.app import gpu_check
+from gaswap.base import config
 
 
 def test_without_cuda_the_check_writes_a_report_saying_so(tmp_path, monkeypatch):
@@ -77,7 +78,7 @@ def _cli_lists(verb: str) -> bool:
     import contextlib
     import io
 
-    from gaswap import cli
+    from gaswap.app import cli
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

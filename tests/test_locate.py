@@ -1,12 +1,13 @@
-"""Running from another folder (gaswap.locate) and on another device (gaswap.planned)."""
+"""Running from another folder (gaswap.base.locate) and on another device (gaswap.plan.planned)."""
 import shutil
 from pathlib import Path
 
 import pytest
 
-from gaswap import locate, planned
-from gaswap.cli import main
-from gaswap.config import load_experiment
+from gaswap.app.cli import main
+from gaswap.base import locate
+from gaswap.base.config import load_experiment
+from gaswap.plan import planned
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,7 +41,7 @@ def project(tmp_path):
 
 
 def test_a_factory_beside_the_experiment_file_imports_from_any_folder(project, tmp_path_factory, monkeypatch):
-    from gaswap.workflow import build_model
+    from gaswap.app.workflow import build_model
 
     monkeypatch.chdir(tmp_path_factory.mktemp("elsewhere"))
     monkeypatch.setattr("sys.path", list(__import__("sys").path))  # restored after the test
@@ -86,7 +87,7 @@ def test_validate_works_from_another_folder_and_warns_of_another_device(project,
     assert "validate: 100%" in captured.err  # the progress bar went through every step
     # the same warning where users train: gaswap.apply_step in their own loop
     import gaswap
-    from gaswap import workflow
+    from gaswap.app import workflow
 
     exp = load_experiment(project / "experiments/my_mlp.yaml")
     model = workflow.build_model(exp, device="cpu")

@@ -3,8 +3,8 @@ measurement and are never cached; copy latency is timed one copy at a time."""
 import pytest
 import torch
 
-from gaswap import measure
-from gaswap.costs import CostCache
+from gaswap.plan.costs import CostCache
+from gaswap.run import measure
 
 
 def _cache(tmp_path):

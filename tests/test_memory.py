@@ -1,7 +1,7 @@
 """The CPU storage tracker that measures real steps."""
 import torch
 
-from gaswap.memory import DeviceMemory, host_memory
+from gaswap.run.step_memory import DeviceMemory, host_memory
 
 
 def test_tracker_counts_storages_once_until_the_last_reference_goes():

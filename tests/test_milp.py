@@ -2,18 +2,18 @@
 import os
 
 import pytest
-from helpers import unit_costs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from strategies import costs_for, training_graphs
-
-from gaswap import milp
-from gaswap.costs import Costs
-from gaswap.encoding import Action, Chromosome, Encoding
-from gaswap.graph import chain, residual_graph
-from gaswap.problem import Problem
-from gaswap.simulator import Simulator
 from test_simulator import _dropout_graph
+
+from gaswap.plan.costs import Costs
+from gaswap.plan.encoding import Action, Chromosome, Encoding
+from gaswap.plan.graph import chain, residual_graph
+from gaswap.plan.problem import Problem
+from gaswap.plan.simulator import Simulator
+from gaswap.plan.solvers import milp
+from helpers import unit_costs
+from strategies import costs_for, training_graphs
 
 K, S, R = Action.KEEP, Action.SWAP, Action.RECOMPUTE
 

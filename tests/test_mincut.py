@@ -1,16 +1,15 @@
-"""The min-cut seed (gaswap.mincut): the fewest bytes to save, checked against brute force (no torch)."""
+"""The min-cut seed (gaswap.plan.solvers.mincut): the fewest bytes to save, checked against brute force (no torch)."""
 import dataclasses
 import itertools
 
+from gaswap.base.config import GASettings, load_search_space
+from gaswap.plan.encoding import Action, Encoding
+from gaswap.plan.graph import Graph, Tensor, chain, residual_graph
+from gaswap.plan.problem import Problem
+from gaswap.plan.search import Search, seed_policies
+from gaswap.plan.solvers.baselines import min_cut
+from gaswap.plan.solvers.mincut import compute_bound, min_cut_policies, min_cut_saved
 from helpers import unit_costs
-
-from gaswap.baselines import min_cut
-from gaswap.config import GASettings, load_search_space
-from gaswap.encoding import Action, Encoding
-from gaswap.graph import Graph, Tensor, chain, residual_graph
-from gaswap.mincut import compute_bound, min_cut_policies, min_cut_saved
-from gaswap.problem import Problem
-from gaswap.search import Search, seed_policies
 
 
 def sized(g: Graph) -> Graph:

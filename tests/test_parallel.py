@@ -2,13 +2,13 @@
 import dataclasses
 
 import pytest
-from helpers import unit_costs
 
-from gaswap.config import GASettings, load_search_space
-from gaswap.graph import residual_graph
-from gaswap.parallel import ProcessMap, serial_map
-from gaswap.problem import Problem
-from gaswap.search import search
+from gaswap.base.config import GASettings, load_search_space
+from gaswap.plan.graph import residual_graph
+from gaswap.plan.parallel import ProcessMap, serial_map
+from gaswap.plan.problem import Problem
+from gaswap.plan.search import search
+from helpers import unit_costs
 
 GA = GASettings(population=24, generations=6)
 

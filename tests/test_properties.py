@@ -9,15 +9,15 @@ At the end, minimal hand-made examples of the simulator bugs these properties (a
 import os
 from collections import Counter
 
-from helpers import trace, unit_costs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from strategies import chromosomes, costs_for, training_graphs
 
-from gaswap.costs import Costs
-from gaswap.encoding import Action, Encoding
-from gaswap.graph import COUNTABLE, Graph, Op, Tensor, chain
-from gaswap.simulator import Simulator, lower_bound
+from gaswap.plan.costs import Costs
+from gaswap.plan.encoding import Action, Encoding
+from gaswap.plan.graph import COUNTABLE, Graph, Op, Tensor, chain
+from gaswap.plan.simulator import Simulator, lower_bound
+from helpers import trace, unit_costs
+from strategies import chromosomes, costs_for, training_graphs
 
 K, S, R = int(Action.KEEP), int(Action.SWAP), int(Action.RECOMPUTE)
 PROPERTY = settings(max_examples=int(os.environ.get("GASWAP_PROPERTY_EXAMPLES", 100)), deadline=None, derandomize=True,

@@ -1,4 +1,4 @@
-"""Figures of results folders (gaswap.report), drawn from a real tiny search and rendered headless; and
+"""Figures of results folders (gaswap.app.report), drawn from a real tiny search and rendered headless; and
 what the CLI around them prints (next steps, progress, units)."""
 import configparser
 import contextlib
@@ -19,9 +19,10 @@ from matplotlib.figure import Figure
 
 matplotlib.use("Agg")
 
-from gaswap import costfile, report  # noqa: E402
-from gaswap.cli import main  # noqa: E402
-from gaswap.config import format_size  # noqa: E402
+from gaswap.app import report
+from gaswap.app.cli import main  # noqa: E402
+from gaswap.base.config import format_size  # noqa: E402
+from gaswap.plan import costfile  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MB = 10**6  # the tiny CNN's memory axes are in MB (decimal, the default display convention)
@@ -66,7 +67,7 @@ def starting(artists: dict, prefix: str):
 
 
 def test_report_imports_no_torch():
-    code = "import sys, gaswap.report; assert 'torch' not in sys.modules"
+    code = "import sys, gaswap.app.report; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
@@ -359,13 +360,13 @@ def test_gaswap_console_script_and_notebook_extra_are_declared():
     cfg = configparser.ConfigParser()
     cfg.read(ROOT / "setup.cfg")
     scripts = dict(line.split(" = ") for line in cfg["options.entry_points"]["console_scripts"].split("\n") if line)
-    assert scripts == {"gaswap": "gaswap.cli:main"}
+    assert scripts == {"gaswap": "gaswap.app.cli:main"}
     notebook = cfg["options.extras_require"]["notebook"]
     assert all(name in notebook for name in ("nbclient", "ipykernel", "nbformat"))
 
 
 def test_units_option_switches_every_size_shown(folder, capsys, monkeypatch):
-    from gaswap import units
+    from gaswap.base import units
 
     monkeypatch.setattr(units, "_chosen", None)  # restored after the test
     assert format_size(4 * 10**9) == "4.00 GB"

@@ -17,16 +17,17 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import unit_costs
 
-from gaswap import checkpoint as checkpoints
-from gaswap import config, signals, workflow
-from gaswap.graph import residual_graph
-from gaswap.checkpoint import CheckpointError
-from gaswap.cli import main
-from gaswap.config import GASettings, load_search_space
-from gaswap.problem import Problem
-from gaswap.search import search
+from gaswap.app import workflow
+from gaswap.app.cli import main
+from gaswap.base import config, signals
+from gaswap.base.config import GASettings, load_search_space
+from gaswap.plan import checkpoint as checkpoints
+from gaswap.plan.checkpoint import CheckpointError
+from gaswap.plan.graph import residual_graph
+from gaswap.plan.problem import Problem
+from gaswap.plan.search import search
+from helpers import unit_costs
 
 ROOT = Path(__file__).resolve().parents[1]
 GA = GASettings(population=24, generations=15)

@@ -5,18 +5,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gaswap import policy as policies
 from gaswap import zoo
-from gaswap.capture import capture, make_inputs
-from gaswap.costs import estimate, load_profile
-from gaswap.dropout import BERNOULLI_STRIDED
-from gaswap.encoding import Action, Encoding
-from gaswap.memory import DeviceMemory
-from gaswap.runtime import HOST_ALIGNMENT, ProgramError, StepRunner, _Copies
-from gaswap.streams import LaggingStreams
-from gaswap.simulator import Simulator
+from gaswap.plan import policy as policies
+from gaswap.plan.costs import estimate, load_profile
+from gaswap.plan.encoding import Action, Encoding
+from gaswap.plan.simulator import Simulator
+from gaswap.run.capture import capture, make_inputs
+from gaswap.run.dropout import BERNOULLI_STRIDED
+from gaswap.run.runtime import HOST_ALIGNMENT, ProgramError, StepRunner, _Copies
+from gaswap.run.step_memory import DeviceMemory
+from gaswap.run.streams import LaggingStreams
 from tiny_models import MODELS, policy_set
-
 
 
 def setup(name, batch=4):
@@ -327,9 +326,9 @@ def test_cuda_swaps_give_the_same_values_and_the_allocator_sees_the_predicted_pe
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_runs_a_policy_from_one_device_arena_with_the_plain_runtimes_values(deterministic):
-    """gaswap.arena_runtime on CUDA: the activations (and here the gradients) in one device buffer the size of
+    """gaswap.run.arena_runtime on CUDA: the activations (and here the gradients) in one device buffer the size of
     the plan, swap-ins landing in it through the copy streams; bitwise the plain runtime's results."""
-    from gaswap.arena_runtime import ArenaRunner
+    from gaswap.run.arena_runtime import ArenaRunner
 
     for model_name in ("cnn", "gpt"):
         model, inputs, target, cap = setup(model_name, batch=16)
@@ -406,8 +405,8 @@ def test_a_tensor_retired_twice_keeps_both_device_copies_until_their_frees():
     held until their frees (the runtime refused such a program before, and the allocator replay lost a copy)."""
     import collections
 
-    from gaswap import allocator
-    from gaswap.costs import Costs
+    from gaswap.plan.costs import Costs
+    from gaswap.plan.memory import allocator
 
     model, inputs, target, cap = setup("gpt")
     slow_link = Costs(dict.fromkeys((op.name for op in cap.graph.ops), 1e-3), 1e5, 1e5, "any", "any")

@@ -2,7 +2,7 @@
 `error:` line naming the file, key or flag; no traceback, no code run from a handed file, no data lost.
 
 Exit codes (README, "Exit codes"): 2 bad input, 3 no policy under the budget, 4 refused, 5 cannot read or write.
-In-process `gaswap.cli.main` calls on a tiny MLP with estimated costs: the battery runs in seconds.
+In-process `gaswap.app.cli.main` calls on a tiny MLP with estimated costs: the battery runs in seconds.
 """
 import errno
 import json
@@ -14,12 +14,15 @@ import pytest
 import torch
 import yaml
 
-from gaswap import costs as cost_cache, files, policy as policies, results, workflow
-from gaswap.checkpoint import NAME as CHECKPOINT
-from gaswap.cli import main
-from gaswap.config import load_experiment
-from gaswap.encoding import Action, Encoding
-from gaswap.simulator import Simulator
+from gaswap.app import results, workflow
+from gaswap.app.cli import main
+from gaswap.base import files
+from gaswap.base.config import load_experiment
+from gaswap.plan import costs as cost_cache
+from gaswap.plan import policy as policies
+from gaswap.plan.checkpoint import NAME as CHECKPOINT
+from gaswap.plan.encoding import Action, Encoding
+from gaswap.plan.simulator import Simulator
 
 BASE = """\
 model: {factory: gaswap.zoo:mlp, kwargs: {sizes: [8, 16, 16, 4]}}
@@ -108,7 +111,7 @@ def test_a_missing_experiment(capsys, tmp_path):
     ("subprocess:run", "{args: [touch, '{marker}']}", "'subprocess' is Python's standard library"),
     ("builtins:exec", "{source: 'open(\"{marker}\", \"w\")'}", "'builtins' is Python's standard library"),
     ("torch:load", "{f: '{marker}'}", "is a function of 'torch.serialization', not a model factory"),
-    ("gaswap.files:write_atomic", "{path: '{marker}', text: x}", "is a function of 'gaswap.files'"),
+    ("gaswap.base.files:write_atomic", "{path: '{marker}', text: x}", "is a function of 'gaswap.base.files'"),
     ("hostile_models:NotAModule", "{}", "class NotAModule is not a torch.nn.Module"),
     ("hostile_models:env_var", "{}", "returned a _Environ, not a torch.nn.Module"),
     ("hostile_models:number", "{}", "returned a int, not a torch.nn.Module"),
@@ -441,8 +444,8 @@ def test_plot_does_not_run_a_factory_named_by_results(searched, capsys, tmp_path
     (folder / "summary.json").write_text(json.dumps(summary))
     expect(capsys, 4, "builds the model with hostile_models:touch, code named only by these results", "plot", folder)
     assert not marker.exists()
-    from gaswap import report  # the notebook's way in: the same refusal, before anything is imported or built
-    from gaswap.results import Refused
+    from gaswap.app import report  # the notebook's way in: the same refusal, before anything is imported or built
+    from gaswap.app.results import Refused
 
     for draw in (report.plot_results, report.memory_timeline, report.action_map):
         with pytest.raises(Refused, match="hostile_models:touch, code named only by these results"):

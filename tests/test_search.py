@@ -6,18 +6,25 @@ import math
 from pathlib import Path
 
 import pytest
-from helpers import unit_costs
 
-from gaswap import checkpoint as checkpoints
-from gaswap import policy as policies
-from gaswap import results
-from gaswap.graph import residual_graph
-from gaswap.config import GASettings, load_search_space
-from gaswap.encoding import Action, Encoding
-from gaswap.graph import chain
-from gaswap.problem import Evaluated, Generation, Problem
-from gaswap.search import (FASTEST_KEPT, Fastest, Search, _add_to_archive, hypervolume, objectives, search,
-                           stopping_generation)
+from gaswap.app import results
+from gaswap.base.config import GASettings, load_search_space
+from gaswap.plan import checkpoint as checkpoints
+from gaswap.plan import policy as policies
+from gaswap.plan.encoding import Action, Encoding
+from gaswap.plan.graph import chain, residual_graph
+from gaswap.plan.problem import Evaluated, Generation, Problem
+from gaswap.plan.search import (
+    FASTEST_KEPT,
+    Fastest,
+    Search,
+    _add_to_archive,
+    hypervolume,
+    objectives,
+    search,
+    stopping_generation,
+)
+from helpers import unit_costs
 
 GA = GASettings(population=24, generations=15)
 

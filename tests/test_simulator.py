@@ -3,15 +3,15 @@ untraced run against the traced one, and liveness against a plain walk, on rando
 import dataclasses
 import random
 
-from helpers import trace, unit_costs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from strategies import chromosomes, costs_for, training_graphs
 
-from gaswap.costs import Costs
-from gaswap.encoding import Action, Encoding
-from gaswap.graph import Graph, Op, Tensor, chain, residual_graph
-from gaswap.simulator import Simulator, liveness
+from gaswap.plan.costs import Costs
+from gaswap.plan.encoding import Action, Encoding
+from gaswap.plan.graph import Graph, Op, Tensor, chain, residual_graph
+from gaswap.plan.simulator import Simulator, liveness
+from helpers import trace, unit_costs
+from strategies import chromosomes, costs_for, training_graphs
 
 K, S, R = Action.KEEP, Action.SWAP, Action.RECOMPUTE
 

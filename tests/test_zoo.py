@@ -15,10 +15,12 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from gaswap import config, experiment, zoo
-from gaswap.capture import make_inputs
-from gaswap.encoding import Action, Encoding
-from gaswap.simulator import Simulator, lower_bound
+from gaswap import zoo
+from gaswap.base import config
+from gaswap.plan.encoding import Action, Encoding
+from gaswap.plan.simulator import Simulator, lower_bound
+from gaswap.run import experiment
+from gaswap.run.capture import make_inputs
 from helpers import unit_costs
 from tiny_models import classifier_capture as capture
 

@@ -2,8 +2,8 @@
 from torch import nn
 
 from gaswap import zoo
-from gaswap.capture import capture
-from gaswap.encoding import Action
+from gaswap.plan.encoding import Action
+from gaswap.run.capture import capture
 
 
 class PreNormEncoder(nn.Module):

@@ -1,0 +1,630 @@
+"""`gaswap compare EXPERIMENT`: eager, torch.compile's memory budgets and gaswap compiled policies, head to head.
+
+For one experiment, in one process: the model trained eagerly; compiled by torch.compile (inductor) with
+`torch._functorch.config.activation_memory_budget` at 1.0, 0.5 and 0.2; and compiled under gaswap policies
+(`gaswap.compiled.partition`) searched at the peaks torch's partitions reach and below. The gaswap budgets are the
+peaks torch.compile's runs measure (one metered step each, after the compile), plus `--below` fractions of
+the lowest of them; the GA (search space `compiled`: keep / recompute, the compiler's order) is seeded with
+torch's partitions, each read back as keep/recompute actions. The model cannot see every effect of fusion
+(keeping a bool mask can slow a kernel several times), so the `finalists` fastest policies it predicts at
+each budget (the search's Pareto front, filled up with the next fastest that fit where the front holds
+fewer: it can hold one or two when every policy is predicted nearly the same peak), and torch's partitions
+whose measured peak fits, are compiled and timed first, in rounds of their own (`_finalists_round`). Then
+a second round: the time model is fitted again on its calibration points and the finalists' measured
+times (`step_model.refit`), the search runs again with it, and the new finalists it predicts fastest
+are timed beside the first round's choice at their budget (`_second_round`). Where no first-round
+finalist measured under its budget (the model erred low), the second search runs under the budget divided
+by how far over their predictions those finalists measured (`_refit_budgets`). The policy compared at a
+budget is the fastest whose measured peak fits it, of the last round that timed any there; a budget none
+fits is left out (`_final_choice`). A policy's predictions are those of the model that picked it, before
+it was timed.
+Policies are simulated as inductor runs them (`gaswap.compiled.step_model`): standalone op costs in CPU
+seconds, fused intermediates not counted, the keep-all step, the cost of recomputation, of kept masks and
+of saved bytes calibrated on seven policies compiled and timed first (`step_model.calibrate`). The
+table shows those predictions beside the ones of the joint graph's ops one by one (every op alone, every
+tensor counted).
+
+Each method trains its own copy of the model from the same weights. After warm-up (the compile), rounds
+run the methods in rotated order: for each, one step under the peak meter, one untimed step (the meter
+handed freed memory back to the OS; malloc takes it again), then a few timed steps (forward, loss,
+backward, optimizer step; the figure compared is the process's CPU time per step, steadier than wall
+time on a shared machine, with the experiment's `costs.threads` intra-op threads; wall time is in the CSV).
+The meter (`gaswap.run.peak_meter`) is independent of gaswap: the peak bytes torch's allocator held above what was
+allocated before the step (CUDA: the caching allocator's; CPU: the CPU allocator's, counted by the
+profiler), and on a CPU also the process's resident-set high-water mark. Both count gradients and every
+temporary; the goal is judged by each. The predicted peak beside them is the simulated peak less the bytes
+resident before a step (parameters, buffers, inputs, optimizer state); beside it, the peak of the programs
+inductor generated for the method, read from them at its compile (`gaswap.compiled.programs`). A policy
+file written predicts the latter (`predicted.peak_bytes`; the search model's is `search_peak_bytes`). On a
+CPU, a swap would not lower these figures (the host store is the same RAM), so the compared policies keep
+or recompute only.
+
+Writes `results/<experiment>/compare.csv`, `compare.md`, `finalists.csv` and the gaswap policies compared
+(`compiled/pNN.yaml`).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from gaswap.base import config
+from gaswap.base.config import format_size
+from gaswap.base.files import csv_text, write_atomic
+from gaswap.compiled import partition, programs, step_model
+from gaswap.plan import policy as policies
+from gaswap.plan.encoding import Action, Chromosome, Encoding
+from gaswap.plan.problem import Evaluated, Problem
+from gaswap.plan.search import search
+from gaswap.run import experiment
+from gaswap.run.capture import loss_fn, output_tensor
+from gaswap.run.measure import device_name, measure, resolve_device, sync, use_cpu
+from gaswap.run.peak_meter import PeakMeter
+
+TORCH_BUDGETS = (1.0, 0.5, 0.2)
+FINALISTS = 3  # gaswap policies per budget compiled and timed before the head to head; the fastest is compared
+TUNING_ROUNDS, TUNING_STEPS = 3, 2
+COLUMNS = ("method", "knob", "predicted_peak_bytes", "predicted_step_s", "peak_bytes", "peak_min", "peak_max",
+           "step_s", "step_min", "step_max", "wall_step_s", "compile_s", "recomputed", "opwise_peak_bytes",
+           "opwise_step_s", "rss_peak_bytes", "origin", "program_peak_bytes")
+# step_*: CPU seconds; opwise_*: the joint graph's ops one by one (no fusion model); program_peak_bytes: the
+# peak of the programs inductor generated for the method (`gaswap.compiled.programs`)
+FINALIST_COLUMNS = (*COLUMNS, "round")  # finalists.csv: the round that timed the finalist (`_finalists_round`)
+RECORDED = ("torch.compile", "gaswap")  # the methods whose generated programs are read
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.01),
+    "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-3),
+}
+
+
+@dataclass
+class Method:
+    """One way to train the model: a callable model (eager or compiled), its own weights and optimizer."""
+
+    name: str
+    knob: str  # torch's budget or gaswap's simulated budget
+    model: torch.nn.Module
+    run: object
+    optimizer: object
+    predicted: tuple = (None,) * 4  # (peak bytes above resident, step s) predicted: compiled model, ops one by one
+    recomputed: int | None = None
+    compile_s: float = 0.0
+    origin: str = ""  # a gaswap policy's: "search", or the torch.compile partition it is ("torch 0.5")
+    programs: list = field(default_factory=list)  # inductor's, recorded at the compile (`compiled_program`)
+
+
+def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), finalists: int = FINALISTS,
+        results_root="results", cache_dir=None, progress=print) -> list[dict]:
+    """Compare the methods on one experiment; write compare.csv / compare.md; return the rows (COLUMNS)."""
+    exp = config.load_experiment(experiment_path)
+    if exp.loss == "external":
+        raise config.ConfigError(f"{exp.path}: loss: compare computes the loss outside the compiled model; give a "
+                                 f"loss (cross_entropy, mse or sum) and its target")
+    progress(f"{exp.name}: capturing torch.compile's joint graph")
+    device, model, inputs, target, graph = prepare(exp)
+    progress(f"  on {device_name(device)}")
+    costs = measure(graph, device, cache_dir, threads=exp.costs.threads)
+    space = config.load_search_space(partition.SPACE)
+    progress("  calibrating the compiled model: seven policies compiled and timed")
+    provenance = {"optimizer": exp.optimizer, "counts": sorted(exp.counts)}
+
+    def cpu_times(actions):
+        made = [partition.make_policy(graph, a, provenance=provenance) for a in actions]
+        return _cpu_times(made, model, inputs, target, exp, device)
+
+    calibration = step_model.calibrate(graph, costs, cpu_times, exp.loss)
+    progress(f"  keep-all {calibration.base * 1e3:.2f} ms a step; recomputed generated ops cost "
+             f"{calibration.scale:.2f}x their ops one by one, library calls {calibration.extern_scale:.2f}x; "
+             f"a kept mask {calibration.mask_rate * 1e9:.1f} ms per MB, saved tensors "
+             f"{calibration.saved_rate * 1e9:.1f} ms per MB; fit within "
+             f"{calibration.worst_error():.1%} on its points")
+    unbounded = step_model.CompiledProblem(graph, costs, None, space, loss=exp.loss, calibration=calibration)
+    opwise = Problem(graph, costs, None, space)  # the model before: every op alone, every tensor counted
+    encoding = unbounded.encoding
+    torch_points = {}
+    for budget in TORCH_BUDGETS:
+        _, actions = partition.torch_partition(model, *inputs, budget=budget, optimizer=exp.optimizer, counted=exp.counts)
+        chromosome = unbounded.canonical(Chromosome(encoding.captured_keys(), _actions(encoding, actions)))
+        torch_points[budget] = (chromosome, unbounded.simulate(chromosome))
+    resident = unbounded.fused.resident_bytes()  # the meter measures above what is allocated before a step
+
+    def predicted(chromosome, r) -> tuple:
+        o = opwise.simulate(chromosome)
+        return r.peak_bytes - resident, r.step_time, o.peak_bytes - resident, o.step_time
+
+    eager, opt = fresh_copy(model, exp)
+    methods = [Method("eager", "-", eager, eager, opt)]
+    for budget, (chromosome, r) in torch_points.items():
+        m, opt = fresh_copy(model, exp)
+        methods.append(Method("torch.compile", f"{budget:g}", m, _torch_compiled(m, budget), opt,
+                              predicted(chromosome, r), _count(chromosome)))
+    reached = [_peak_reached(m, inputs, target, exp, device, progress) for m in methods[1:]]
+    budgets = _budgets([peak + resident for peak in reached], below, resident)
+    seeds = {f"torch_{b:g}": c for b, (c, _) in torch_points.items()}
+    shortlist = _search(exp, graph, costs, calibration, space, seeds, budgets, resident, progress, finalists)
+    folder = Path(results_root) / exp.name
+    budget_of = dict(budgets)
+    partitions = {f"torch {b:g}": (c, r, peak + resident) for (b, (c, r)), peak in zip(torch_points.items(), reached)}
+    if finalists > 1:  # timed: torch's partitions that fit join the search's own
+        shortlist = _with_partitions(shortlist, partitions, budgets)
+    origin = {c.actions: name for name, (c, _, _) in reversed(partitions.items())}
+
+    def method(label: str, evaluated, problem) -> tuple[Method, policies.Policy]:
+        """A gaswap method compiled under `evaluated`, predicted by `problem` (a calibrated CompiledProblem)."""
+        r = problem.simulate(evaluated.chromosome)
+        policy = partition.make_policy(graph, problem.actions_of(evaluated.chromosome),
+                                      {"peak_bytes": r.peak_bytes, "step_time_s": r.step_time,
+                                       "resident_bytes": resident},
+                                      {"experiment": exp.name, "experiment_file": str(exp.path), "budget": label,
+                                       "budget_bytes": budget_of[label],
+                                       "optimizer": exp.optimizer, "counts": sorted(exp.counts),
+                                       "cost_source": problem.simulator.costs.source,
+                                       "device": problem.simulator.costs.device,  # costs and calibration timed here
+                                       "calibration": problem.calibration.to_dict(),
+                                       "torch_version": str(torch.__version__)})
+        m, opt = fresh_copy(model, exp)
+        return Method("gaswap", label, m, partition.compile(m, policy), opt, predicted(evaluated.chromosome, r),
+                      _count(evaluated.chromosome), origin=origin.get(evaluated.chromosome.actions, "search")), policy
+
+    output_bytes = graph.tensors[graph.loss].size
+
+    def measure_methods(ms, rounds_, steps_):
+        rows_ = _measure(ms, inputs, target, exp, device, rounds_, steps_, progress)
+        for m, row in zip(ms, rows_):
+            row["program_peak_bytes"] = _program_peak(m, output_bytes, exp.loss, progress)
+        return rows_
+
+    made = {}  # actions -> (Method, Policy, the problem that predicted it): every gaswap policy compiled
+    tuning = []  # the finalists' measured rows, both rounds
+    if finalists == 1:  # the model's choice, untimed
+        chosen = {label: evaluated[0] for label, evaluated in shortlist}
+    else:
+        chosen, tuning = _two_rounds(
+            shortlist, unbounded, budgets, resident, made, method, measure_methods, progress,
+            lambda refit, again: _search(exp, graph, costs, refit, space, seeds, again, resident, progress, finalists))
+    picked = _picked(chosen, made, method, budget_of, unbounded)
+    methods += [m for m, _ in picked]
+    rows = measure_methods(methods, rounds, steps)
+    # written once all is measured: a run that fails midway leaves the earlier run's results whole
+    for stale in [*folder.glob("compiled/p[0-9]*.yaml"), *folder.glob("compiled/p[0-9]*.validation.json")]:
+        stale.unlink()  # an earlier run's policies and their validations
+    program_peak = {id(m): row["program_peak_bytes"] for m, row in zip(methods, rows)}
+    for k, (m, policy) in enumerate(picked):
+        policies.save(_with_program_peak(policy, program_peak[id(m)]), folder / "compiled" / f"p{k:02d}.yaml")
+    write_atomic(folder / "compare.csv", csv_text(rows, COLUMNS))
+    if tuning:
+        write_atomic(folder / "finalists.csv", csv_text(tuning, FINALIST_COLUMNS))
+    elif (folder / "finalists.csv").exists():
+        (folder / "finalists.csv").unlink()  # an earlier run's
+    write_atomic(folder / "compare.md", to_markdown(rows, exp.name, device_name(device), tuning))
+    return rows
+
+
+def prepare(exp: config.Experiment, device="auto") -> tuple:
+    """(device, model, inputs, target, joint graph) of an experiment for compiled runs: its intra-op threads on
+    a CPU, the model and inputs made from its seed, torch.compile's joint graph captured."""
+    dev = resolve_device(device)
+    if dev.type == "cpu":
+        use_cpu(exp.costs.threads)
+    torch.manual_seed(exp.seed)
+    model = experiment.build_model(exp, device=str(dev))
+    inputs, target = experiment.make_inputs(exp, str(dev), torch.Generator(dev).manual_seed(exp.seed))
+    graph = partition.capture(model, *inputs, optimizer=exp.optimizer, counted=exp.counts)
+    return dev, model, inputs, target, graph
+
+
+def _actions(encoding: Encoding, actions: dict[str, str]) -> tuple[int, ...]:
+    """`actions` (a partition's) as a chromosome's, KEEP where the encoding allows no recomputation."""
+    out = []
+    for t, allowed in zip(encoding.candidates, encoding.allowed):
+        action = Action.parse(actions[t])
+        out.append(int(action if action in allowed else Action.KEEP))
+    return tuple(out)
+
+
+def _search(exp, graph, costs, calibration, space, seeds, budgets, resident, progress,
+            finalists: int = 1) -> list[tuple[str, list]]:
+    """gaswap's `finalists` policies (`_shortlist`) at each of `budgets` ((label, bytes) pairs), the GA seeded
+    with `seeds`: (label, [Evaluated, the fastest predicted first]) pairs, skipping budgets where nothing fits."""
+    out = []
+    for label, budget in budgets:
+        problem = step_model.CompiledProblem(graph, costs, budget, space, loss=exp.loss, calibration=calibration)
+        result = search(problem, exp.ga, exp.seed, seeds=seeds)
+        progress(f"  gaswap search at {label}: " + ("nothing fits" if result.best is None else
+                 f"{format_size(result.best.peak_bytes - resident)}, {result.best.step_time * 1e3:.2f} ms predicted"))
+        shortlist = _shortlist(result.front, result.fastest, problem.canonical, finalists)
+        if shortlist:
+            out.append((label, shortlist))
+    return out
+
+
+def _shortlist(front, fastest, canonical, n: int) -> list[Evaluated]:
+    """Up to `n` policies as they run (`canonical(chromosome)`), one per actions: the `front`'s, fastest first,
+    then, where it has fewer than `n`, the next of `fastest` (fastest first)."""
+    out = {}
+    for e in (*front, *fastest):
+        if len(out) == n:
+            break
+        c = canonical(e.chromosome)
+        out.setdefault(c.actions, replace(e, chromosome=c))
+    return list(out.values())
+
+
+def _with_partitions(finalists, partitions: dict, budgets) -> list[tuple[str, list]]:
+    """Each budget's finalists (`budgets`: (label, bytes) pairs), and after them torch's partitions
+    (`partitions`: name -> (chromosome, simulated, measured peak)) whose measured peak is at or under the
+    budget, as gaswap policies: the model cannot see all that makes a policy fast, so they are timed beside
+    the search's own (and stand alone where the search found nothing that fits by the model)."""
+    ours = dict(finalists)
+    out = []
+    for label, budget in budgets:
+        evaluated = list(ours.get(label, []))
+        known = {e.chromosome.actions for e in evaluated}
+        for c, r, peak in partitions.values():
+            if peak <= budget and c.actions not in known:
+                known.add(c.actions)
+                evaluated.append(Evaluated(c, r.step_time, r.peak_bytes))
+        if evaluated:
+            out.append((label, evaluated))
+    return out
+
+
+def _two_rounds(shortlist, problem, budgets, resident, made: dict, method, measure_methods, progress,
+                search_again) -> tuple[dict, list[dict]]:
+    """The policy compared at each budget ({label: Evaluated}) and the finalists' measured rows: `shortlist`'s
+    finalists timed (round 1); the time model of `problem` (calibrated) refit on their times; the search
+    run again with it (`search_again(calibration, budgets)`: (label, [Evaluated]) pairs), under a budget
+    lowered by the model's peak error where no finalist fit (`_refit_budgets`); its new finalists timed
+    beside round 1's choice (round 2)."""
+    budget_of, labels = dict(budgets), [label for label, _ in budgets]
+    chosen, first, unfit = _finalists_round(shortlist, 1, problem, made, method, budget_of, resident,
+                                            measure_methods, progress)
+    if not first:  # nothing fits by the model: nothing to refit on or to search again for
+        return _final_choice(labels, {}, {}, progress), []
+    keys = problem.encoding.captured_keys()
+    refit = step_model.refit(problem.calibration, problem,
+                                 [(row["knob"], Chromosome(keys, a), row["step_s"]) for a, row in first.items()])
+    progress(f"  second round: the model refit on its {len(problem.calibration.samples)} calibration points and "
+             f"the {len(first)} finalists' times "
+             f"(within {refit.worst_error():.1%} of them), searched again"
+             + "".join(f"; at {label} under the budget over the peak error" for label in unfit))
+    again = [(label, budget) for label, budget in budgets if label not in unfit]
+    retry = search_again(refit, again + _refit_budgets(unfit, budget_of, resident))
+    refitted = step_model.CompiledProblem(problem.graph, problem.costs, None, problem.space, loss=problem.loss,
+                                              calibration=refit)
+    chosen2, second, _ = _finalists_round(_second_round(retry, made, chosen), 2, refitted, made, method, budget_of,
+                                          resident, measure_methods, progress)
+    return _final_choice(labels, chosen, chosen2, progress), [*first.values(), *second.values()]
+
+
+def _finalists_round(finalists, number: int, problem, made: dict, method, budget_of, resident, measure_methods,
+                     progress) -> tuple[dict, dict, dict]:
+    """Round `number` of the finalists ((label, [Evaluated]) pairs): each distinct one not in `made` compiled
+    (`method(label, evaluated, problem)`, added to `made` as (Method, Policy, problem), numbered in its knob),
+    then all timed together in rounds of their own (`measure_methods`), so the head to head that follows
+    times the chosen ones afresh: picking the fastest of several noisy timings does not flatter the figures
+    compared. Returns per budget the finalist measured fastest among those whose measured peak is at or
+    under the budget ({label: Evaluated}), the measured rows ({actions: row}, with their `round`), and the
+    budgets where none is, each with the largest measured / predicted peak of its finalists
+    (`_refit_budgets`)."""
+    for label, evaluated in finalists:
+        for e in evaluated:
+            if e.chromosome.actions not in made:
+                m, policy = method(label, e, problem)
+                m.knob = f"{label} #{len(made) + 1}"
+                made[e.chromosome.actions] = (m, policy, problem)
+    timed = list(dict.fromkeys(e.chromosome.actions for _, evaluated in finalists for e in evaluated))
+    if not timed:
+        return {}, {}, {}
+    progress(f"  timing {len(timed)} finalists (round {number})")
+    rows = {a: row | {"round": number}
+            for a, row in zip(timed, measure_methods([made[a][0] for a in timed], TUNING_ROUNDS, TUNING_STEPS))}
+    chosen, unfit = {}, {}
+    number_of = lambda e: made[e.chromosome.actions][0].knob.rsplit(" ", 1)[-1]  # noqa: E731 ("#3")
+    for label, evaluated in finalists:
+        fits = [e for e in evaluated if rows[e.chromosome.actions]["peak_bytes"] <= budget_of[label] - resident]
+        if not fits:
+            unfit[label] = max(rows[e.chromosome.actions]["peak_bytes"] / max(e.peak_bytes - resident, 1)
+                               for e in evaluated)
+            continue
+        chosen[label] = min(fits, key=lambda e: rows[e.chromosome.actions]["step_s"])
+        progress(f"  at {label}: finalist {number_of(chosen[label])} of "
+                 + ", ".join(number_of(e) for e in evaluated))
+    return chosen, rows, unfit
+
+
+def _second_round(finalists, made: dict, chosen: dict) -> list[tuple[str, list]]:
+    """The second search's `finalists` that no round compiled yet (`made`), each budget's with the first
+    round's choice there (`chosen`: timed again beside them); a budget with none new is dropped (its first
+    choice stands)."""
+    out = []
+    for label, evaluated in finalists:
+        new = [e for e in evaluated if e.chromosome.actions not in made]
+        if new:
+            out.append((label, new + ([chosen[label]] if label in chosen else [])))
+    return out
+
+
+def _final_choice(labels, first: dict, second: dict, progress) -> dict:
+    """Per budget label, in `labels`' order, the second round's choice, else the first's; a budget with
+    neither is left out: a policy over its budget is not gaswap's at that budget."""
+    out = {}
+    for label in labels:
+        chosen = second.get(label, first.get(label))
+        if chosen is None:
+            progress(f"  at {label}: left out, no policy at or under the budget (by the model or measured)")
+        else:
+            out[label] = chosen
+    return out
+
+
+def _picked(chosen: dict, made: dict, method, budget_of, problem) -> list[tuple[Method, policies.Policy]]:
+    """[(Method, Policy)] of the `chosen` ({label: Evaluated}) at each budget, knobbed by it: the one `made`
+    (actions -> (Method, Policy, problem)) if not picked already, else one compiled apart (the same policy
+    picked at two budgets); a policy not made is compiled as `problem` predicts it (untimed finalists)."""
+    out, used = [], set()
+    for label, e in chosen.items():
+        a = e.chromosome.actions
+        if a in made and a not in used:
+            m, policy, _ = made[a]
+        else:
+            m, policy = method(label, e, made[a][2] if a in made else problem)
+        used.add(a)
+        m.knob = label
+        out.append((m, _with_budget(policy, label, budget_of[label])))
+    return out
+
+
+def _refit_budgets(unfit: dict[str, float], budget_of: dict[str, int], resident: int) -> list[tuple[str, int]]:
+    """(label, bytes) budgets for a second search where no finalist measured under its budget: the budget
+    above resident divided by how far over their predictions the finalists measured (`unfit`: label ->
+    the largest measured / predicted peak), so that a policy the model errs on as much still fits."""
+    return [(label, resident + int((budget_of[label] - resident) / ratio)) for label, ratio in unfit.items()
+            if ratio > 1]
+
+
+def _with_budget(policy: policies.Policy, label: str, budget_bytes: int) -> policies.Policy:
+    """`policy` with the budget it was picked at in its provenance."""
+    return replace(policy, provenance=policy.provenance | {"budget": label, "budget_bytes": budget_bytes})
+
+
+def _with_program_peak(policy: policies.Policy, program_peak: int | None) -> policies.Policy:
+    """`policy` predicting the peak its compiled programs hold (`compiled_program`); the search model's
+    prediction stays beside it as `search_peak_bytes`."""
+    if program_peak is None:
+        return policy
+    predicted = policy.predicted
+    return replace(policy, predicted=predicted | {"peak_bytes": program_peak + predicted["resident_bytes"],
+                                                  "search_peak_bytes": predicted["peak_bytes"]})
+
+
+def _program_peak(m: "Method", output_bytes: int, loss: str, progress) -> int | None:
+    """The step peak above resident of the programs inductor generated for `m` (None: none recorded, or
+    programs `compiled_program` cannot read, said through `progress`)."""
+    if not m.programs:
+        return None
+    try:
+        return programs.step_peak(m.programs, output_bytes, loss)
+    except programs.ProgramError as e:
+        progress(f"  {m.name} {m.knob}: no program peak ({e})")
+        return None
+
+
+def _budgets(peaks: list[int], below, resident: int) -> list[tuple[str, int]]:
+    """(label, bytes): the distinct `peaks` (highest first), then `below` times the lowest; labelled by what
+    the meter would read (the bytes above `resident`)."""
+    peaks = sorted(set(peaks), reverse=True)
+    lowest = peaks[-1]
+    return ([(format_size(p - resident), p) for p in peaks]
+            + [(f"{f:g}x {format_size(lowest - resident)}", resident + int(f * (lowest - resident))) for f in below])
+
+
+def _peak_reached(m: "Method", inputs, target, exp, device, progress) -> int:
+    """The peak one step of `m` measures (bytes above what is allocated before it), after its warm-up."""
+    _warm_up(m, inputs, target, exp, device, progress)
+    with PeakMeter(device) as meter:
+        train_step(m, inputs, target, exp.loss, device)
+    return meter.peak
+
+
+def _warm_up(m: "Method", inputs, target, exp, device, progress) -> None:
+    """Two steps (the compile), timed into `m.compile_s`, once; a compiled method's generated programs are
+    recorded (`m.programs`) in the first."""
+    if m.compile_s:
+        return
+    started = time.perf_counter()
+    recorder = programs.Recorder() if m.name in RECORDED else None
+    with recorder or contextlib.nullcontext():
+        train_step(m, inputs, target, exp.loss, device)
+    train_step(m, inputs, target, exp.loss, device)
+    m.compile_s = time.perf_counter() - started
+    m.programs = recorder.programs if recorder else []
+    progress(f"  warmed up {m.name} {m.knob} ({m.compile_s:.0f} s)")
+
+
+def fresh_copy(model, exp) -> tuple[torch.nn.Module, object]:
+    """A deep copy of `model` (same weights) and a new optimizer of the experiment's kind over it."""
+    m = copy.deepcopy(model)
+    return m, OPTIMIZERS[exp.optimizer]([p for p in m.parameters() if p.requires_grad])
+
+
+def _torch_compiled(model, budget: float):
+    """torch.compile with inductor, its partitioner at `activation_memory_budget = budget`."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor.compile_fx import compile_fx
+
+    def inductor_at_budget(gm, example_inputs):
+        with functorch_config.patch(activation_memory_budget=budget):
+            return compile_fx(gm, example_inputs)
+
+    return torch.compile(model, backend=inductor_at_budget, fullgraph=True, dynamic=False)
+
+
+def _cpu_times(policies_, model, inputs, target, exp, device, rounds: int = 4, steps: int = 3) -> list[float]:
+    """Median CPU seconds per training step of `model` compiled under each policy, timed as `_measure` times
+    the methods compared (rotated rounds, each after a metered and an untimed step)."""
+    methods = []
+    for k, policy in enumerate(policies_):
+        m, opt = fresh_copy(model, exp)
+        methods.append(Method("calibration", str(k), m, partition.compile(m, policy), opt))
+    return [row["step_s"] for row in _measure(methods, inputs, target, exp, device, rounds, steps, lambda _: None)]
+
+
+def _allow_recompiles(count: int) -> None:
+    """Let dynamo compile the model's forward once more for each of `count` methods (each is compiled apart;
+    dynamo counts the compiles of one function across them all, and a run compiles some 20)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * count, 64)
+
+
+def _count(chromosome) -> int:
+    return sum(1 for a in chromosome.actions if a == Action.RECOMPUTE)
+
+
+def _measure(methods, inputs, target, exp, device, rounds, steps, progress) -> list[dict]:
+    """Warm up (compile) each method, then `rounds` rounds in rotated order: one step under the peak meter, one
+    untimed step, then `steps` timed steps each."""
+    _allow_recompiles(len(methods))
+    times = {m.name + m.knob: [] for m in methods}
+    cpu_times = {k: [] for k in times}
+    peaks = {k: [] for k in times}
+    rss_peaks = {k: [] for k in times}
+    for m in methods:
+        _warm_up(m, inputs, target, exp, device, progress)
+    for r in range(rounds):
+        for m in methods[r % len(methods):] + methods[:r % len(methods)]:
+            peak, rss_peak, timed = metered_round(m, inputs, target, exp.loss, device, steps)
+            peaks[m.name + m.knob].append(peak)
+            rss_peaks[m.name + m.knob].append(rss_peak)
+            times[m.name + m.knob] += [wall for wall, _ in timed]
+            cpu_times[m.name + m.knob] += [cpu for _, cpu in timed]
+    rows = []
+    for m in methods:
+        t, c, p = times[m.name + m.knob], cpu_times[m.name + m.knob], peaks[m.name + m.knob]
+        rows.append({"method": m.name, "knob": m.knob, "predicted_peak_bytes": m.predicted[0],
+                     "predicted_step_s": m.predicted[1], "opwise_peak_bytes": m.predicted[2],
+                     "opwise_step_s": m.predicted[3], "peak_bytes": int(statistics.median(p)), "peak_min": min(p),
+                     "peak_max": max(p), "step_s": statistics.median(c), "step_min": min(c), "step_max": max(c),
+                     "wall_step_s": statistics.median(t), "compile_s": m.compile_s, "recomputed": m.recomputed,
+                     "rss_peak_bytes": _median_or_none(rss_peaks[m.name + m.knob]), "origin": m.origin})
+    return rows
+
+
+def metered_round(m: Method, inputs, target, loss: str, device, steps: int) -> tuple[int, int | None, list]:
+    """One round of `m`: a step under the peak meter, an untimed step (the meter handed memory back to the OS,
+    and slows the steps right after it), then `steps` timed steps: (peak, resident-set peak or None,
+    [(wall s, CPU s)] of the timed steps)."""
+    with PeakMeter(device) as meter:
+        train_step(m, inputs, target, loss, device)
+    train_step(m, inputs, target, loss, device)
+    return meter.peak, meter.rss_peak, [train_step(m, inputs, target, loss, device) for _ in range(steps)]
+
+
+def _median_or_none(values: list) -> int | None:
+    return None if None in values else int(statistics.median(values))
+
+
+def train_step(m: Method, inputs, target, loss: str, device) -> tuple[float, float]:
+    """One training step; (wall seconds, CPU seconds)."""
+    sync(device)
+    wall, cpu = time.perf_counter(), time.process_time()
+    loss_fn(loss, output_tensor(m.run(*inputs)), target).backward()
+    m.optimizer.step()
+    m.optimizer.zero_grad(set_to_none=True)
+    sync(device)
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+# --- output ----------------------------------------------------------------------------------------------
+
+def to_markdown(rows: list[dict], name: str, device: str, tuning: list[dict] = ()) -> str:
+    """The table, and per torch.compile point the fastest gaswap policy at an equal or lower measured peak
+    (allocated bytes; on a CPU also by the resident set); then the finalists timed before, if any.
+    Predictions: the compiled model (`gaswap.compiled.step_model`), then the joint graph's ops one by one; and the
+    peak of the programs inductor generated (`gaswap.compiled.programs`)."""
+    lines = [f"# gaswap compare: {name} ({device})", "",
+             "| method | budget | recomputed | predicted peak (ops one by one) | generated program's peak "
+             "| measured peak allocated | resident | predicted time (ops one by one) "
+             "| CPU time per step (median, range) | vs torch 1.0 |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+    reference = next(r["step_s"] for r in rows if r["method"] == "torch.compile" and r["knob"] == "1")
+    for r in rows:
+        peak = _pair(r.get("predicted_peak_bytes"), r.get("opwise_peak_bytes"), format_size)
+        step = _pair(r.get("predicted_step_s"), r.get("opwise_step_s"), lambda s: f"{s * 1e3:.2f} ms")
+        rss = "-" if r.get("rss_peak_bytes") is None else format_size(r["rss_peak_bytes"])
+        recomputed = "-" if r["recomputed"] is None else r["recomputed"]
+        program = "-" if r.get("program_peak_bytes") is None else format_size(r["program_peak_bytes"])
+        lines.append(f"| {r['method']}{_origin(r)} | {r['knob']} | {recomputed} | "
+                     f"{peak} | {program} | {format_size(r['peak_bytes'])} | {rss} | {step} | "
+                     f"{r['step_s'] * 1e3:.2f} ms "
+                     f"({r['step_min'] * 1e3:.2f}-{r['step_max'] * 1e3:.2f}) | {r['step_s'] / reference - 1:+.1%} |")
+    lines += ["", "By peak allocated (torch's allocator):", *goal_lines(rows)]
+    if all(r.get("rss_peak_bytes") is not None for r in rows):
+        lines += ["", "By peak resident set (the process's high-water mark):", *goal_lines(rows, "rss_peak_bytes")]
+    if tuning:
+        lines += ["", "Finalists: the gaswap policies fastest in prediction at each budget, and torch's partitions "
+                  "whose measured peak fits it, timed in rounds of their own before the table above; round 2: "
+                  "those of a second search, by the model refit on round 1's times, beside round 1's choice. "
+                  "The fastest whose measured peak is at or under the budget, of the last round there, is "
+                  "compared.", "",
+                  "| finalist | round | recomputed | predicted peak | generated program's peak "
+                  "| measured peak allocated | predicted time | CPU time per step (median, range) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|"]
+        lines += [f"| {r['knob']}{_origin(r)} | {r.get('round', 1)} | {r['recomputed']} | "
+                  f"{format_size(r['predicted_peak_bytes'])} | "
+                  f"{'-' if r.get('program_peak_bytes') is None else format_size(r['program_peak_bytes'])} | "
+                  f"{format_size(r['peak_bytes'])} | {r['predicted_step_s'] * 1e3:.2f} ms | {r['step_s'] * 1e3:.2f} ms "
+                  f"({r['step_min'] * 1e3:.2f}-{r['step_max'] * 1e3:.2f}) |" for r in tuning]
+    return "\n".join(lines) + "\n"
+
+
+def _origin(row: dict) -> str:
+    """" (torch 0.5's partition)" for a gaswap row that is one of torch's partitions, else ""."""
+    origin = row.get("origin") or "search"
+    return "" if origin == "search" else f" ({origin}'s partition)"
+
+
+def _pair(value, opwise, fmt) -> str:
+    if value is None:
+        return "-"
+    return fmt(value) + ("" if opwise is None else f" ({fmt(opwise)})")
+
+
+def goal_lines(rows: list[dict], peak: str = "peak_bytes") -> list[str]:
+    """Per torch.compile point: the fastest gaswap policy whose measured `peak` (a column) is at or below it,
+    and whether it is at least as fast."""
+    ours = [r for r in rows if r["method"] == "gaswap"]
+    out = []
+    for t in (r for r in rows if r["method"] == "torch.compile"):
+        fits = [r for r in ours if r[peak] <= t[peak]]
+        if not fits:
+            out.append(f"- torch.compile {t['knob']} ({format_size(t[peak])}): no gaswap policy at or below "
+                       f"its peak")
+            continue
+        best = min(fits, key=lambda r: r["step_s"])
+        verdict = "met" if best["step_s"] <= t["step_s"] else "not met"
+        origin = best.get("origin") or "search"
+        if origin == f"torch {t['knob']}":
+            verdict = "a tie: gaswap's timing picked this very partition, faster or slower by noise alone"
+        elif origin != "search":
+            verdict += f" (gaswap's timing picked {origin}'s partition)"
+        out.append(f"- torch.compile {t['knob']} ({format_size(t[peak])}, {t['step_s'] * 1e3:.2f} ms): "
+                   f"gaswap {best['knob']} {format_size(best[peak])}, {best['step_s'] * 1e3:.2f} ms "
+                   f"({best['step_s'] / t['step_s'] - 1:+.1%}): {verdict}")
+    return out
+
+
+def command(args) -> int:
+    """Run the comparison from parsed arguments and print the table."""
+    below = tuple(float(b) for b in args.below.split(",") if b.strip())
+    run(args.experiment, rounds=args.rounds, steps=args.steps, below=below, finalists=args.finalists,
+        results_root=args.results, cache_dir=args.cache)
+    name = config.load_experiment(args.experiment).name
+    print((Path(args.results) / name / "compare.md").read_text(), end="")
+    print(f"wrote {Path(args.results) / name}/ (compare.csv, compare.md, compiled/)")
+    return 0

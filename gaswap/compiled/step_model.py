@@ -1,0 +1,445 @@
+"""A cost and memory model of the *compiled* training step, for the simulator to price compiled policies.
+
+gaswap's costs (`measure.measure`) time each op of a graph alone, and the simulator counts every tensor an
+op makes. Inductor does not run the joint graph that way: it runs matmuls and convolutions as library calls
+("extern" kernels), and fuses everything else (pointwise ops, reductions, concatenations, views) into a few
+generated C++ (or Triton) kernels whose intermediates never reach memory. This module turns the joint graph
+and its costs into what the compiled step does, leaving the simulator as it is:
+
+- `fused_graph(graph, loss)`: the same graph, with the tensors inductor computes inside the kernels that
+  read them sized 0 (`inlined`), and the eager loss between the compiled forward and backward as an op of
+  its own (`with_loss`); `CompiledProblem` also gives no memory to the recomputed candidates inductor
+  would inline (`inlined`'s second set).
+- `calibrate(...)`: the cost of a compiled step, measured where it differs from policy to policy. Every
+  policy runs the same forward and backward once; a policy adds the ops it recomputes, and drops the masks
+  and the other tensors it does not save. So a step costs a `base` (keep-all, no mask kept, nothing saved:
+  measured, not summed from ops), plus the recomputed generated ops at `scale` times their standalone time
+  (inductor fuses them into the backward's kernels), the recomputed library calls at `extern_scale` times
+  theirs, plus a price per byte of bool mask kept and one per byte saved for the backward (`Calibration`).
+  The five are fitted on seven compiled runs: keep-all, masks recomputed, recompute-generated,
+  recompute-all and three random halves; every other policy is a prediction. (The model before priced the
+  whole step's generated ops with one scale: fusion makes the forward's several times cheaper than their
+  standalone sum while a recomputation in the backward is not, so one scale could not fit both. On GPT-2 it
+  priced recomputing every generated op free, where it measured +32 %.)
+- The standalone op times are `gaswap.run.measure`'s, which on a CPU are CPU seconds, not wall seconds (wall
+  time taken on a loaded machine is several times the op's cost: that made the first compiled predictions
+  9-13x too slow on DenseNet).
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from gaswap.plan.costs import Costs
+from gaswap.plan.encoding import Action, Chromosome
+from gaswap.plan.graph import Graph, Op, Tensor
+from gaswap.plan.problem import Problem
+from gaswap.plan.simulator import SimResult, Simulator
+
+# Ops inductor runs as library calls on CPU and CUDA (matmul, convolution, attention families); the rest
+# it generates and fuses. Prefixes of the aten target names.
+EXTERN = ("aten.convolution.", "aten.convolution_backward.", "aten.mm.", "aten.addmm.", "aten.bmm.",
+          "aten.baddbmm.", "aten._scaled_dot_product", "aten._flash_attention", "aten._efficient_attention",
+          "aten.randint.", "aten._cudnn_", "aten.mkldnn_", "aten._convolution")
+
+
+def is_extern(target: str) -> bool:
+    """Whether inductor runs an op of this aten target as a library call (not fused)."""
+    return target.startswith(EXTERN)
+
+
+# What the eager loss between the compiled forward and backward holds besides the model's output and its
+# gradient, in units of the output's size: cross entropy saves log_softmax's result and makes nll_loss's
+# gradient before log_softmax's backward makes the output's; mse saves its input; sum saves nothing.
+LOSS_TEMPORARIES = {"cross_entropy": 1, "mse": 0, "sum": 0}
+
+
+def fused_graph(graph: Graph, loss: str = "sum", cpu: bool = True) -> Graph:
+    """`graph` as inductor runs it on a CPU (`cpu`) or a GPU, for the simulator (the same under every
+    policy), with the step's `loss` computed eagerly between the compiled forward and backward (`with_loss`):
+
+    - a tensor inductor inlines (`inlined`: not a candidate) is sized 0, and an op reading one reads what it
+      is computed from instead, so those tensors live until the op runs. (The first rule, "made and read by
+      generated ops with no library call in between", missed that inductor inlines a value into readers on
+      both sides of a library call: on compare_cnn_cpu it kept ReLU's gradient written across the
+      convolution's backward, and erred -13 to -33 % on five of thirteen policies.)
+    - a candidate is counted: a kept one is saved; a recomputed one too, unless inductor would inline it
+      (`CompiledProblem` tells the simulator which: `inlined_if_recomputed`).
+
+    Saved tensors are freed after their last reader, as the compiled backward frees its inputs. (Holding
+    them to the backward's end matched the resident-set meter on the CNN, but torch's allocator counts
+    show the frees: that variant predicted keep-all 15 % high on the CNN and 12 % high on DenseNet.)
+    """
+    return with_loss(without(graph, inlined(graph, cpu)[0]), loss)
+
+
+def without(graph: Graph, inside: set[str]) -> Graph:
+    """`graph` with the tensors `inside` sized 0, and each op reading one of them reading what it is computed
+    from instead."""
+    producer = {op.name: op for op in graph.ops}
+    sources: dict[str, tuple[str, ...]] = {}  # inside tensor -> the materialized tensors it is computed from
+
+    def source(t: str) -> tuple[str, ...]:
+        if t not in inside:
+            return (t,)
+        if t not in sources:
+            sources[t] = tuple(dict.fromkeys(s for i in producer[graph.tensors[t].producer].inputs for s in source(i)))
+        return sources[t]
+
+    ops = [replace(op, inputs=tuple(dict.fromkeys((*op.inputs, *(s for i in op.inputs for s in source(i))))))
+           for op in graph.ops]
+    tensors = {name: Tensor(t.name, 0, t.kind, t.producer) if name in inside else t
+               for name, t in graph.tensors.items()}
+    return replace(graph, ops=tuple(ops), tensors=tensors)
+
+
+# Ops whose result inductor always writes to a buffer (reductions, scatters, concatenations, pooling, copies),
+# and those that make a value read more than once worth writing on a CPU (transcendental math). Prefixes of
+# the aten target names.
+REALIZED = ("aten.sum.", "aten.mean.", "aten.amax.", "aten.amin.", "aten.var_mean.", "aten.var.", "aten.std.",
+            "aten.max.", "aten.min.", "aten.argmax.", "aten.argmin.", "aten.prod.", "aten.cumsum.", "aten.logsumexp.",
+            "aten.cat.", "aten.scatter", "aten.index_put",
+            "aten._unsafe_masked_index_put_accumulate.", "aten.embedding_dense_backward.", "aten.avg_pool",
+            "aten.max_pool", "aten.copy_.", "aten.copy.", "aten.clone.")
+HEAVY = ("aten.exp.", "aten.log", "aten.sigmoid.", "aten.tanh.", "aten.pow.", "aten.erf.")
+# inductor's thresholds (torch._inductor.config): distinct buffers a value read more than once may read and
+# stay inlined (`realize_reads_threshold`); that any value may read (`realize_cpu_acc_reads_threshold`, 8 on
+# a GPU); ops an inlined expression may hold (`realize_cpu_opcount_threshold`, 30 on a GPU).
+REUSED_READS, READS, OPS = 4, {True: 12, False: 8}, {True: 50, False: 30}
+
+
+def library_calls(graph: Graph) -> set[str]:
+    """The ops of `graph` inductor runs as library calls: `is_extern`'s, and an `add` of a matrix product
+    read by nothing else (inductor makes the two one `addmm`: an unrolled RNN's gradient sums)."""
+    readers = graph.consumers()
+    by_name = {op.name: op for op in graph.ops}
+    calls = {op.name for op in graph.ops if is_extern(op.target)}
+    for op in graph.ops:
+        if op.target == "aten.add.Tensor" and any(
+                graph.tensors[t].producer in by_name and by_name[graph.tensors[t].producer].target == "aten.mm.default"
+                and readers[t] == [op.name] and graph.tensors[t].size == graph.tensors[op.outputs[0]].size
+                for t in op.inputs):
+            calls.add(op.name)
+    return calls
+
+
+def inlined(graph: Graph, cpu: bool = True) -> tuple[set[str], set[str]]:
+    """The tensors of `graph` inductor computes inside the kernels that read them instead of writing them to
+    memory, and the candidates it would so compute where a policy recomputes them (the others it saves).
+
+    As inductor's lowering decides: a tensor made by a generated op that is not `REALIZED`, read by generated
+    ops alone, in the same graph (the forward's or the backward's: a candidate's backward readers read its
+    recomputation), and not the loss, is inlined unless its expression is too big: a value read by several
+    ops of a graph is written when its inlined expression reads more than `REUSED_READS` buffers or, on a
+    CPU, holds `HEAVY` math; any value when it reads more than `READS` or holds more than `OPS` ops. An
+    inlined value's buffers stay alive until its last reader runs. Measured against inductor's programs,
+    one more rule: a value whose readers run after a library call that follows its making is inlined only if
+    every buffer it reads is smaller than it. (On compare_cnn_cpu, ReLU's gradient, read on both sides of a
+    convolution's backward, is computed twice from the 4x smaller mask and small gradients; on
+    compare_gru_cpu, inductor writes the gradient sums of the 24 steps, which read buffers of their size.)"""
+    candidates = set(graph.candidates())
+    readers = graph.consumers()
+    by_name = {op.name: op for op in graph.ops}
+    calls = library_calls(graph)
+    position = graph.op_index()
+    call_at = sorted(position[name] for name in calls)
+    reads: dict[str, frozenset] = {}  # inlined tensor -> the buffers its expression reads
+    heavy: dict[str, bool] = {}
+    count: dict[str, int] = {}  # ops in its expression
+    recomputable = set()
+    for op in graph.ops:  # in topological order
+        if op.name in calls or op.target.startswith(REALIZED):
+            continue
+        srcs, is_heavy, n = set(), op.target.startswith(HEAVY) and cpu, 1
+        for t in op.inputs:
+            if t in reads:
+                srcs |= reads[t]
+                is_heavy |= heavy[t]
+                n += count[t]
+            else:
+                srcs.add(t)
+        for t in op.outputs:
+            users = [by_name[r] for r in readers[t]]
+            candidate = t in candidates
+            if (graph.tensors[t].kind != "activation" or t == graph.loss or not users
+                    or any(u.name in calls or not candidate and u.phase != op.phase for u in users)):
+                continue
+            spans = []  # (made at, last read at, readers) in each graph it is computed in
+            for phase in ("fwd", "bwd"):
+                at = [position[u.name] for u in users if u.phase == phase]
+                if at:
+                    spans.append((position[op.name] if phase == op.phase else min(at) - 1, max(at), len(at)))
+            reused = any(k > 1 for *_, k in spans)
+            if len(srcs) > READS[cpu] or n > OPS[cpu] or reused and (is_heavy or len(srcs) > REUSED_READS):
+                continue
+            if (any(bisect.bisect_right(call_at, a) < bisect.bisect_left(call_at, b) for a, b, _ in spans)
+                    and any(graph.tensors[s].size >= graph.tensors[t].size for s in srcs)):
+                continue
+            if candidate:
+                recomputable.add(t)
+            else:
+                reads[t], heavy[t], count[t] = frozenset(srcs), is_heavy, n
+    return set(reads), recomputable
+
+
+LOSS_OP = "gaswap.loss"
+
+
+def with_loss(graph: Graph, loss: str) -> Graph:
+    """`graph` (a compiled joint graph, whose output's gradient arrives from outside) with the eager loss
+    that makes that gradient: an op `LOSS_OP`, between the forward and backward ops, reads the output (which
+    is then freed: the graph has no loss tensor held to the end), makes the gradient and holds the loss's
+    temporaries (`LOSS_TEMPORARIES`) while it runs. The gradient is a new activation its readers read; the
+    resident `grad_output` placeholder is sized 0 (the meter sees the gradient appear, not resident all
+    step). The output becomes a candidate, to be kept (see `CompiledProblem`)."""
+    grad_output = next((t for t in graph.tensors.values() if t.kind == "grad_output"), None)
+    if grad_output is None or graph.loss is None:
+        return graph
+    made = Tensor(f"{LOSS_OP}.grad_output", grad_output.size, "activation", LOSS_OP)
+    temporary = Tensor(f"{LOSS_OP}.temporaries", LOSS_TEMPORARIES[loss] * grad_output.size, "activation", LOSS_OP)
+    tensors = dict(graph.tensors) | {grad_output.name: replace(grad_output, size=0), made.name: made,
+                                     temporary.name: temporary}
+    ops = [replace(op, inputs=(*op.inputs, made.name)) if grad_output.name in op.inputs else op for op in graph.ops]
+    loss_op = Op(LOSS_OP, f"loss.{loss}", (graph.loss,), (made.name, temporary.name), phase="bwd")
+    ops = [o for o in ops if o.phase == "fwd"] + [loss_op] + [o for o in ops if o.phase != "fwd"]
+    return replace(graph, ops=tuple(ops), tensors=tensors, loss=None)
+
+
+class CompiledProblem(Problem):
+    """A `Problem` whose policies are simulated as inductor runs them, the eager `loss` around them: on the
+    joint graph's `fused_graph` (`fused`: the joint graph's candidates, whose actions a chromosome gives, and
+    the output, kept until the loss op, run where the backward starts, reads it); `graph` stays the joint
+    graph. With a `calibration`, a simulated step time is the whole compiled step's (`Calibration`); without,
+    it is the sum of `costs`' op times (peaks are the same either way)."""
+
+    def __init__(self, graph: Graph, costs: Costs, budget: int | None = None, space=None, *, actions=None,
+                 loss: str = "sum", calibration: Calibration | None = None):
+        super().__init__(graph, costs, budget, space, actions=actions)
+        self.loss, self.calibration = loss, calibration
+        inside, recomputable = inlined(graph, cpu=costs.device.startswith("cpu"))  # else inductor's GPU rules
+        self.fused = with_loss(without(graph, inside), loss)  # = fused_graph(graph, loss, cpu)
+        index = self.fused.op_index()
+        self._position = [index[op.name] for op in graph.ops]  # joint graph's op k -> the fused graph's op
+        self._loss = index.get(LOSS_OP)
+        joint = {t: k for k, t in enumerate(self.encoding.candidates)}
+        self._action = [joint.get(t) for t in self.fused.candidates()]  # None: the output the loss reads, kept
+        self._constant = constant_candidates(graph, self.encoding)  # always recomputed (`canonical`)
+        self._masks = [(k, size) for k, size in mask_bytes(graph, self.encoding.candidates)
+                       if Action.RECOMPUTE in self.encoding.allowed[k]]  # (candidate, bytes): masks a policy may keep
+        loss_time = {LOSS_OP: 0.0} if self._loss is not None else {}  # in the calibrated base
+        simulated = costs if calibration is None else calibration.costs(graph, costs)
+        self.simulator = Simulator(self.fused, replace(simulated, op_time=simulated.op_time | loss_time), budget,
+                                   hold_sources=True,
+                                   inlined_if_recomputed=recomputable)
+        self._offset = 0.0
+        if calibration is not None:  # the keep-all step (masks and saved bytes aside) costs `base`
+            keep_all = self.simulate(self.encoding.uniform(Action.KEEP))
+            self._offset = calibration.base - (keep_all.step_time - calibration.mask_rate * self.kept_mask_bytes(
+                self.encoding.uniform(Action.KEEP)) - calibration.saved_rate * keep_all.saved_bytes)
+
+    def __getstate__(self) -> dict:
+        return super().__getstate__() | {"loss": self.loss, "calibration": self.calibration}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["graph"], state["costs"], state["budget"], state["space"], actions=state["actions"],
+                      loss=state["loss"], calibration=state["calibration"])
+
+    def simulate(self, c: Chromosome, *, trace: bool = False) -> SimResult:
+        order = [self._position[k] for k in self.order(c)]
+        if self._loss is not None:  # where the backward starts
+            start = next((i for i, k in enumerate(order) if self.fused.ops[k].phase == "bwd"), len(order))
+            order.insert(start, self._loss)
+        c = self.canonical(c)
+        actions = tuple(int(Action.KEEP) if k is None else c.actions[k] for k in self._action)
+        r = self.simulator.run(order, actions, trace=trace)
+        if self.calibration is None:
+            return r
+        return replace(r, step_time=r.step_time + self._offset + self.calibration.mask_rate * self.kept_mask_bytes(c)
+                       + self.calibration.saved_rate * r.saved_bytes)
+
+    def canonical(self, c: Chromosome) -> Chromosome:
+        """`c` as it runs: the candidates computed from constants alone recomputed, whatever `c` says."""
+        if not self._constant or all(c.actions[k] == Action.RECOMPUTE for k in self._constant):
+            return c
+        actions = list(c.actions)
+        for k in self._constant:
+            actions[k] = int(Action.RECOMPUTE)
+        return Chromosome(c.keys, tuple(actions))
+
+    def kept_mask_bytes(self, c: Chromosome) -> int:
+        """Bytes of the bool masks `c` keeps, of those it could recompute (the others are kept by every policy:
+        their cost is in the base)."""
+        c = self.canonical(c)
+        return sum(size for k, size in self._masks if c.actions[k] == Action.KEEP)
+
+    def actions_of(self, c: Chromosome) -> dict[str, str]:
+        """`c`'s actions by candidate name ("keep" / "recompute"), as it runs (`canonical`)."""
+        return {t: Action(a).name.lower() for t, a in zip(self.encoding.candidates, self.canonical(c).actions)}
+
+
+def constant_candidates(graph: Graph, encoding) -> list[int]:
+    """Indices (in `encoding.candidates`) of the recomputable candidates computed from constants alone: by ops
+    that read no input, parameter or buffer, directly or through the ops before them (`iota`, `arange`, a
+    causal mask made from them). A compiled step always recomputes those: torch's partitioner does, they
+    cost almost no memory, and saving one costs time (on compare_gpt_cpu, saving the causal masks and the
+    `iota` they come from made the attention kernels 7 ms a step slower)."""
+    constant = set()
+    for op in graph.ops:  # in topological order
+        if op.recomputable and all(t in constant for t in op.inputs):
+            constant.update(op.outputs)
+    return [k for k, (t, allowed) in enumerate(zip(encoding.candidates, encoding.allowed))
+            if Action.RECOMPUTE in allowed and t in constant]
+
+
+# Comparisons: their results are bool masks (ReLU's `le`, dropout's `gt`).
+MASKS = ("aten.le.", "aten.lt.", "aten.gt.", "aten.ge.", "aten.eq.", "aten.ne.", "aten.logical_")
+
+
+def mask_bytes(graph: Graph, candidates: list[str]) -> list[tuple[int, int]]:
+    """(index in `candidates`, bytes) of the candidates that are bool masks."""
+    producer = {op.name: op for op in graph.ops}
+    return [(k, graph.tensors[t].size) for k, t in enumerate(candidates)
+            if graph.tensors[t].producer in producer and producer[graph.tensors[t].producer].target.startswith(MASKS)]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """How a compiled step costs: `base` seconds for keep-all with no mask kept and nothing saved (the compiled
+    forward and backward, the eager loss, the optimizer step), plus `scale` times the standalone time of the
+    generated ops a policy recomputes and `extern_scale` times that of the library calls it recomputes, plus
+    `mask_rate` seconds per byte of bool mask kept and `saved_rate` per byte the forward saves for the
+    backward. `samples` are the fit's inputs (`fit`: label, terms, measured s), which `refit` fits again with
+    more; `points` the (label, measured s, predicted s) of each.
+
+    Why saved bytes are priced: a saved tensor is written by the forward and read back by the backward,
+    while inductor fuses a pointwise recomputation into the backward kernel that reads its sources (on
+    compare_cnn_cpu, saving ReLU's output `relu_1` for its mask made a step 73 ms, recomputing it from the
+    saved convolution 63 ms; the standalone times of the recomputed ops alone saw no difference).
+
+    Why masks are priced apart: inductor's CPU kernels that store and read a kept mask can be several
+    times slower than the ones that recompute it (on compare_cnn_cpu, the ReLU mask `le` is stored in
+    another layout than the channels-last convolution outputs around it, and both kernels transpose it
+    8x8 bools at a time: keep-all 114 ms a step, the same with the masks recomputed 62 ms)."""
+
+    base: float
+    scale: float
+    extern_scale: float = 1.0
+    mask_rate: float = 0.0
+    saved_rate: float = 0.0
+    samples: tuple = ()
+
+    @property
+    def points(self) -> tuple:
+        """(label, measured s, predicted s) of each sample fitted on."""
+        factors = (self.extern_scale, self.scale, self.mask_rate, self.saved_rate)
+        return tuple((p[0], p[5], self.base + sum(term * f for term, f in zip(p[1:5], factors)))
+                     for p in self.samples)
+
+    def costs(self, graph: Graph, costs: Costs) -> Costs:
+        """`costs` with every generated op's time multiplied by `scale`, every extern op's by `extern_scale`."""
+        op_time = {op.name: costs.op_time[op.name] * (self.extern_scale if is_extern(op.target) else self.scale)
+                   for op in graph.ops}
+        return replace(costs, op_time=op_time,
+                       source=f"{costs.source}+compiled(scale {self.scale:.3g}, extern {self.extern_scale:.3g})")
+
+    def worst_error(self) -> float:
+        """The largest relative error of the fit on its own points."""
+        return max((abs(p - m) / m for _, m, p in self.points), default=0.0)
+
+    def to_dict(self) -> dict:
+        return {"base_s": self.base, "scale": self.scale, "extern_scale": self.extern_scale,
+                "mask_s_per_byte": self.mask_rate, "saved_s_per_byte": self.saved_rate,
+                "points": [list(p) for p in self.points]}
+
+
+def features(problem: CompiledProblem, chromosomes: list[Chromosome]) -> list[tuple[float, float, int, int]]:
+    """Each of `chromosomes` in the calibration's terms: what it adds to keep-all (standalone seconds of the
+    library calls it recomputes, of the generated ops it recomputes), the bytes of bool masks it keeps and the
+    bytes the forward saves for the backward. `problem`'s calibration, if any, is not used."""
+    keep_all = problem.encoding.uniform(Action.KEEP)
+    extra, saved = [], []
+    for extern in (True, False):
+        only = replace(problem.costs, op_time={op.name: problem.costs.op_time[op.name] if is_extern(op.target) == extern
+                                               else 0.0 for op in problem.graph.ops})
+        p = CompiledProblem(problem.graph, only, None, actions=problem.actions, loss=problem.loss)
+        base = p.simulate(keep_all).step_time
+        runs = [p.simulate(c) for c in chromosomes]
+        extra.append([r.step_time - base for r in runs])
+        saved = [r.saved_bytes for r in runs]  # the same whatever the costs
+    return [(e, g, problem.kept_mask_bytes(c), s) for e, g, c, s in zip(*extra, chromosomes, saved)]
+
+
+def fit(points: list[tuple[str, float, float, int, int, float]]) -> Calibration:
+    """Fit `measured = base + extern_scale * extern + scale * generated + mask_rate * mask bytes + saved_rate *
+    saved bytes` on points (label, extern s, generated s, mask bytes, saved bytes, measured s) by non-negative
+    least squares, each term scaled to the points' range first. A term that does not vary over the points
+    cannot be told from the base: its factor stays at the standalone cost's 1 (the byte rates at 0)."""
+    from scipy.optimize import nnls
+
+    default = {1: 1.0, 2: 1.0, 3: 0.0, 4: 0.0}
+    spread = {k: max(p[k] for p in points) - min(p[k] for p in points) for k in default}
+    fixed = {k: f for k, f in default.items() if spread[k] <= 1e-9 * max(abs(p[k]) for p in points)}
+    free = [k for k in default if k not in fixed]
+    rows = [[p[k] / spread[k] for k in free] + [1.0] for p in points]
+    ys = [p[5] - sum(p[k] * f for k, f in fixed.items()) for p in points]
+    solved, _ = nnls(np.array(rows), np.array(ys))
+    factor = fixed | {k: float(x) / spread[k] for k, x in zip(free, solved)}
+    return Calibration(float(solved[-1]), factor[2], factor[1], factor[3], factor[4], tuple(points))
+
+
+CALIBRATION_MIXES = 3  # random half-recomputed policies calibrated on besides the four set ones
+
+
+def calibration_policies(problem: CompiledProblem, seed: int = 0) -> dict[str, Chromosome]:
+    """The distinct policies calibrated on: keep-all; the same with masks recomputed; every generated
+    candidate recomputed; everything recomputed; `CALIBRATION_MIXES` random halves (terms that vary
+    together in the set policies vary apart in these)."""
+    import random
+
+    encoding, graph = problem.encoding, problem.graph
+    producer = {op.name: op for op in graph.ops}
+    masks = {k for k, _ in problem._masks}
+    made_by_generated = [k for k, t in enumerate(encoding.candidates) if graph.tensors[t].producer in producer
+                         and not is_extern(producer[graph.tensors[t].producer].target)]
+    recomputable = [Action.RECOMPUTE in allowed for allowed in encoding.allowed]
+
+    def recompute(chosen) -> Chromosome:
+        return Chromosome(encoding.captured_keys(), tuple(int(Action.RECOMPUTE if ok and k in chosen else Action.KEEP)
+                                                          for k, ok in enumerate(recomputable)))
+    everything = range(len(encoding.candidates))
+    rng = random.Random(seed)
+    chosen = {"keep-all": (), "masks recomputed": masks,
+              "recompute-generated": made_by_generated,
+              "recompute-all": everything}
+    chosen |= {f"random half {m + 1}": [k for k in everything if rng.random() < 0.5] for m in range(CALIBRATION_MIXES)}
+    out = {}
+    for label, ks in chosen.items():
+        c = problem.canonical(recompute(set(ks)))
+        if c.actions not in {d.actions for d in out.values()}:
+            out[label] = c
+    return out
+
+
+def refit(calibration: Calibration, problem: CompiledProblem, measured: list[tuple[str, Chromosome, float]]
+          ) -> Calibration:
+    """`calibration` fitted again on its samples and the `measured` (label, policy, CPU seconds a step) besides,
+    priced by `problem` (of the same graph; its own calibration, if any, is not used)."""
+    return fit([*calibration.samples, *samples(problem, measured)])
+
+
+def samples(problem: CompiledProblem, measured: list[tuple[str, Chromosome, float]]) -> list[tuple]:
+    """The `measured` (label, policy, CPU seconds a step) as `fit`'s points, in `features`' terms."""
+    labels, chromosomes, seconds = zip(*measured)
+    return [(label, *terms, s) for label, terms, s in zip(labels, features(problem, list(chromosomes)), seconds)]
+
+
+def calibrate(graph: Graph, costs: Costs, cpu_times, loss: str = "sum") -> Calibration:
+    """Fit the compiled step's cost (`fit`) on `graph` compiled under each of `calibration_policies`:
+    `cpu_times(actions)` compiles and trains under each set of per-tensor actions (see `Problem.actions_of`)
+    and returns CPU seconds per step."""
+    problem = CompiledProblem(graph, costs, None, actions=(Action.KEEP, Action.RECOMPUTE), loss=loss)
+    chosen = calibration_policies(problem)
+    seconds = cpu_times([problem.actions_of(c) for c in chosen.values()])
+    return fit(samples(problem, list(zip(chosen, chosen.values(), seconds))))

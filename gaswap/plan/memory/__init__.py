@@ -1,0 +1,1 @@
+"""Models of device memory beyond live bytes: PyTorch's CUDA caching allocator and an arena's address plan."""

@@ -1,0 +1,321 @@
+"""Versioned policy files: the op order and one action per activation, by stable names. No torch here.
+
+A policy file is data: loading one runs no code (safe YAML types only, no aliases, bounded size, known keys
+and types checked). It names the graph it was made for by fingerprint; using it for another graph is refused,
+and so is a policy whose content does not hold together for its graph (`check_content`): an order that is not
+the graph's ops, actions for tensors the graph lacks, a program that reads a tensor it dropped, never frees
+what it made, disagrees with the actions or holds more memory than the policy predicts.
+
+The `checksum` is an unkeyed sha256 of the content: it detects a file cut short or damaged, not a deliberate
+edit (anyone can recompute it). It is not a signature; the content checks above are what make a handed
+policy safe to run.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from gaswap.base.files import UnreadableFile, load_yaml, write_atomic
+from gaswap.base.program import Action, ProgramSyntaxError, Verb, parse_program
+from gaswap.plan.graph import Graph
+
+VERSION = 1
+MAX_BYTES = 16 * 2**20  # a 2,000-op graph makes a 95 KB policy (0.5 s to parse); larger files are refused unread
+KEYS = ("gaswap_policy", "fingerprint", "order", "actions", "predicted", "provenance", "program", "checksum")
+LABELS = tuple(a.label for a in Action)
+
+
+class PolicyError(ValueError):
+    """A policy file that is unreadable, of another version, or made for another graph."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What a training step does: run `order`, and treat each listed activation as `actions` says."""
+
+    fingerprint: str
+    order: tuple[str, ...]
+    actions: dict[str, str]  # candidate tensor name -> "keep" | "swap" | "recompute"
+    predicted: dict = field(default_factory=dict)  # peak_bytes, step_time_s, overhead
+    provenance: dict = field(default_factory=dict)  # experiment, model, inputs, device, cost source, ...
+    program: tuple[tuple[str, str], ...] = ()  # the simulated step as the runtime replays it (verb, name)
+
+    def counts(self) -> dict[str, int]:
+        return {a.name.lower(): sum(1 for v in self.actions.values() if v == a.name.lower()) for a in Action}
+
+    def order_indices(self, graph: Graph) -> list[int]:
+        index = graph.op_index()
+        return [index[name] for name in self.order]
+
+    def action_codes(self, candidates: list[str]) -> tuple[int, ...]:
+        return tuple(int(Action.parse(self.actions[t])) for t in candidates)
+
+
+def from_result(graph: Graph, candidates: list[str], order: list[int], actions, predicted: dict,
+                provenance: dict, program=()) -> Policy:
+    """A policy from a decoded order (op indices), actions aligned with `candidates`, and the program
+    (`SimResult.program` of a traced simulation) the runtime replays."""
+    return Policy(
+        fingerprint=graph.fingerprint(),
+        order=tuple(graph.ops[i].name for i in order),
+        actions={t: Action(a).name.lower() for t, a in zip(candidates, actions)},
+        predicted=dict(predicted),
+        provenance=dict(provenance),
+        program=tuple(program),
+    )
+
+
+def save(policy: Policy, path: str | Path) -> None:
+    """Write the policy as YAML, atomically (a reader never sees half a file)."""
+    body = {"gaswap_policy": VERSION} | asdict(policy)
+    body["order"] = list(policy.order)
+    body["program"] = [f"{verb} {name}" for verb, name in policy.program]
+    body["checksum"] = _checksum(body)  # last key: a file cut anywhere fails the check
+    write_atomic(path, yaml.safe_dump(body, sort_keys=False, width=120))
+
+
+def _checksum(body: dict) -> str:
+    """sha256 of the policy's content (everything but the checksum itself), canonical JSON."""
+    content = {k: v for k, v in body.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def load(path: str | Path, graph: Graph | None = None) -> Policy:
+    """Read a policy file, checking its form, checksum and types; with `graph`, also that it fits that graph."""
+    path = Path(path)
+    try:
+        body = load_yaml(path, MAX_BYTES)
+    except UnreadableFile as err:
+        raise PolicyError(f"{err} (not a readable policy file)") from None
+    if not isinstance(body, dict) or "gaswap_policy" not in body:
+        raise PolicyError(f"{path}: not a gaswap policy file (no 'gaswap_policy' version key)")
+    if body["gaswap_policy"] != VERSION:
+        raise PolicyError(f"{path}: policy version {body['gaswap_policy']!r}, this gaswap reads version {VERSION}")
+    unknown = [str(k) for k in body if k not in KEYS]
+    if unknown:
+        raise PolicyError(f"{path}: unknown key {unknown[0]!r} (a policy has {', '.join(KEYS)})")
+    missing = [k for k in ("fingerprint", "order", "actions", "predicted", "program", "checksum") if k not in body]
+    if missing:
+        raise PolicyError(f"{path}: missing {', '.join(missing)} (truncated file?)")
+    if body["checksum"] != _checksum(body):
+        raise PolicyError(f"{path}: checksum mismatch: the file was cut, damaged or edited after it was written")
+    _check_types(body, path)
+    try:
+        program = parse_program(body["program"] or ())
+    except ProgramSyntaxError as err:
+        raise PolicyError(f"{path}: program: {err}") from None
+    policy = Policy(body["fingerprint"], tuple(body["order"]), dict(body["actions"]), dict(body["predicted"]),
+                    dict(body.get("provenance") or {}), tuple(program))
+    if graph is not None:
+        check_matches(policy, graph, path)
+    return policy
+
+
+def _check_types(body: dict, path: Path) -> None:
+    """PolicyError naming the first key whose value has the wrong type."""
+    def names(value):
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+    predicted = body["predicted"]
+    problems = {
+        "fingerprint": "must be a string" if not isinstance(body["fingerprint"], str) else None,
+        "order": "must be a list of op names" if not names(body["order"]) else None,
+        "actions": (f"must map tensor names to {', '.join(LABELS)}" if not isinstance(body["actions"], dict) or not
+                    all(isinstance(k, str) and v in LABELS for k, v in body["actions"].items()) else None),
+        "predicted": ("must be a mapping whose peak_bytes and step_time_s are positive numbers" if not
+                      isinstance(predicted, dict) or not all(_positive(predicted[k]) for k in
+                                                             ("peak_bytes", "step_time_s") if k in predicted) else None),
+        "provenance": "must be a mapping" if not isinstance(body.get("provenance") or {}, dict) else None,
+        "program": "must be a list of 'verb name' lines" if not names(body["program"] or []) else None,
+    }
+    for key, problem in problems.items():
+        if problem:
+            raise PolicyError(f"{path}: {key}: {problem}")
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+PROVENANCE_CHECKED = ("model", "inputs", "target", "batch_size", "loss", "optimizer", "torch_version")
+
+
+def check_matches(policy: Policy, graph: Graph, path: str | Path = "policy", provenance: dict | None = None,
+                  torch_version: str | None = None) -> None:
+    """Refuse (PolicyError) a policy made for another graph or another torch release, saying what differs (from
+    `provenance`, the description of the model and inputs at hand, when given; else from the graphs), and a
+    policy whose content does not fit its graph (`check_content`)."""
+    made_with = policy.provenance.get("torch_version")
+    if torch_version is not None and made_with is not None and _release(made_with) != _release(torch_version):
+        raise PolicyError(f"{path}: made with torch {made_with}, this is torch {torch_version}: captured graphs "
+                          f"and kernels differ between releases; re-run the search with this torch")
+    if policy.fingerprint != graph.fingerprint():
+        raise PolicyError(f"{path}: made for graph {policy.fingerprint}, but this model and inputs give graph "
+                          f"{graph.fingerprint()}: {differences(policy, graph, provenance)}. Re-run the search for "
+                          f"this model, shapes and dtype.")
+    check_content(policy, graph, path)
+
+
+def _release(version: str) -> str:
+    """"2.13.0+cu121" -> "2.13.0"."""
+    return str(version).split("+")[0]
+
+
+def differences(policy: Policy, graph: Graph, provenance: dict | None = None) -> str:
+    """What differs between the graph a policy was made for and `graph`, in words."""
+    said = []
+    provenance = provenance or {}
+    for key in PROVENANCE_CHECKED:
+        if key in provenance and key != "torch_version" and policy.provenance.get(key) != provenance[key]:
+            said.append(f"{key}: policy {_short(policy.provenance.get(key))}, here {_short(provenance[key])}")
+    said += _input_differences(policy, provenance.get("input_shapes"))
+    ops = {op.name for op in graph.ops}
+    mine = set(policy.order)
+    if ops - mine or mine - ops:
+        lacks, extra = sorted(mine - ops)[:3], sorted(ops - mine)[:3]
+        said.append(f"the policy orders {len(policy.order)} ops, this graph has {len(graph.ops)}"
+                    + (f"; ops it names that this graph lacks: {', '.join(lacks)}" if lacks else "")
+                    + (f"; ops of this graph it lacks: {', '.join(extra)}" if extra else ""))
+    candidates = set(graph.candidates())
+    if set(policy.actions) != candidates:
+        gone = sorted(set(policy.actions) - candidates)[:3]
+        new = sorted(candidates - set(policy.actions))[:3]
+        said.append(f"activations it decides for that this graph lacks: {', '.join(gone)}" if gone else
+                    f"this graph has activations it does not decide for: {', '.join(new)}")
+    if not said:  # same op and tensor names: sizes or shapes changed
+        model = policy.provenance.get("model")
+        made_for = f"; the policy was made for {_short(model)}" if isinstance(model, dict) else ""
+        said.append(f"the same ops and activations with other tensor sizes (a layer's width or the number of "
+                    f"classes?){made_for}")
+    return "; ".join(said)
+
+
+def _input_differences(policy: Policy, here) -> list[str]:
+    """How `here`, [(shape, dtype)] of the example inputs at hand, differ from the inputs the policy was made for."""
+    specs, batch = policy.provenance.get("inputs"), policy.provenance.get("batch_size")
+    if not isinstance(here, list) or not isinstance(specs, list) or not isinstance(batch, int):
+        return []
+    if len(here) != len(specs):
+        return [f"the policy takes {len(specs)} inputs, here {len(here)}"]
+    said = []
+    for k, (spec, (shape, dtype)) in enumerate(zip(specs, here)):
+        if not isinstance(spec, dict) or not isinstance(spec.get("shape"), list):
+            continue
+        wanted = [batch if d == "batch" else d for d in spec["shape"]], spec.get("dtype", "float32")
+        if wanted != (list(shape), dtype):
+            said.append(f"input {k}: policy {wanted[0]} {wanted[1]} (batch size {batch}), here {list(shape)} {dtype}")
+    return said
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_content(policy: Policy, graph: Graph, path: str | Path = "policy") -> None:
+    """Refuse (PolicyError) a policy of this graph whose content does not hold together: its order must run
+    every op once after the ops it reads from, its actions must cover exactly the graph's candidates, and
+    replaying its program must find every tensor where it is read, free what it made, swap exactly the
+    tensors marked swap, recompute those marked recompute, keep those marked keep, and never hold more
+    memory than the policy predicts."""
+    problem = _order_problem(policy, graph) or _actions_problem(policy, graph) or _program_problem(policy, graph)
+    if problem:
+        raise PolicyError(f"{path}: {problem}; the file was edited, or made by another gaswap: re-run the search")
+
+
+def _order_problem(policy: Policy, graph: Graph) -> str | None:
+    index = graph.op_index()
+    if sorted(policy.order) != sorted(index):
+        return "order: does not list every op of the graph exactly once"
+    done = set()
+    for name in policy.order:
+        op = graph.ops[index[name]]
+        producers = [graph.tensors[t].producer for t in op.inputs]
+        early = [t for t, p in zip(op.inputs, producers) if p is not None and p not in done]
+        if early:
+            return f"order: {name} comes before {graph.tensors[early[0]].producer}, which makes its input {early[0]}"
+        done.add(name)
+    return None
+
+
+def _actions_problem(policy: Policy, graph: Graph) -> str | None:
+    candidates = graph.candidates()
+    unknown = [t for t in policy.actions if t not in set(candidates)]
+    if unknown:
+        return f"actions: {unknown[0]!r} is not an activation of this graph that a policy decides"
+    missing = [t for t in candidates if t not in policy.actions]
+    return f"actions: no action for {missing[0]!r}" if missing else None
+
+
+def _program_problem(policy: Policy, graph: Graph) -> str | None:
+    """Replay the program on names and sizes only: the first thing wrong with it, or None."""
+    if not policy.program:
+        return None  # an old policy without a program: the runtime refuses it with its own message
+    ops, tensors = {op.name: op for op in graph.ops}, graph.tensors
+    size = {t: x.size if graph.counts(x) else 0 for t, x in tensors.items()}
+    device = {t for t, x in tensors.items() if x.producer is None}
+    host, retired, ran, done, swapped, remade = set(), set(), [], set(), set(), set()
+    freed_at, last_read = {}, {}  # tensor -> line of its first free, of its last read by a run
+    level = peak = graph.resident_bytes()
+    for k, (verb, name) in enumerate(policy.program, 1):
+        where = f"program line {k} ({verb} {name})"
+        if verb in (Verb.RUN, Verb.RECOMPUTE):
+            op = ops.get(name)
+            if op is None:
+                return f"{where}: this graph has no op {name!r}"
+            if verb == Verb.RUN and name in done:
+                return f"{where}: runs {name} a second time"
+            if verb == Verb.RECOMPUTE and (name not in done or op.phase != "fwd" or not op.recomputable):
+                return f"{where}: {name} cannot be recomputed there (not yet run, a backward op, random or stateful)"
+            missing = [t for t in op.inputs if t not in device]
+            if missing:
+                return f"{where}: reads {missing[0]}, which the program has not kept, swapped in or recomputed"
+            if verb == Verb.RUN:
+                ran.append(name)
+                done.add(name)
+            last_read.update((t, k) for t in op.inputs if verb == Verb.RUN)
+            for t in op.outputs:
+                if t not in device:
+                    device.add(t)
+                    level += size[t]
+                    remade |= {t} if verb == Verb.RECOMPUTE else set()
+        elif verb == Verb.SWAP_OUT and name in device:
+            host.add(name)
+            swapped.add(name)
+        elif verb == Verb.RETIRE and name in device and name in host:
+            device.remove(name)
+            retired.add(name)
+        elif verb == Verb.SWAP_IN and name in host and name not in device:
+            device.add(name)
+            level += size[name]
+        elif verb == Verb.FREE and (name in device or name in retired):
+            (retired if name in retired else device).remove(name)
+            level -= size[name]
+            freed_at.setdefault(name, k)
+        else:
+            return f"{where}: {name!r} is not where this instruction needs it"
+        peak = max(peak, level)
+    if ran != list(policy.order):
+        if sorted(ran) == sorted(ops):
+            return "program: runs the ops in another order than the policy's order"
+        return f"program: does not run every op (it runs {len(ran)} of {len(ops)})"
+    left = sorted(t for t in device | retired if tensors[t].producer is not None and tensors[t].kind != "grad"
+                  and t != graph.loss)
+    if left:
+        return f"program: never frees {', '.join(left[:3])}{' ...' if len(left) > 3 else ''} (frees removed?)"
+    action = policy.actions
+    for t in sorted(set(action) | swapped):
+        if (action.get(t) == "swap") != (t in swapped):
+            return f"actions: {t} is {action.get(t, 'not a candidate')!r}, but the program "                    f"{'swaps it out' if t in swapped else 'never swaps it out'}"
+        if action[t] == "recompute" and t not in remade:
+            return f"actions: {t} is 'recompute', but the program never recomputes it"
+        if action[t] == "keep" and freed_at.get(t, math.inf) < last_read.get(t, 0):
+            return f"actions: {t} is 'keep', but the program frees it at line {freed_at[t]}, before it is read at line {last_read[t]}"
+    if peak > policy.predicted.get("peak_bytes", math.inf):
+        return f"program: holds {peak} bytes at its peak, more than the {policy.predicted['peak_bytes']} predicted"
+    return None

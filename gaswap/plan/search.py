@@ -1,0 +1,433 @@
+"""NSGA-II over (step time, peak memory) with the memory budget as a constraint. No torch here.
+
+    population <- seeds (keep-all, recompute-all, swap-all; baselines, min-cut and MILP policies that fit)
+                  + random chromosomes; evaluate
+    repeat for each generation:
+        parents   <- binary tournaments on (front rank, crowding distance)
+        offspring <- crossover (cx_prob) then mutation (mut_prob) of parent pairs, then, with probability
+                     space.share_blocks, one block policy per class of identical blocks; evaluate the new ones
+        population <- NSGA-II selection of the best `population` of parents + offspring
+        archive   <- feasible points nobody dominates; record best feasible time, front size, hypervolume
+        fastest   <- the FASTEST_KEPT fastest feasible points evaluated, one per (step time, peak): the
+                     runner-ups the archive drops (where the model predicts nearly one peak for every policy,
+                     the archive holds 1-2 points)
+
+Constraint-domination (Deb): a policy over budget (or invalid) gets both objectives set to
+INFEASIBLE + its violation, so every feasible policy dominates it and infeasible ones rank by violation.
+
+`Search` is the loop, step by step (pymoo's ask/tell): `initial()` or `restore(state)`, then `step()` while
+`has_next()`, then `result()`; `state()` is everything carried from one generation to the next, as plain
+data. `search()` drives it, with an optional checkpoint file (`gaswap.plan.checkpoint`) written after the initial
+population, at most every CHECKPOINT_SECONDS after that, and when the search leaves between generations, so
+a stopped or killed search resumes and reaches exactly what an uninterrupted one reaches (wall-clock seconds
+aside). It stops on the first of: `ga.generations`, `ga.max_evaluations`, `ga.max_seconds`, or convergence
+(`ga.patience` generations without the best time or the hypervolume improving by `ga.tolerance`: on by
+default). Evaluations go through `map(problem.evaluate, batch)`:
+the builtin-like `serial_map` or a `gaswap.plan.parallel.ProcessMap`.
+"""
+from __future__ import annotations
+
+import base64
+import bisect
+import math
+import random
+import struct
+import time
+from dataclasses import asdict
+
+from deap import base, creator, tools
+
+from gaswap.plan import checkpoint as checkpoints
+from gaswap.plan.blocks import repeated_blocks, share
+from gaswap.plan.encoding import Action, Chromosome, Encoding, crossover, mutate
+from gaswap.plan.parallel import executor, serial_map
+from gaswap.plan.problem import Evaluated, Generation, Problem, SearchResult
+from gaswap.plan.solvers import milp
+from gaswap.plan.solvers.baselines import BASELINES
+from gaswap.plan.solvers.mincut import min_cut_policies
+
+INFEASIBLE = 1e9  # objective offset of policies that break the budget
+SIMPLE_SEEDS = ("keep_all", "recompute_all", "swap_all")  # always in the initial population
+MILP_SEED_NODES, MILP_SEED_GAP, MILP_SEED_SECONDS = 500, 0.01, 20.0  # the MILP seed is stopped early
+CHECKPOINT_SECONDS = 30.0  # at most one checkpoint per this many seconds while a search runs
+FASTEST_KEPT = 16  # fastest feasible policies a search keeps besides its front (`SearchResult.fastest`)
+
+
+def _deap_types():
+    """DEAP's creator classes, made once (not at import time)."""
+    if not hasattr(creator, "GaswapFitness"):
+        creator.create("GaswapFitness", base.Fitness, weights=(-1.0, -1.0))
+        creator.create("GaswapIndividual", list, fitness=creator.GaswapFitness, evaluated=None)
+    return creator.GaswapIndividual
+
+
+def objectives(e: Evaluated, budget: int) -> tuple[float, float]:
+    """NSGA-II objectives with constraint-domination folded in (see the module docstring)."""
+    violation = e.violation(budget)
+    if violation == math.inf:
+        return INFEASIBLE * 2, INFEASIBLE * 2
+    if violation > 0:
+        return INFEASIBLE + violation, INFEASIBLE + violation
+    return e.step_time, float(e.peak_bytes)
+
+
+def seed_policies(problem: Problem, milp_ops: int = 0) -> dict[str, Chromosome]:
+    """The policies every search starts from: keep-all, recompute-all and swap-all; those other baselines of
+    `gaswap.plan.solvers.baselines` (Chen's sqrt(n) and greedy checkpointing, DTR, torch's knapsack) that fit the
+    problem's budget; the fastest fitting min-cut policy of the search space (`mincut.min_cut_policies`:
+    in the hybrid space its saved set may be swapped instead of kept); and on graphs of at most `milp_ops`
+    ops (`ga.milp_seed_ops`) the keep/recompute MILP's policy, solved to a MILP_SEED_GAP gap within
+    MILP_SEED_NODES nodes, where it fits. Actions the search space forbids fall back to keep. Policies over
+    the budget are left out: they crowd the population (on a 12-layer GPT at 0.4x, where none fits, seeding
+    all baselines gave +29.4 % instead of +20.9 % after 100 generations)."""
+    graph, costs, budget = problem.graph, problem.costs, problem.budget
+    seeds = {}
+    for name, baseline in BASELINES.items():
+        if name == "min_cut":  # below, with the space's own actions
+            continue
+        c = problem.restrict(baseline(graph, costs, budget))
+        if name in SIMPLE_SEEDS or problem.evaluate(c).feasible(budget):
+            seeds[name] = c
+    cuts = min_cut_policies(problem)
+    fitting = [(e.step_time, k) for k, c in enumerate(cuts)
+               if (e := problem.evaluate(c)).feasible(budget)]
+    if fitting:
+        seeds["min_cut"] = cuts[min(fitting)[1]]
+    if len(graph.ops) <= milp_ops and any(Action.RECOMPUTE in a for a in problem.encoding.allowed):
+        m = milp.solve(graph, costs, budget, time_limit=MILP_SEED_SECONDS, node_limit=MILP_SEED_NODES,
+                       rel_gap=MILP_SEED_GAP)
+        c = None if m.chromosome is None else problem.restrict(m.chromosome)
+        if c is not None and problem.evaluate(c).feasible(budget):
+            seeds["milp"] = c
+    return seeds
+
+
+def converged(history: list[Generation], patience: int, tolerance: float) -> bool:
+    """Whether a search with this history has converged: a policy fits and for `patience` generations neither
+    the best feasible time nor the hypervolume improved by more than `tolerance` (relative)."""
+    if len(history) <= patience or history[-1].best_time_s == math.inf:
+        return False
+    now, then = history[-1], history[-1 - patience]
+    faster = now.best_time_s < then.best_time_s * (1 - tolerance)
+    wider = now.hypervolume > then.hypervolume * (1 + tolerance)
+    return not (faster or wider)
+
+
+def stopping_generation(history: list[Generation], patience: int, tolerance: float) -> int | None:
+    """The index of the first generation of `history` at which `converged` ends a search (None: none)."""
+    return next((g for g in range(len(history)) if converged(history[:g + 1], patience, tolerance)), None)
+
+
+class Search:
+    """NSGA-II on `problem` (its budget and search space) with the GA settings `ga`, seeded by `seed`.
+
+    `seeds` (name -> chromosome) join the simple seed policies in the initial population. `map(func, items)`
+    evaluates a batch (in order). Same inputs and seed give the same search, with any map.
+    """
+
+    def __init__(self, problem: Problem, ga, seed: int, *, seeds: dict[str, Chromosome] | None = None,
+                 map=serial_map):
+        self.problem, self.ga, self.map = problem, ga, map
+        self.space, self.budget = problem.space, problem.budget
+        self.rng = random.Random(seed)
+        self.mu = max(4, -(-ga.population // 4) * 4)  # tournament pairs need a multiple of 4
+        chosen = seed_policies(problem, ga.milp_seed_ops) | dict(seeds or {})  # in BASELINES' order below
+        rank = {name: k for k, name in enumerate(BASELINES)}
+        self.seed_chromosomes = dict(sorted(chosen.items(), key=lambda item: rank.get(item[0], len(rank))))
+        self.population: list = []  # DEAP individuals in selection order, crowding distances set
+        self.archive: dict[Chromosome, Evaluated] = {}  # the feasible non-dominated points
+        self.fastest = Fastest()  # the fastest feasible points
+        self.seeds: dict[str, Evaluated] = {}
+        self.history: list[Generation] = []
+        self.generation = 0
+        self.evaluations = 0
+        self.smallest_peak = 2**62  # the lowest peak of any valid policy evaluated
+        self.seconds_before = 0.0  # search time spent before this process took over
+        self.reference = (math.inf, float(problem.budget))  # hypervolume reference point
+        self.started = time.perf_counter()
+        self.share_blocks = problem.space.share_blocks
+        self.classes = repeated_blocks(problem.encoding) if self.share_blocks else []
+
+    # --- the loop ---
+    def initial(self) -> None:
+        """Evaluate the seeds and random chromosomes up to the population size; select the population."""
+        encoding, space = self.problem.encoding, self.space
+        initial = list(dict.fromkeys(self.seed_chromosomes.values()))
+        initial += [self._maybe_share(encoding.random(self.rng, order=space.order))
+                    for _ in range(self.mu - len(initial))]
+        population = self._absorb(self._evaluate(initial))
+        self.seeds = {name: next(i.evaluated for i in population if i[0] == c)
+                      for name, c in self.seed_chromosomes.items()}
+        self.population = tools.selNSGA2(population, self.mu)
+        self.reference = _reference_point(self.seeds, self.budget)
+
+    def has_next(self) -> bool:
+        """Whether the search goes on (see `stopped_by`)."""
+        return self.stopped_by() is None
+
+    def stopped_by(self) -> str | None:
+        """What ends the search now, or None: "generations" (ga.generations done), "evaluations"
+        (ga.max_evaluations reached), "seconds" (ga.max_seconds spent) or "converged" (a policy fits, and for
+        ga.patience generations neither the best feasible time nor the hypervolume improved by more than
+        ga.tolerance)."""
+        ga = self.ga
+        if self.generation >= ga.generations:
+            return "generations"
+        if ga.max_evaluations and self.evaluations >= ga.max_evaluations:
+            return "evaluations"
+        if ga.max_seconds is not None and self.seconds() >= ga.max_seconds:
+            return "seconds"
+        if ga.patience and converged(self.history, ga.patience, ga.tolerance):
+            return "converged"
+        return None
+
+    def step(self) -> Generation:
+        """One generation: tournaments, variation, evaluation of the children, NSGA-II selection."""
+        rng, space, ga = self.rng, self.space, self.ga
+        parents = _tournament(self.population, self.mu, rng)
+        children = []
+        for a, b in zip(parents[::2], parents[1::2]):
+            ca, cb = a[0], b[0]
+            if rng.random() < ga.cx_prob:
+                ca, cb = crossover(ca, cb, rng, kind=space.crossover, indpb=space.cx_indpb)
+            children += [self._maybe_share(self._maybe_mutate(c)) for c in (ca, cb)]
+        self.population = tools.selNSGA2(self.population + self._absorb(self._evaluate(children)), self.mu)
+        points = [(e.step_time, float(e.peak_bytes)) for e in self.archive.values()]
+        record = Generation(self.generation + 1, self.evaluations, min((p[0] for p in points), default=math.inf),
+                            len(points), hypervolume(points, self.reference), self.seconds())
+        self.generation = record.generation
+        self.history.append(record)
+        return record
+
+    def seconds(self) -> float:
+        """Seconds spent on this search, earlier runs of a resumed one included."""
+        return self.seconds_before + time.perf_counter() - self.started
+
+    def result(self, *, complete: bool | None = None) -> SearchResult:
+        """The front (fastest first), the fastest feasible policies and how the search went; `complete`
+        defaults to `not has_next()`."""
+        front = tuple(sorted(self.archive.values(), key=lambda e: (e.step_time, e.peak_bytes)))
+        stopped_by = self.stopped_by()
+        complete = stopped_by is not None if complete is None else complete
+        return SearchResult(front, self.seeds, tuple(self.history), self.evaluations, self.seconds(),
+                            self.smallest_peak, complete=complete, generations_done=self.generation,
+                            stopped_by=(stopped_by or "") if complete else "interrupted",
+                            fastest=tuple(self.fastest.points))
+
+    # --- state ---
+    def state(self) -> dict:
+        """Everything the loop carries to the next generation, as JSON-able data (see gaswap.plan.checkpoint)."""
+        version, internal, gauss_next = self.rng.getstate()
+        return {
+            "generation": self.generation, "evaluations": self.evaluations, "seconds": self.seconds(),
+            "smallest_peak": self.smallest_peak,
+            "rng": [version, list(internal), gauss_next],
+            "population": [_plain(i.evaluated) + [i.fitness.crowding_dist] for i in self.population],
+            "archive": [_plain(e) for e in self.archive.values()],
+            "fastest": [_plain(e) for e in self.fastest.points],
+            "seeds": {name: _plain(e) for name, e in self.seeds.items()},
+            "history": [asdict(h) for h in self.history],
+        }
+
+    def restore(self, plain: dict, path="checkpoint") -> None:
+        """Continue from `plain` (a `state()`, already matched to this configuration) instead of `initial()`;
+        CheckpointError (naming `path`) when it is malformed or past `ga.generations`. A checkpoint written
+        before searches kept their fastest policies (no "fastest") starts them from its archive."""
+        if plain["generation"] > self.ga.generations:
+            raise checkpoints.CheckpointError(
+                f"{path}: the checkpoint is at generation {plain['generation']}, past ga.generations "
+                f"{self.ga.generations}: raise ga.generations, or start the search afresh (without --resume)")
+        encoding = self.problem.encoding
+        try:
+            version, internal, gauss_next = plain["rng"]
+            self.rng.setstate((version, tuple(internal), gauss_next))
+            self.generation, self.evaluations = int(plain["generation"]), int(plain["evaluations"])
+            self.smallest_peak, self.seconds_before = int(plain["smallest_peak"]), float(plain["seconds"])
+            self.history = [Generation(**h) for h in plain["history"]]
+            self.seeds = {str(name): _evaluated(row, encoding) for name, row in plain["seeds"].items()}
+            self.archive = {}
+            for row in plain["archive"]:
+                e = _evaluated(row, encoding)
+                self.archive[e.chromosome] = e
+            self.fastest = Fastest(_evaluated(row, encoding) for row in plain.get("fastest", plain["archive"]))
+            self.population = []
+            for row in plain["population"]:
+                ind = _individual(_evaluated(row[:5], encoding), self.budget)
+                ind.fitness.crowding_dist = float(row[5])
+                self.population.append(ind)
+        except (KeyError, IndexError, TypeError, ValueError) as err:
+            raise checkpoints.CheckpointError(f"{path}: malformed checkpoint ({err})") from None
+        self.started = time.perf_counter()
+        self.reference = _reference_point(self.seeds, self.budget)
+
+    # --- helpers ---
+    def _evaluate(self, chromosomes: list[Chromosome]) -> list[Evaluated]:
+        return list(self.map(self.problem.evaluate, chromosomes))
+
+    def _absorb(self, results: list[Evaluated]) -> list:
+        """Count, archive (and keep among the fastest) and wrap evaluated chromosomes as DEAP individuals."""
+        self.evaluations += len(results)
+        for e in results:
+            if e.valid:
+                self.smallest_peak = min(self.smallest_peak, e.peak_bytes)
+            if e.feasible(self.budget):
+                _add_to_archive(self.archive, e)
+                self.fastest.add(e)
+        return [_individual(e, self.budget) for e in results]
+
+    def _maybe_share(self, c: Chromosome) -> Chromosome:
+        """With probability space.share_blocks (where the graph has identical blocks), `c` with one block
+        policy per class of identical blocks (`gaswap.plan.blocks.share`)."""
+        if self.classes and self.rng.random() < self.share_blocks:
+            return share(c, self.classes, self.rng, order=self.space.order)
+        return c
+
+    def _maybe_mutate(self, c: Chromosome) -> Chromosome:
+        space, rng = self.space, self.rng
+        if rng.random() >= self.ga.mut_prob:
+            return c
+        return mutate(c, rng, self.problem.encoding.allowed, order=space.order, key_sigma=space.key_sigma,
+                      key_indpb=space.key_indpb, action_indpb=space.action_indpb)
+
+
+def search(problem: Problem, ga, seed: int, *, seeds: dict[str, Chromosome] | None = None, on_generation=None,
+           checkpoint=None, resume: bool = False, stop=None, about: dict | None = None,
+           checkpoint_seconds: float = CHECKPOINT_SECONDS) -> SearchResult:
+    """Run a `Search` on `problem` to its end, evaluating with the map `ga` asks for (`parallel.executor`).
+
+    `on_generation(record)` is called after each generation with its `Generation`.
+    `checkpoint` (a path): the state is written there after the initial population, then after a generation
+    when `checkpoint_seconds` passed since the last write, and whenever the search leaves between two
+    generations (done, `stop`, or an exception raised by `on_generation`): a search killed outright loses
+    at most `checkpoint_seconds` of work. With `resume`, the search continues from it (CheckpointError when
+    it is missing, unreadable or made under another configuration) and ends exactly where an uninterrupted
+    search ends. `stop()` is asked before each generation: True ends the search there, with `complete`
+    False. `about` (plain data) is stored in the checkpoint to say what it belongs to.
+    """
+    with executor(ga) as pmap:
+        s = Search(problem, ga, seed, seeds=seeds, map=pmap)
+        key = None
+        if checkpoint is not None:
+            key = checkpoints.fingerprint(problem.graph, problem.costs, problem.space, ga, problem.budget, seed,
+                                          s.seed_chromosomes)
+        if resume:
+            s.restore(checkpoints.load(checkpoint, key), checkpoint)
+        else:
+            s.initial()
+        saved = time.perf_counter()
+
+        def save() -> None:
+            nonlocal saved
+            if checkpoint is not None:
+                checkpoints.save(checkpoint, s.state(), key, about)
+                saved = time.perf_counter()
+
+        if not resume:
+            save()
+        unsaved = False
+        while s.has_next() and not (stop is not None and stop()):
+            record = s.step()
+            unsaved = True
+            if time.perf_counter() - saved >= checkpoint_seconds:
+                save()
+                unsaved = False
+            if on_generation:
+                try:
+                    on_generation(record)
+                except BaseException:
+                    if unsaved:  # between two generations: the state is whole
+                        save()
+                    raise
+        if unsaved:
+            save()
+        return s.result()
+
+
+def _plain(e: Evaluated) -> list:
+    """[keys, actions, step time, peak, valid]: keys as base64 of little-endian float64s (exact and fast to
+    write for thousands of ops), actions as a string of digits."""
+    keys = base64.b64encode(struct.pack(f"<{len(e.chromosome.keys)}d", *e.chromosome.keys)).decode()
+    return [keys, "".join(map(str, e.chromosome.actions)), e.step_time, e.peak_bytes, e.valid]
+
+
+def _evaluated(row: list, encoding: Encoding) -> Evaluated:
+    packed, actions, step_time, peak_bytes, valid = row
+    raw = base64.b64decode(packed, validate=True)
+    if len(raw) != 8 * len(encoding.graph.ops) or len(actions) != len(encoding.candidates):
+        raise ValueError(f"a chromosome of {len(raw) / 8:g} keys and {len(actions)} actions, this graph needs "
+                         f"{len(encoding.graph.ops)} and {len(encoding.candidates)}")
+    chromosome = Chromosome(struct.unpack(f"<{len(raw) // 8}d", raw), tuple(int(a) for a in actions))
+    return Evaluated(chromosome, float(step_time), int(peak_bytes), bool(valid))
+
+
+def _individual(e: Evaluated, budget: int):
+    ind = _deap_types()([e.chromosome])
+    ind.evaluated = e
+    ind.fitness.values = objectives(e, budget)
+    return ind
+
+
+def _tournament(population: list, k: int, rng: random.Random) -> list:
+    """Binary tournaments on (non-domination rank, then larger crowding distance), with our own rng."""
+    rank = {}
+    for r, front in enumerate(tools.sortNondominated(population, len(population))):
+        for ind in front:
+            rank[id(ind)] = r
+
+    def better(a, b):
+        ka = (rank[id(a)], -a.fitness.crowding_dist)
+        kb = (rank[id(b)], -b.fitness.crowding_dist)
+        return a if ka <= kb else b
+
+    return [better(*rng.sample(population, 2)) for _ in range(k)]
+
+
+def _add_to_archive(archive: dict, e: Evaluated) -> None:
+    """Keep only feasible points that no other point dominates (time and peak, both lower is better)."""
+    if e.chromosome in archive:
+        return
+    for o in archive.values():
+        if o.step_time <= e.step_time and o.peak_bytes <= e.peak_bytes:
+            return
+    for key in [k for k, o in archive.items() if e.step_time <= o.step_time and e.peak_bytes <= o.peak_bytes]:
+        del archive[key]
+    archive[e.chromosome] = e
+
+
+class Fastest:
+    """The FASTEST_KEPT fastest points added, in `points` sorted by (step time, peak), one per (step time,
+    peak) pair, the first added winning (two chromosomes that simulate alike almost always run alike: they
+    differ in genes that do not matter). Cheap: most points are turned away by one or two comparisons."""
+
+    def __init__(self, points=()):
+        self.points: list[Evaluated] = []
+        self._keys: list[tuple[float, int]] = []  # the points' (step time, peak), in the same order
+        for e in points:
+            self.add(e)
+
+    def add(self, e: Evaluated) -> None:
+        keys, key = self._keys, (e.step_time, e.peak_bytes)
+        if len(keys) == FASTEST_KEPT and key >= keys[-1]:
+            return
+        k = bisect.bisect_left(keys, key)
+        if k < len(keys) and keys[k] == key:
+            return
+        keys.insert(k, key)
+        self.points.insert(k, e)
+        del keys[FASTEST_KEPT:], self.points[FASTEST_KEPT:]
+
+
+def _reference_point(seeds: dict[str, Evaluated], budget: int) -> tuple[float, float]:
+    """Hypervolume reference: twice the slowest valid seed's time, and the budget."""
+    times = [e.step_time for e in seeds.values() if e.valid]
+    return 2 * max(times), float(budget)
+
+
+def hypervolume(points: list[tuple[float, float]], reference: tuple[float, float]) -> float:
+    """Area dominated by 2-D points (minimising both) up to `reference`."""
+    area, prev_y = 0.0, reference[1]
+    for x, y in sorted(p for p in points if p[0] < reference[0] and p[1] < reference[1]):
+        if y < prev_y:
+            area += (reference[0] - x) * (prev_y - y)
+            prev_y = y
+    return area
