@@ -140,6 +140,17 @@ MALFORMED = [
                                  "(known: compiled, hybrid, order_only, recompute_only, swap_only)"),
     ({"search_space": "nowhere/x.yaml"}, "search_space: search space file"),
     ({"name": "a b"}, "name: must be a name of letters"),
+    ({"distributed": {"world_size": 1, "units": ["Block"]}}, "distributed.world_size: must be an integer of at least 2"),
+    ({"distributed": {"world_size": 8}}, "distributed.units: name the modules to shard"),
+    ({"distributed": {"world_size": 8, "strategy": "ddp", "units": ["Block"]}},
+     "distributed.units: only used by strategy 'fsdp', not 'ddp'"),
+    ({"distributed": {"world_size": 8, "strategy": "zero4"}}, "distributed.strategy: must be one of fsdp, zero2"),
+    ({"distributed": {"world_size": 8, "units": ["Block"], "prefetch": {"forwrd": 1}}},
+     "distributed.prefetch: unknown key 'forwrd' (did you mean 'forward'?)"),
+    ({"distributed": {"world_size": 8, "units": ["Block"], "mixed_precision": {"param_dtype": "int8"}}},
+     "distributed.mixed_precision.param_dtype: must be one of float32, float16, bfloat16, got 'int8'"),
+    ({"distributed": {"world_size": 8, "units": ["Block"], "reshard_after_forward": 2}},
+     "distributed.reshard_after_forward: must be true or false"),
 ]
 
 
@@ -291,3 +302,12 @@ def test_the_reference_names_every_key_of_the_example():
         assert f"| `{key}" in text
     for key in VALID["ga"]:
         assert f"| `ga.{key}`" in text
+
+
+def test_distributed_defaults_follow_fsdp2(tmp_path):
+    spec = load_patched(tmp_path, {"distributed": {"world_size": 64, "units": ["DecoderLayer"]}}).distributed
+    assert (spec.world_size, spec.strategy, spec.units) == (64, "fsdp", ("DecoderLayer",))
+    assert spec.reshard_after_forward is True and not spec.offload
+    assert (spec.prefetch.forward, spec.prefetch.backward) == (0, 1)
+    assert (spec.mixed_precision.param_dtype, spec.mixed_precision.reduce_dtype) == (None, None)
+    assert load_patched(tmp_path, {}).distributed is None

@@ -24,6 +24,7 @@ from gaswap.base.training_options import (AUTOCAST, COUNTABLE, DEFAULT_LOSS, DEF
                                           OPTIMIZERS)
 
 DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "bool")
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 INT_DTYPES = ("int64", "int32")  # dtypes whose random values need an exclusive upper bound `high`
 COST_SOURCES = ("estimate", "measure")
 EXECUTORS = ("processes", "dask")  # where a search's evaluations run (gaswap.plan.parallel.executor)
@@ -43,6 +44,8 @@ PATIENCE, TOLERANCE, SHARE_BLOCKS = 50, 0.001, 0.5
 MAX_WORKERS = 256  # ga.workers and costs.threads: more is a typo, not a machine
 MAX_ELEMENTS = 2**48  # elements of one input tensor, batch included
 MAX_INT32, MAX_SEED = 2**31 - 1, 2**32 - 1
+MAX_WORLD_SIZE = 2**20  # ranks of one sharded run
+STRATEGIES = ("fsdp", "zero2", "zero1", "ddp")
 _UNITS = {"B": 1, "KB": 10**3, "KiB": 2**10, "MB": 10**6, "MiB": 2**20,
           "GB": 10**9, "GiB": 2**30, "TB": 10**12, "TiB": 2**40}
 _SIZE = re.compile(rf"(-?\d+(?:\.\d+)?)\s*({'|'.join(_UNITS)}|x)?")
@@ -227,6 +230,15 @@ def _tensor(where, raw):
     return spec
 
 
+def _distributed(where, raw):
+    spec = _build(where, raw, DistributedSpec)
+    if spec.strategy != "fsdp" and spec.units:
+        where["units"].fail(f"only used by strategy 'fsdp', not {spec.strategy!r}")
+    if spec.strategy == "fsdp" and not spec.units:
+        where["units"].fail("name the modules to shard, e.g. [DecoderLayer] (class names or path patterns)")
+    return spec
+
+
 def _costs(where, raw):
     costs = _build(where, raw, CostSpec)
     if costs.source == "estimate" and costs.profile is None:
@@ -348,6 +360,48 @@ class MemorySpec:
 
 
 @dataclass(frozen=True)
+class Prefetch:
+    """How many FSDP units ahead each rank all-gathers parameters (FSDP2: `set_modules_to_forward_prefetch`,
+    `set_modules_to_backward_prefetch`)."""
+
+    forward: int = key(_integer(0, "a non-negative integer", 8), "units prefetched in the forward (FSDP2's "
+                       "default 0: none)", 0)
+    backward: int = key(_integer(0, "a non-negative integer", 8), "units prefetched in the backward (FSDP2's "
+                        "default 1)", 1)
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """FSDP2's `MixedPrecisionPolicy`: the dtype parameters are all-gathered and computed in, and the dtype
+    gradients are reduced in (none: the parameters' own)."""
+
+    param_dtype: str | None = key(_optional(_choice(FLOAT_DTYPES)), f"one of {', '.join(FLOAT_DTYPES)}", None)
+    reduce_dtype: str | None = key(_optional(_choice(FLOAT_DTYPES)), f"one of {', '.join(FLOAT_DTYPES)}", None)
+
+
+@dataclass(frozen=True)
+class DistributedSpec:
+    """How the training step is sharded over ranks: FSDP2 (`fully_shard`, ZeRO-3) or a named preset."""
+
+    world_size: int = key(_integer(2, "an integer of at least 2", MAX_WORLD_SIZE), f"ranks (2 to {MAX_WORLD_SIZE})")
+    strategy: str = key(_choice(STRATEGIES), "`fsdp` (fully_shard, ZeRO-3), `zero2` (parameters whole on every "
+                        "rank, gradients and optimizer state sharded), `zero1` (optimizer state sharded) or `ddp`",
+                        "fsdp")
+    units: tuple[str, ...] = key(_list(_string, unique=True), "modules `fully_shard` is applied to: class names "
+                                 "(`DecoderLayer`) or path patterns (`layers.*`); the root is always a unit", ())
+    reshard_after_forward: bool = key(_boolean, "free each unit's unsharded parameters after its forward and "
+                                      "all-gather them again for its backward (FSDP2's default for non-root units)",
+                                      True)
+    prefetch: Prefetch = key(_record(Prefetch), "units prefetched ahead", factory=Prefetch, record=Prefetch)
+    mixed_precision: MixedPrecision = key(_record(MixedPrecision), "parameter and reduce dtypes",
+                                          factory=MixedPrecision, record=MixedPrecision)
+    offload: bool = key(_boolean, "FSDP2's `CPUOffloadPolicy`: sharded parameters, gradients and optimizer state "
+                        "live on the host", False)
+    link: str | None = key(_optional(_string), "the interconnect of the hardware profile's `links` the "
+                           "collectives run over (none: the profile's first)", None)
+
+
+@dataclass(frozen=True)
 class GASettings:
     """Genetic-algorithm settings."""
 
@@ -422,6 +476,9 @@ class Experiment:
                                                                      f"{MAX_SEED})", 0)
     autocast: str | None = key(_optional(_choice(AUTOCAST)), f"run forward and loss under autocast: "
                                                              f"{' or '.join(AUTOCAST)} (none: off)", None)
+    distributed: DistributedSpec | None = key(_optional(_distributed), "shard the step over ranks (FSDP2); the "
+                                              "budget is then per rank (none: one device)", None,
+                                              record=DistributedSpec)
     memory: MemorySpec | None = key(_optional(_record(MemorySpec)), "GPU memory as the caching allocator holds it: "
                                     "results then give its allocated and reserved peaks beside the live one (none: "
                                     "live bytes only)", None, record=MemorySpec)
@@ -490,7 +547,7 @@ def reference() -> str:
     """Markdown tables of every key of an experiment file and of a search-space file, from the schema (the
     committed docs/experiment_keys.md is this text: `python -m gaswap.base.config > docs/experiment_keys.md`)."""
     lines = ["# Experiment and search-space file keys", "",
-             "Generated from the schema in `gaswap/config.py` by `python -m gaswap.base.config`; do not edit by hand.",
+             "Generated from the schema in `gaswap/base/config.py` by `python -m gaswap.base.config`; do not edit by hand.",
              "Unknown keys, wrong types and impossible values are refused with one line naming the file and key.", ""]
     for title, cls in (("Experiment files (`experiments/*.yaml`)", Experiment),
                        ("Search-space files (`search_spaces/*.yaml`)", SearchSpace)):
