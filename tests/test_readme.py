@@ -148,10 +148,14 @@ def _markdown_files() -> list[Path]:
     return [README, ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
+def _strip_fences(text: str) -> str:
+    """`text` without its fenced code blocks."""
+    return re.sub(r"^(```|~~~).*?^\1[^\n]*$", "", text, flags=re.M | re.S)
+
+
 def _prose(text: str) -> str:
     """`text` without fenced code blocks and inline code, where brackets are not links."""
-    text = re.sub(r"^(```|~~~).*?^\1[^\n]*$", "", text, flags=re.M | re.S)
-    return re.sub(r"`[^`\n]*`", "", text)
+    return re.sub(r"`[^`\n]*`", "", _strip_fences(text))
 
 
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
@@ -171,10 +175,6 @@ def _anchors(path: Path) -> set[str]:
         seen[slug] = n + 1
         anchors.add(slug if n == 0 else f"{slug}-{n}")
     return anchors
-
-
-def _strip_fences(text: str) -> str:
-    return re.sub(r"^(```|~~~).*?^\1[^\n]*$", "", text, flags=re.M | re.S)
 
 
 def test_markdown_files_exist():
