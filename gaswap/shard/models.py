@@ -79,16 +79,20 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU: w2(silu(w1 x) * w3 x). `fused_silu` False writes silu as x * sigmoid(x): gaswap's capture
+    decomposes F.silu's backward (sigmoid, ones, sub, mul...) where eager runs one kernel, so the captured step
+    holds more temporaries than eager's at that op; written out, both run the same ops."""
 
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, fused_silu: bool = False):
         super().__init__()
+        self.fused_silu = fused_silu
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
 
     def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        h = self.w1(x)
+        return self.w2((F.silu(h) if self.fused_silu else h * torch.sigmoid(h)) * self.w3(x))
 
 
 class DecoderLayer(nn.Module):
@@ -138,3 +142,13 @@ def llama(**config) -> Llama:
 
 def block_mlp(width: int = 1024, depth: int = 4, classes: int = 10) -> BlockMLP:
     return BlockMLP(width, depth, classes)
+
+
+def mlp_inputs(batch: int = 64, width: int = 1024) -> tuple:
+    """Inputs of `block_mlp` (seeded: the same on every rank)."""
+    return (torch.randn(batch, width, generator=torch.Generator().manual_seed(1)),)
+
+
+def llama_inputs(batch: int = 2, seq: int = 32, vocab: int = 256) -> tuple:
+    """Token ids for `llama` (seeded: the same on every rank)."""
+    return (torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1)),)
