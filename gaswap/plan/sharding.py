@@ -284,9 +284,10 @@ class _Builder:
                 self.unshard(t)
 
     def post_forward(self, u: str) -> None:
-        self.reshard(u, forward=True)
-        self.post_forward_indices.setdefault(u, []).append(len(self.post_forward_order))
-        self.post_forward_order.append(u)
+        if u in self.group:
+            self.reshard(u, forward=True)
+            self.post_forward_indices.setdefault(u, []).append(len(self.post_forward_order))
+            self.post_forward_order.append(u)
         if u == ROOT and self.ag_state is not None:
             self.free([self.ag_state], "all_gather_state")
             self.ag_state = None
@@ -384,10 +385,10 @@ class _Builder:
         after: dict[int, list] = {}
         deferred = []
         forward_spans = {}
-        for u in grouped:
+        for u in grouped + ([] if ROOT in grouped else [ROOT]):
             f = [i for i in fwd if within(g.ops[i].layer, u)]
-            b = [i for i in bwd if within(g.ops[i].layer, u, i)]
-            if f:
+            b = [i for i in bwd if within(g.ops[i].layer, u, i)] if u in self.group else []
+            if f:  # the root's post-forward frees the last all-gather output, whether it has parameters or not
                 forward_spans[u] = (f[0], f[-1])
                 before.setdefault(f[0], []).append(("pre_forward", u))
                 after.setdefault(f[-1], []).append(("post_forward", u))

@@ -23,7 +23,8 @@ def _resolve(path: str):
 
 
 def _rank_main(rank: int, world_size: int, store_path: str, out_dir: str, model: str, model_kwargs: dict,
-               inputs: str, units: list, optimizer: str, steps: int, knobs: dict, collectives: list) -> None:
+               inputs: str, units: list, optimizer: str, steps: int, metered: int, knobs: dict,
+               collectives: list) -> None:
     torch.set_num_threads(1)
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -40,14 +41,14 @@ def _rank_main(rank: int, world_size: int, store_path: str, out_dir: str, model:
             opt.zero_grad(set_to_none=True)
             dist.barrier()
             started = time.process_time()
-            if step == steps - 1:  # the last step is metered (the profiler slows it): forward and backward
+            if step >= steps - metered:  # the last steps are metered (the profiler slows them): forward and backward
                 with PeakMeter("cpu") as meter:
                     net(*args).sum().backward()
                 peaks.append(meter.peak)
             else:
                 net(*args).sum().backward()
             opt.step()
-            if 0 < step < steps - 1:
+            if 0 < step < steps - metered:
                 cpu.append(time.process_time() - started)
         opt.zero_grad(set_to_none=True)
         resident = _resident(net, opt, args)
@@ -65,7 +66,7 @@ def _rank_main(rank: int, world_size: int, store_path: str, out_dir: str, model:
                     call()
                 times[f"{kind}:{n}"] = (time.perf_counter() - t0) / 5
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
-            {"rank": rank, "peak_above_start": peaks[-1], "resident_at_start": resident,
+            {"rank": rank, "peak_above_start": min(peaks), "peaks_above_start": peaks, "resident_at_start": resident,
              "cpu_step_s": statistics.median(cpu) if cpu else None, "collective_s": times}))
     finally:
         dist.destroy_process_group()
@@ -88,15 +89,19 @@ def _resident(net, opt, args) -> int:
 
 
 def run_gloo(model: str, inputs: str, units, world_size: int, *, model_kwargs: dict | None = None,
-             optimizer: str = "adam", steps: int = 4, knobs: dict | None = None, collectives=()) -> list[dict]:
+             optimizer: str = "adam", steps: int = 6, metered: int = 3, knobs: dict | None = None, collectives=()) -> list[dict]:
     """Train `steps` steps of `model` ("module:factory", called with `model_kwargs`) on `inputs` ("module:function"
     returning the input tuple, the same on every rank) under fully_shard over `world_size` gloo processes; per rank
-    (rank order): the last step's forward+backward peak above what was allocated before it (the CPU allocator's
-    counts), the bytes resident before a step, the median CPU seconds of the middle steps (forward, backward,
+    (rank order): the forward+backward peak above what was allocated before it (the CPU allocator's counts) of
+    each of the last `metered` steps (`peaks_above_start`) and the lowest (`peak_above_start`: gloo's worker
+    thread drops its reference to a collective's tensors a moment after the caller goes on, so a buffer FSDP
+    frees may outlive its free on some ranks and some steps, a race that adds whole buffers), the bytes resident
+    before a step, the median CPU seconds of the middle steps (forward, backward,
     optimizer step), and seconds per all-gather / reduce-scatter of each byte count in `collectives`."""
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         torch.multiprocessing.spawn(_rank_main, args=(world_size, store, tmp, model, model_kwargs or {}, inputs,
-                                                      list(units), optimizer, steps, knobs or {}, list(collectives)),
+                                                      list(units), optimizer, steps, metered, knobs or {},
+                                                      list(collectives)),
                                     nprocs=world_size, join=True)
         return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world_size)]
