@@ -10,10 +10,10 @@ from gaswap.shard.capture import capture_for_sharding
 pytestmark = pytest.mark.slow
 
 
-def _captured(width=256, depth=3):
+def _captured(width=256, depth=3, batch=16):
     with torch.device("meta"):
         model = models.block_mlp(width, depth)
-    return capture_for_sharding(model, (torch.empty(16, width, device="meta"),), None, "sum",
+    return capture_for_sharding(model, (torch.empty(batch, width, device="meta"),), None, "sum",
                                 unit_classes=(models.MLPBlock,))
 
 
@@ -32,11 +32,16 @@ def test_every_category_equals_fsdp_mem_tracker_at_8_ranks():
 def test_gloo_two_processes_peak_per_rank():
     from gaswap.shard.gloo import run_gloo
 
-    captured, units, params = _captured(1024, 4)
-    results = run_gloo("gaswap.shard.models:block_mlp", "gaswap.shard.models:mlp_inputs", units, 2)
+    captured, units, params = _captured(1024, 4, 64)  # as gaswap.shard.models.mlp_inputs
+    results = run_gloo("gaswap.shard.models:block_mlp", "gaswap.shard.models:mlp_inputs", units, 2, metered=4)
+    exact = 0
     for r in results:
         rank = shard_step(captured.graph, params, ShardSpec(2, tuple(units), rank=r["rank"], optimizer_scalar_bytes=4))
         start = rank.graph.resident_bytes()
         assert r["resident_at_start"] == start
-        # gloo's worker thread may hold a freed collective buffer a moment longer: the lowest metered step is exact
-        assert r["peak_above_start"] == memory_report(rank).peak - start
+        predicted = memory_report(rank).peak - start
+        # gloo's worker thread may hold a freed collective buffer a moment longer (a race): never below the
+        # prediction, and equal to it on the steps where the race is not lost
+        assert min(r["peaks_above_start"]) >= predicted
+        exact += predicted in r["peaks_above_start"]
+    assert exact >= 1

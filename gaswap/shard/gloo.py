@@ -22,10 +22,32 @@ def _resolve(path: str):
     return getattr(importlib.import_module(module), name)
 
 
+def _settled(name: str):
+    """`dist.<name>` (the call FSDP2 makes for its collectives) that, once the collective is done, also waits (at
+    most 50 ms) until gloo's worker thread has dropped its references to the tensors, so that a buffer FSDP frees
+    goes when FSDP frees it; without this a rank may hold a freed buffer a moment longer, by chance."""
+    call = getattr(dist, name)
+
+    def settled(*args, **kwargs):
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        before = [torch._C._storage_Use_Count(t.untyped_storage()._cdata) for t in tensors]
+        out = call(*args, **kwargs)
+        deadline = time.perf_counter() + 0.05
+        while time.perf_counter() < deadline and any(
+                torch._C._storage_Use_Count(t.untyped_storage()._cdata) > n for t, n in zip(tensors, before)):
+            time.sleep(0)
+        return out
+
+    return settled
+
+
 def _rank_main(rank: int, world_size: int, store_path: str, out_dir: str, model: str, model_kwargs: dict,
                inputs: str, units: list, optimizer: str, steps: int, metered: int, knobs: dict,
-               collectives: list) -> None:
+               collectives: list, settle: bool = False) -> None:
     torch.set_num_threads(1)
+    if settle:
+        for name in ("all_gather_single", "reduce_scatter_single"):
+            setattr(dist, name, _settled(name))
     from torch.distributed.device_mesh import init_device_mesh
 
     store = dist.FileStore(store_path, world_size)
@@ -89,10 +111,10 @@ def _resident(net, opt, args) -> int:
 
 
 def run_gloo(model: str, inputs: str, units, world_size: int, *, model_kwargs: dict | None = None,
-             optimizer: str = "adam", steps: int = 6, metered: int = 3, knobs: dict | None = None, collectives=()) -> list[dict]:
+             optimizer: str = "adam", steps: int = 7, metered: int = 3, knobs: dict | None = None, collectives=()) -> list[dict]:
     """Train `steps` steps of `model` ("module:factory", called with `model_kwargs`) on `inputs` ("module:function"
     returning the input tuple, the same on every rank) under fully_shard over `world_size` gloo processes; per rank
-    (rank order): the forward+backward peak above what was allocated before it (the CPU allocator's counts) of
+    (rank order), with `settle` (gloo's late release waited for, see `_settled`): the forward+backward peak above what was allocated before it (the CPU allocator's counts) of
     each of the last `metered` steps (`peaks_above_start`) and the lowest (`peak_above_start`: gloo's worker
     thread drops its reference to a collective's tensors a moment after the caller goes on, so a buffer FSDP
     frees may outlive its free on some ranks and some steps, a race that adds whole buffers), the bytes resident
