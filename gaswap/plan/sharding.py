@@ -1,0 +1,598 @@
+"""One rank's training step under FSDP2 (`fully_shard`), built from the single-device step. No torch here.
+
+`shard_step(graph, params, spec)` turns a captured single-device `Graph` into the step one rank runs: its
+parameters and gradients become shards (FSDP2's dim-0 chunks, padded to `ceil(dim0 / W)` rows on every rank),
+and FSDP2's collectives and copies are ops of the graph, with their buffers, where FSDP2 issues them
+(torch/distributed/fsdp/_fully_shard: _fsdp_state.py, _fsdp_param_group.py, _fsdp_collectives.py):
+
+- unshard (`foreach_all_gather`): `fsdp_ag_alloc` allocates the flat all-gather output, W x the unit's padded
+  shards, and copies this rank's shards in (with a parameter dtype for mixed precision, a cast copy of the
+  shards first, `fsdp_ag_cast`, freed once the collective is issued); `fsdp_all_gather` is the collective
+  (stream "all_gather");
+- wait (`foreach_all_gather_copy_out`): `fsdp_ag_copy_out` allocates every unsharded parameter of the unit
+  (W x its padded shard: the padding travels with it) and copies them out; in the backward the all-gather
+  output goes right after; in the forward it is kept (`comm_ctx.all_gather_state`) until the next unit's wait
+  (before that unit's copy-out) or the root's post-forward, so two all-gather outputs meet at each unit's start;
+- pre-forward of a unit: unshard and wait; then the explicit forward prefetches (`forward_prefetch` units
+  ahead, `set_modules_to_forward_prefetch`; 0, FSDP2's default, prefetches nothing);
+- post-forward: reshard (the unsharded parameters go) when `reshard_after_forward` (FSDP2's default: every
+  unit but the root); the unit is recorded in the post-forward order;
+- pre-backward (before the unit's first backward op): unshard (unless prefetched) and wait, then prefetch the
+  unit before it in post-forward order (`backward_prefetch` 1, FSDP2's default; k > 1: the k units before it,
+  `set_modules_to_backward_prefetch`);
+- post-backward (after the unit's last backward op; for a unit whose inputs need no gradient, e.g. the root,
+  in the final callback at the end of the backward): reshard; the previous reduce-scatter input goes
+  (`reduce_scatter_states`, one kept); `fsdp_rs_alloc` allocates the reduce-scatter input (W x the padded
+  shards of the parameters that have a gradient, in the reduce dtype) and copies the unsharded gradients in
+  (they go then); `fsdp_reduce_scatter` (stream "reduce_scatter") makes the sharded gradients (a view of its
+  output, which lives to the end of the step; a cast copy when the reduce dtype is not the parameters');
+- the final callback: the deferred post-backwards, then the last reduce-scatter input and any prefetched
+  all-gather never waited for go.
+
+A buffer that FSDP frees later than its last use is read by an `fsdp_free` op (no output, no time) where
+FSDP drops it, so that the simulator's rule (a tensor goes after its last reader) frees it there.
+
+`memory_report(rank)` runs the rank's graph through the simulator (keep-all, the graph's order) and reads the
+bytes per category at the peak and after every op, in two views: gaswap's own categories, and
+FSDPMemTracker's (`tracker=True`: what torch's tracker calls each tensor at that moment, e.g. an unsharded
+gradient is "temporaries" until its unit's post-backward starts, a buffer is an activation or a temporary
+until its collective is issued).
+
+`Op` has no stream field: `RankGraph.stream` says which stream each op runs on ("compute", "all_gather",
+"reduce_scatter"); `step_time` schedules them with a link profile (`Link`).
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, replace
+
+from gaswap.costs import Costs
+from gaswap.encoding import Action
+from gaswap.graph import Graph, Op, Tensor
+from gaswap.program import Verb
+from gaswap.simulator import Simulator
+
+ROOT = ""
+COMPUTE, ALL_GATHER, REDUCE_SCATTER = "compute", "all_gather", "reduce_scatter"
+STREAMS = (COMPUTE, ALL_GATHER, REDUCE_SCATTER)
+CATEGORIES = ("sharded params", "unsharded params", "sharded grads", "unsharded grads", "optimizer state",
+              "all-gather buffers", "reduce-scatter buffers", "activations", "temporaries", "inputs", "buffers")
+OUTSIDE = ("loss",)  # layers of ops outside the model (the loss): no unit's forward or backward
+
+
+class ShardError(ValueError):
+    """A sharding the model cannot express (unknown unit, world size below 2, an op reading a resharded
+    parameter...)."""
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """A trainable parameter: its tensor in the step graph, its path in the model ("layers.0.wq.weight"), shape,
+    bytes per element, and its gradient tensor in the graph (None: it gets none)."""
+
+    tensor: str
+    path: str
+    shape: tuple[int, ...]
+    itemsize: int
+    grad: str | None = None
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How the step is sharded: `world_size` ranks; `units`, the module paths `fully_shard` is applied to
+    ("" is the root, added if missing); `reshard_after_forward` True / False for all, a {unit: bool}, or None
+    (FSDP2's default: True except for the root); prefetch depths; this `rank`; `sharded_itemsize` the bytes per
+    element of the sharded parameters when the graph was captured in another dtype (mixed precision: the graph
+    in the parameter dtype, the shards in the original one); `reduce_itemsize` of the reduce-scatter (default:
+    the gradients'); `optimizer_scalar_bytes` per parameter (Adam's `step`: 4)."""
+
+    world_size: int
+    units: tuple[str, ...] = (ROOT,)
+    reshard_after_forward: bool | dict | None = None
+    forward_prefetch: int = 0
+    backward_prefetch: int = 1
+    rank: int = 0
+    sharded_itemsize: int | None = None
+    reduce_itemsize: int | None = None
+    optimizer_scalar_bytes: int = 0
+    outside: tuple[str, ...] = OUTSIDE
+
+    def reshards(self, unit: str) -> bool:
+        r = self.reshard_after_forward
+        if isinstance(r, dict):
+            return bool(r.get(unit, unit != ROOT))
+        return unit != ROOT if r is None else bool(r)
+
+
+def padded_shard_numel(shape, world_size: int) -> int:
+    """Elements of one rank's padded shard: ceil(dim0 / W) rows (FSDP2's `_get_dim0_padded_size` / W)."""
+    shape = tuple(shape) or (1,)
+    return math.ceil(shape[0] / world_size) * math.prod(shape[1:])
+
+
+def local_shard_numel(shape, world_size: int, rank: int) -> int:
+    """Elements of rank `rank`'s unpadded chunk (torch.chunk on dim 0): what the optimizer's state is shaped like."""
+    shape = tuple(shape) or (1,)
+    rows = math.ceil(shape[0] / world_size)
+    return max(0, min(rows, shape[0] - rank * rows)) * math.prod(shape[1:])
+
+
+@dataclass(frozen=True)
+class RankGraph:
+    """One rank's step: the graph, the spec, each op's stream, each tensor's category (gaswap's view), the
+    tracker's relabellings (tensor -> ((op, category), ...): from that op on), the units' parameters, and the
+    bytes each collective's buffer holds (op -> bytes)."""
+
+    graph: Graph
+    spec: ShardSpec
+    stream: dict
+    category: dict
+    tracker_category: dict
+    relabel: dict
+    units: dict
+    collective_bytes: dict = field(default_factory=dict)
+    collective_kind: dict = field(default_factory=dict)
+
+
+def unit_of(path: str, units) -> str:
+    """The unit owning a module path: the longest unit path that is it or contains it ("" owns the rest)."""
+    best = ROOT
+    for u in units:
+        if u and (path == u or path.startswith(u + ".")) and len(u) > len(best):
+            best = u
+    return best
+
+
+def _tag(unit: str) -> str:
+    return re.sub(r"\W", "_", unit) if unit else "root"
+
+
+class _Builder:
+    """Walks the single-device ops in order and emits the rank's ops, mirroring FSDP2's state machine."""
+
+    def __init__(self, graph: Graph, params: list[ParamSpec], spec: ShardSpec):
+        if spec.world_size < 2:
+            raise ShardError(f"world size {spec.world_size}: sharding needs at least 2 ranks")
+        self.g, self.spec, self.W = graph, spec, spec.world_size
+        self.units = tuple(dict.fromkeys([u for u in spec.units if u != ROOT] + [ROOT]))
+        self.params = {p.tensor: p for p in params}
+        for p in params:
+            if p.tensor not in graph.tensors or graph.tensors[p.tensor].kind != "param":
+                raise ShardError(f"parameter {p.path}: {p.tensor!r} is not a parameter tensor of the graph")
+        self.group: dict[str, list[ParamSpec]] = {}
+        for p in params:
+            self.group.setdefault(unit_of(p.path.rpartition(".")[0], self.units), []).append(p)
+        self.grad_of = {p.grad: p for p in params if p.grad is not None}
+        self.ops: list[Op] = []
+        self.tensors: dict[str, Tensor] = {}
+        self.stream: dict[str, str] = {}
+        self.category: dict[str, str] = {}
+        self.tracker: dict[str, str] = {}  # the tracker's first label
+        self.relabel: dict[str, list] = {}
+        self.pending_relabel: list[tuple[str, str]] = []
+        self.collective_bytes: dict[str, int] = {}
+        self.collective_kind: dict[str, str] = {}
+        self.phase = "fwd"
+        self.count = 0
+        self.version: dict[str, int] = {}
+        self.current: dict[str, str] = {}  # parameter tensor -> its unsharded tensor now
+        self.pending: dict[str, list[str]] = {}  # unit -> [all-gather output, cast buffer?] issued, not waited
+        self.unsharded: set[str] = set()
+        self.ag_state: str | None = None
+        self.post_forward_order: list[str] = []
+        self.post_forward_indices: dict[str, list[int]] = {}
+        self.rs_states: list[str] = []
+        self.done_pre_backward: set[str] = set()
+        self.done_post_backward: set[str] = set()
+
+    # --- sizes ---
+    def shard_bytes(self, p: ParamSpec, itemsize: int | None = None) -> int:
+        return padded_shard_numel(p.shape, self.W) * (itemsize or p.itemsize)
+
+    def sharded_itemsize(self, p: ParamSpec) -> int:
+        return self.spec.sharded_itemsize or p.itemsize
+
+    # --- emitting ---
+    def tensor(self, name: str, size: int, kind: str, producer, category: str, tracker: str | None = None) -> str:
+        self.tensors[name] = Tensor(name, size, kind, producer)
+        self.category[name] = category
+        self.tracker[name] = tracker or category
+        return name
+
+    def emit(self, name: str, target: str, inputs, outputs, stream: str = COMPUTE, layer: str = "") -> str:
+        op = Op(name, target, tuple(dict.fromkeys(inputs)), tuple(outputs), self.phase, layer, recomputable=False,
+                signature=target)
+        self.ops.append(op)
+        self.stream[name] = stream
+        for t, cat in self.pending_relabel:
+            self.relabel.setdefault(t, []).append((name, cat))
+        self.pending_relabel.clear()
+        return name
+
+    def fresh(self, stem: str) -> str:
+        self.count += 1
+        return f"{stem}.{self.count}"
+
+    def free(self, tensors, why: str) -> None:
+        tensors = [t for t in tensors if t]
+        if tensors:
+            self.emit(self.fresh(f"fsdp_free.{why}"), "fsdp.free", tensors, ())
+
+    def temp(self) -> str:
+        return "activations" if self.phase == "fwd" else "temporaries"
+
+    # --- FSDP2's steps ---
+    def unshard(self, u: str) -> None:
+        if u in self.pending or u in self.unsharded or u not in self.group:
+            return
+        ps = self.group[u]
+        k = self.version[u] = self.version.get(u, 0) + 1
+        tag = f"{_tag(u)}.{k}"
+        shards = [f"{p.tensor}.shard" for p in ps]
+        inputs = list(shards)
+        cast = None
+        if self.spec.sharded_itemsize and any(self.sharded_itemsize(p) != p.itemsize for p in ps):
+            cast_op = f"fsdp_ag_cast.{tag}"
+            cast = self.tensor(f"ag_cast.{tag}", sum(self.shard_bytes(p) for p in ps), "activation", cast_op,
+                               "all-gather buffers", self.temp())
+            self.emit(cast_op, "fsdp.all_gather_cast", shards, (cast,), layer=u)
+            inputs = [cast]
+        alloc = f"fsdp_ag_alloc.{tag}"
+        nbytes = self.W * sum(self.shard_bytes(p) for p in ps)
+        buf = self.tensor(f"ag_out.{tag}", nbytes, "activation", alloc, "all-gather buffers", self.temp())
+        self.emit(alloc, "fsdp.all_gather_copy_in", inputs, (buf,), layer=u)
+        op = self.emit(f"fsdp_all_gather.{tag}", "fsdp.all_gather", [buf] + ([cast] if cast else []), (),
+                       stream=ALL_GATHER, layer=u)
+        self.relabel.setdefault(buf, []).append((op, "all-gather buffers"))
+        self.collective_bytes[op], self.collective_kind[op] = nbytes, "all_gather"
+        self.pending[u] = buf
+
+    def wait_for_unshard(self, u: str, forward: bool) -> None:
+        if u not in self.pending:
+            return
+        buf = self.pending.pop(u)
+        if forward and self.ag_state is not None:
+            self.free([self.ag_state], "all_gather_state")
+            self.ag_state = None
+        tag = buf.removeprefix("ag_out.")
+        copy = f"fsdp_ag_copy_out.{tag}"
+        outs = []
+        for p in self.group[u]:
+            name = self.tensor(f"{p.tensor}.unsharded.{tag}", self.W * self.shard_bytes(p), "activation", copy,
+                               "unsharded params")
+            self.current[p.tensor] = name
+            outs.append(name)
+        self.emit(copy, "fsdp.all_gather_copy_out", [buf], outs, layer=u)
+        self.unsharded.add(u)
+        if forward:
+            self.ag_state = buf  # freed at the next unit's wait, or the root's post-forward
+
+    def reshard(self, u: str, forward: bool) -> None:
+        if forward and not self.spec.reshards(u):
+            return
+        if u in self.unsharded:
+            self.free([self.current.pop(p.tensor) for p in self.group[u]], f"reshard.{_tag(u)}")
+            self.unsharded.discard(u)
+
+    def pre_forward(self, u: str, forward_order: list[str]) -> None:
+        self.unshard(u)
+        self.wait_for_unshard(u, forward=True)
+        if self.spec.forward_prefetch > 0 and u in forward_order:
+            i = forward_order.index(u)
+            for t in forward_order[i + 1:i + 1 + self.spec.forward_prefetch]:
+                self.unshard(t)
+
+    def post_forward(self, u: str) -> None:
+        if u in self.group:
+            self.reshard(u, forward=True)
+            self.post_forward_indices.setdefault(u, []).append(len(self.post_forward_order))
+            self.post_forward_order.append(u)
+        if u == ROOT and self.ag_state is not None:
+            self.free([self.ag_state], "all_gather_state")
+            self.ag_state = None
+
+    def pre_backward(self, u: str) -> None:
+        if u in self.done_pre_backward:
+            return
+        self.done_pre_backward.add(u)
+        self.unshard(u)
+        self.wait_for_unshard(u, forward=False)
+        k = self.spec.backward_prefetch
+        if k == 1:  # FSDP2's default: the unit before this one in post-forward order
+            if self.post_forward_indices.get(u):
+                i = self.post_forward_indices[u].pop()
+                if i > 0:
+                    self.unshard(self.post_forward_order[i - 1])
+        elif k > 1:
+            order = self.post_forward_order
+            i = max(j for j, v in enumerate(order) if v == u) if u in order else 0
+            for t in reversed(order[max(0, i - k):i]):
+                self.unshard(t)
+
+    def post_backward(self, u: str) -> None:
+        if u in self.done_post_backward or u not in self.group:
+            return
+        self.done_post_backward.add(u)
+        ps = self.group[u]
+        with_grad = [p for p in ps if p.grad is not None and p.grad in self.tensors]
+        for p in with_grad:  # the tracker relabels them as its post-backward starts
+            self.pending_relabel.append((p.grad, "unsharded grads"))
+        self.reshard(u, forward=False)
+        if self.rs_states:
+            self.free(self.rs_states, "reduce_scatter_state")
+            self.rs_states = []
+        if not with_grad:
+            return
+        tag = _tag(u)
+        reduce = self.spec.reduce_itemsize
+        alloc = f"fsdp_rs_alloc.{tag}"
+        nbytes = self.W * sum(self.shard_bytes(p, reduce) for p in with_grad)
+        rs_in = self.tensor(f"rs_in.{tag}", nbytes, "activation", alloc, "reduce-scatter buffers", "temporaries")
+        self.emit(alloc, "fsdp.reduce_scatter_copy_in", [p.grad for p in with_grad], (rs_in,), layer=u)
+        rs = f"fsdp_reduce_scatter.{tag}"
+        out_bytes = sum(self.shard_bytes(p, reduce) for p in with_grad)
+        grad_bytes = sum(self.shard_bytes(p, self.sharded_itemsize(p)) for p in with_grad)
+        if out_bytes == grad_bytes:
+            out = self.tensor(f"grad_shard.{tag}", out_bytes, "grad", rs, "sharded grads", "temporaries")
+            self.emit(rs, "fsdp.reduce_scatter", [rs_in], (out,), stream=REDUCE_SCATTER, layer=u)
+        else:
+            raw = self.tensor(f"rs_out.{tag}", out_bytes, "activation", rs, "reduce-scatter buffers", "temporaries")
+            self.emit(rs, "fsdp.reduce_scatter", [rs_in], (raw,), stream=REDUCE_SCATTER, layer=u)
+            cast = f"fsdp_grad_cast.{tag}"
+            out = self.tensor(f"grad_shard.{tag}", grad_bytes, "grad", cast, "sharded grads", "temporaries")
+            self.emit(cast, "fsdp.grad_cast", [raw], (out,), layer=u)
+        self.relabel.setdefault(rs_in, []).append((rs, "reduce-scatter buffers"))
+        self.collective_bytes[rs], self.collective_kind[rs] = nbytes, "reduce_scatter"
+        self.pending_relabel.append((out, "sharded grads"))
+        self.rs_states.append(rs_in)
+
+    # --- the walk ---
+    def build(self) -> RankGraph:
+        g, spec, units = self.g, self.spec, self.units
+        for name, t in g.tensors.items():  # residents (sharded parameters replace the parameters)
+            if t.kind == "param" and name in self.params:
+                p = self.params[name]
+                self.tensor(f"{name}.shard", self.shard_bytes(p, self.sharded_itemsize(p)), "param", None,
+                            "sharded params")
+            elif t.producer is None:
+                cat = "inputs" if t.kind in ("input", "grad_output") else "buffers"
+                self.tensor(name, t.size, t.kind, None, cat)
+        outside = set(spec.outside)
+
+        def owner(layer: str):
+            return None if layer in outside or layer.split(".")[0] in outside else unit_of(layer, units)
+
+        # the seed of the backward (the loss's gradient, `ones_like`, untagged): made by `backward()` before
+        # autograd's engine runs and held by it to the end of the backward
+        seed = set()
+        for i, op in enumerate(g.ops):
+            if op.phase == "bwd":
+                if op.layer != "":
+                    break
+                seed.add(i)
+
+        def within(layer: str, u: str, i: int = -1) -> bool:
+            if layer in outside or layer.split(".")[0] in outside or i in seed:
+                return False
+            return u == ROOT or layer == u or layer.startswith(u + ".")
+
+        depth = {u: (-1 if u == ROOT else u.count(".")) for u in units}
+        grouped = [u for u in units if u in self.group]
+        fwd = [i for i, op in enumerate(g.ops) if op.phase == "fwd"]
+        bwd = [i for i, op in enumerate(g.ops) if op.phase == "bwd"]
+        before: dict[int, list] = {}
+        after: dict[int, list] = {}
+        deferred = []
+        forward_spans = {}
+        for u in grouped + ([] if ROOT in grouped else [ROOT]):
+            f = [i for i in fwd if within(g.ops[i].layer, u)]
+            b = [i for i in bwd if within(g.ops[i].layer, u, i)] if u in self.group else []
+            if f:  # the root's post-forward frees the last all-gather output, whether it has parameters or not
+                forward_spans[u] = (f[0], f[-1])
+                before.setdefault(f[0], []).append(("pre_forward", u))
+                after.setdefault(f[-1], []).append(("post_forward", u))
+            if b:
+                before.setdefault(b[0], []).append(("pre_backward", u))
+                inside = {t for i in f for t in g.ops[i].outputs}
+                reads_outside = any(g.tensors[t].producer is not None and t not in inside
+                                    and g.tensors[t].kind == "activation"
+                                    for i in f for t in g.ops[i].inputs)
+                if reads_outside:
+                    after.setdefault(b[-1], []).append(("post_backward", u))
+                else:
+                    deferred.append(u)
+        forward_order = sorted(forward_spans, key=lambda u: (forward_spans[u][0], depth[u]))
+        for events in before.values():
+            events.sort(key=lambda e: depth[e[1]])  # outer units first
+        for events in after.values():
+            events.sort(key=lambda e: -depth[e[1]])  # inner units first
+
+        def run(events):
+            for kind, u in events:
+                if kind == "pre_forward":
+                    self.pre_forward(u, forward_order)
+                elif kind == "post_forward":
+                    self.post_forward(u)
+                elif kind == "pre_backward":
+                    self.pre_backward(u)
+                else:
+                    self.post_backward(u)
+
+        for i, op in enumerate(g.ops):
+            self.phase = op.phase
+            run(before.get(i, ()))
+            inputs = []
+            for t in op.inputs:
+                if t in self.params:
+                    if t not in self.current:
+                        raise ShardError(f"op {op.name} ({op.layer or 'root'}) reads parameter {self.params[t].path} "
+                                         f"while its unit {owner(self.params[t].path) or 'root'!r} is sharded")
+                    inputs.append(self.current[t])
+                else:
+                    inputs.append(t)
+            for t in op.outputs:
+                src = g.tensors[t]
+                if t in self.grad_of:
+                    self.tensor(t, src.size, "activation", op.name, "unsharded grads", "temporaries")
+                elif src.kind == "grad":  # a gradient of no parameter we shard (kept as it is)
+                    self.tensor(t, src.size, "grad", op.name, "temporaries")
+                else:
+                    cat = "activations" if op.phase == "fwd" or i in seed else "temporaries"
+                    self.tensor(t, src.size, src.kind, op.name, cat)
+            self.emit(op.name, op.target, inputs, op.outputs, layer=op.layer)
+            self.ops[-1] = replace(op, inputs=tuple(dict.fromkeys(inputs)))
+            run(after.get(i, ()))
+        self.phase = "bwd"
+        order = [u for u in units if u == ROOT] + [u for u in units if u != ROOT]  # all_states: root first
+        for u in order:
+            if u in deferred:
+                self.post_backward(u)
+        held = [t for i in sorted(seed) for t in g.ops[i].outputs]
+        self.free(self.rs_states + list(self.pending.values()) + held, "final")
+        self.rs_states, self.pending = [], {}
+        if self.pending_relabel:
+            self.emit(self.fresh("fsdp_end"), "fsdp.end", (), ())
+        # tensors nobody reads any more that nothing produces (the target of a loss that takes none) are dropped
+        read = {t for op in self.ops for t in op.inputs}
+        for name in [n for n, t in self.tensors.items() if t.producer is None and n not in read
+                     and t.kind == "input"]:
+            del self.tensors[name]
+        resident = dict(g.resident)
+        param_bytes = sum(t.size for t in g.tensors.values() if t.kind == "param")
+        ratio = resident.get("optimizer_state", 0) / param_bytes if param_bytes else 0.0
+        local = sum(local_shard_numel(p.shape, self.W, spec.rank) * self.sharded_itemsize(p)
+                    for p in self.params.values())
+        resident["optimizer_state"] = round(ratio * local) + spec.optimizer_scalar_bytes * len(self.params)
+        graph = Graph(tuple(self.ops), self.tensors, resident, g.counted, g.loss)
+        units_out = {u: tuple(p.tensor for p in self.group[u]) for u in grouped}
+        return RankGraph(graph, spec, self.stream, self.category, self.tracker,
+                         {t: tuple(v) for t, v in self.relabel.items()}, units_out, self.collective_bytes,
+                         self.collective_kind)
+
+
+def shard_step(graph: Graph, params: list[ParamSpec], spec: ShardSpec) -> RankGraph:
+    """Rank `spec.rank`'s step of the single-device `graph` under FSDP2 (see the module docstring)."""
+    return _Builder(graph, list(params), spec).build()
+
+
+# --- memory ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Per-rank memory of a step: the peak, the op it is reached at, bytes by category there, and after each op
+    (op name, total, {category: bytes}); `simulated_peak` is the simulator's figure (equal to `peak`)."""
+
+    peak: int
+    peak_op: str
+    at_peak: dict
+    timeline: tuple
+    simulated_peak: int
+    step_time: float = 0.0
+
+
+def memory_report(rank: RankGraph, *, tracker: bool = False, costs: Costs | None = None) -> MemoryReport:
+    """Run the rank's graph through the simulator (every activation kept, the graph's order) and read, from the
+    program it issues, the bytes per category at the peak and after each op (`tracker`: FSDPMemTracker's
+    labels, see the module docstring)."""
+    g = rank.graph
+    costs = costs or Costs({op.name: 0.0 for op in g.ops}, 1.0, 1.0, "shard", "shard")
+    sim = Simulator(g, costs)
+    result = sim.run(list(range(len(g.ops))), [int(Action.KEEP)] * len(sim.candidates), trace=True)
+    if not result.valid:
+        raise ShardError(f"the rank's step cannot run: {result.reason}")
+    base = rank.tracker_category if tracker else rank.category
+    label = dict(base)
+    relabel_at: dict[str, list] = {}
+    if tracker:
+        for t, changes in rank.relabel.items():
+            for op, cat in changes:
+                relabel_at.setdefault(op, []).append((t, cat))
+    level = dict.fromkeys(CATEGORIES, 0)
+    level["optimizer state"] = g.resident.get("optimizer_state", 0)
+    live: set[str] = set()
+    for t in g.tensors.values():
+        if t.producer is None:
+            live.add(t.name)
+            level[label[t.name]] += t.size
+    total = sum(level.values())
+    peak, peak_op, at_peak, timeline = total, "", dict(level), []
+    outputs = {op.name: op.outputs for op in g.ops}
+    for ins in result.program:
+        if ins.verb == Verb.RUN:
+            for t, cat in relabel_at.get(ins.name, ()):
+                if t in live:
+                    level[label[t]] -= g.tensors[t].size
+                    level[cat] += g.tensors[t].size
+                label[t] = cat
+            for t in outputs[ins.name]:
+                if t not in live:
+                    live.add(t)
+                    level[label[t]] += g.tensors[t].size
+                    total += g.tensors[t].size
+            timeline.append((ins.name, total, dict(level)))
+            if total > peak:
+                peak, peak_op, at_peak = total, ins.name, dict(level)
+        elif ins.verb == Verb.FREE and ins.name in live:
+            live.discard(ins.name)
+            level[label[ins.name]] -= g.tensors[ins.name].size
+            total -= g.tensors[ins.name].size
+    if peak != result.peak_bytes:
+        raise AssertionError(f"category walk peak {peak} != simulator peak {result.peak_bytes}")
+    return MemoryReport(peak, peak_op, at_peak, tuple(timeline), result.peak_bytes, result.step_time)
+
+
+# --- time ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Link:
+    """A collective's cost on W ranks: `latency` s per step of the ring, `bandwidth` bytes/s per rank's link
+    (bus bandwidth); `all_gather(n, W)` for an output of n bytes, `reduce_scatter(n, W)` for an input of n."""
+
+    latency: float
+    bandwidth: float
+
+    def all_gather(self, nbytes: int, world_size: int) -> float:
+        return (world_size - 1) * self.latency + (world_size - 1) / world_size * nbytes / self.bandwidth
+
+    def reduce_scatter(self, nbytes: int, world_size: int) -> float:
+        return self.all_gather(nbytes, world_size)
+
+
+def rank_op_times(rank: RankGraph, op_time: dict, link: Link, *, copy_bandwidth: float = 10e9) -> dict:
+    """Seconds per op of the rank's graph: the single-device ops' from `op_time`, collectives from `link`,
+    FSDP's copies at `copy_bandwidth` (bytes/s, read and written), frees none."""
+    W = rank.spec.world_size
+    g = rank.graph
+    out = {}
+    for op in g.ops:
+        if op.name in rank.collective_kind:
+            n = rank.collective_bytes[op.name]
+            out[op.name] = getattr(link, rank.collective_kind[op.name])(n, W)
+        elif op.target.startswith("fsdp."):
+            moved = sum(g.tensors[t].size for t in op.outputs)
+            out[op.name] = 2 * moved / copy_bandwidth if op.target != "fsdp.free" else 0.0
+        else:
+            out[op.name] = op_time.get(op.name, 0.0)
+    return out
+
+
+def step_time(rank: RankGraph, op_times: dict, *, overlap: bool = True) -> tuple[float, dict]:
+    """(step seconds, busy seconds per stream): ops in the graph's order, each on its stream when that is free
+    and what it reads is ready; a collective holds its buffers until it ends (FSDP's waits on its events). With
+    `overlap` False (gloo on a CPU: collectives block the process) every op runs on one stream."""
+    free = dict.fromkeys(STREAMS, 0.0)
+    busy = dict.fromkeys(STREAMS, 0.0)
+    ready: dict[str, float] = {}
+    for op in rank.graph.ops:
+        s = rank.stream[op.name] if overlap else COMPUTE
+        start = max([free[s]] + [ready.get(t, 0.0) for t in op.inputs])
+        end = start + op_times.get(op.name, 0.0)
+        free[s] = end
+        busy[rank.stream[op.name]] += end - start if op_times.get(op.name, 0.0) else 0.0
+        for t in op.outputs:
+            ready[t] = end
+        if rank.stream[op.name] != COMPUTE:
+            for t in op.inputs:
+                ready[t] = max(ready.get(t, 0.0), end)
+    return max(free.values()), busy

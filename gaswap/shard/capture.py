@@ -1,0 +1,49 @@
+"""Capture the single-device step that `gaswap.plan.sharding` turns into one rank's step: the graph, the FSDP
+units (module paths) and, per trainable parameter, its tensor in the graph, its module path, shape, dtype size
+and gradient tensor."""
+from __future__ import annotations
+
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from gaswap.capture import Captured, capture, tensor_outputs
+from gaswap.plan.sharding import ParamSpec
+
+
+def fsdp_units(model: nn.Module, unit_classes=()) -> list[str]:
+    """Module paths of the modules of `unit_classes` (the FSDP units, e.g. every decoder layer), then "" (the
+    root, which holds what no unit claims); fully_shard is applied in this order (innermost first)."""
+    classes = tuple(unit_classes)
+    return [name for name, m in model.named_modules() if name and classes and isinstance(m, classes)] + [""]
+
+
+def param_specs(model: nn.Module, captured: Captured) -> list[ParamSpec]:
+    """One ParamSpec per trainable parameter of `model`, in `named_parameters` order (FSDP's order)."""
+    storage: dict[StorageWeakRef, str] = {}
+    nodes = list(captured.gm.graph.nodes)
+    for node in nodes:
+        if node.op in ("placeholder", "get_attr"):
+            storage.setdefault(StorageWeakRef(node.meta["val"].untyped_storage()), node.name)
+        elif node.op == "call_function":
+            for name, t in tensor_outputs(node, node.meta.get("val")):
+                storage.setdefault(StorageWeakRef(t.untyped_storage()), name)
+    grad_nodes = nodes[-1].args[0][1:]
+    params = [(name, src) for name, kind, src in captured.placeholders if kind == "param"]
+    named = dict(model.named_parameters())
+    out = []
+    for (name, src), g in zip(params, grad_nodes):
+        p = named[src]
+        grad = storage.get(StorageWeakRef(g.meta["val"].untyped_storage())) if g is not None else None
+        out.append(ParamSpec(name, src, tuple(p.shape), p.element_size(), grad))
+    return out
+
+
+def capture_for_sharding(model: nn.Module, inputs, target=None, loss: str = "sum", *, optimizer: str = "adam",
+                         unit_classes=(), autocast=None):
+    """(captured step, FSDP units, parameter specs) of `model` (any device, meta included: fake tensors)."""
+    if target is None:  # losses that take none ("sum") still get a scalar placeholder
+        import torch
+
+        target = torch.empty((), device="meta")
+    captured = capture(model, inputs, target, loss, optimizer=optimizer, autocast=autocast)
+    return captured, fsdp_units(model, unit_classes), param_specs(model, captured)

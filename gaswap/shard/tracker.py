@@ -1,0 +1,95 @@
+"""FSDPMemTracker's per-category peak of one rank under torch's fake process group (no ranks needed: with fake
+tensors nothing is allocated, so any world size and model size runs here)."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# gaswap.plan.sharding's names for FSDPMemTracker's categories (`_FSDPRefType` values)
+TRACKER_CATEGORIES = {
+    "Sharded Param": "sharded params", "Unsharded Param": "unsharded params", "Buffer": "buffers",
+    "Sharded Grad": "sharded grads", "Unsharded Grad": "unsharded grads", "Activation": "activations",
+    "Temp": "temporaries", "All Gather": "all-gather buffers", "Reduce Scatter": "reduce-scatter buffers",
+    "OptState": "optimizer state", "Inputs": "inputs",
+}
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int, rank: int = 0):
+    """torch's fake process group of `world_size` ranks (this process is `rank`) and a 1-D CPU device mesh."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        dist.destroy_process_group()
+
+
+def apply_fsdp(model: nn.Module, units, mesh, *, reshard_after_forward=None, forward_prefetch: int = 0,
+               backward_prefetch: int = 1) -> nn.Module:
+    """`fully_shard` on every unit (module paths, "" the root), innermost first, with the knobs of
+    `gaswap.plan.sharding.ShardSpec` (None: FSDP2's default; prefetch depths through set_modules_to_*_prefetch)."""
+    from torch.distributed.fsdp import fully_shard
+
+    modules = dict(model.named_modules())
+    paths = sorted((u for u in units if u), key=lambda u: -u.count("."))
+    for u in paths:
+        raf = reshard_after_forward.get(u, True) if isinstance(reshard_after_forward, dict) else reshard_after_forward
+        fully_shard(modules[u], mesh=mesh, **({} if raf is None else {"reshard_after_forward": raf}))
+    raf = reshard_after_forward.get("", None) if isinstance(reshard_after_forward, dict) else reshard_after_forward
+    fully_shard(model, mesh=mesh, **({} if raf is None else {"reshard_after_forward": raf}))
+    ordered = [modules[u] for u in units if u]  # forward order of the units
+    if forward_prefetch > 0:
+        for i, m in enumerate(ordered):
+            m.set_modules_to_forward_prefetch(ordered[i + 1:i + 1 + forward_prefetch])
+    if backward_prefetch > 1:
+        for i, m in enumerate(ordered):
+            m.set_modules_to_backward_prefetch(list(reversed(ordered[max(0, i - backward_prefetch):i])))
+    return model
+
+
+def measure_fsdp_tracker(make_model, make_inputs, units, world_size: int, *, optimizer: str = "adam",
+                         reshard_after_forward=None, forward_prefetch: int = 0, backward_prefetch: int = 1,
+                         fake: bool = True, steps: int = 2) -> dict:
+    """FSDPMemTracker's peak snapshot of rank 0, {gaswap category: bytes} plus "total", for `steps` training
+    steps (`model(*inputs).sum()`, backward, optimizer step, zero_grad; the peak of them all: the last, once the
+    optimizer has its state) of `make_model()` sharded over `world_size` ranks of the fake process group.
+    `fake`: the model and inputs are made under FakeTensorMode (nothing allocated)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    with fake_process_group(world_size) as mesh, (FakeTensorMode() if fake else contextlib.nullcontext()):
+        model = apply_fsdp(make_model(), units, mesh, reshard_after_forward=reshard_after_forward,
+                           forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch)
+        opt = _optimizer(optimizer, model.parameters())
+        inputs = make_inputs()
+        tracker = FSDPMemTracker(model, opt)
+        tracker.track_inputs(tuple(inputs))
+        with tracker:
+            for i in range(steps):
+                if i:
+                    tracker.reset_mod_stats()
+                model(*inputs).sum().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        snap = tracker.get_tracker_snapshot("peak")
+    (dev_snap,) = snap.values()
+    out = {TRACKER_CATEGORIES[str(k.value)]: int(v) for k, v in dev_snap.items() if k != "Total"}
+    out["total"] = int(dev_snap["Total"])
+    return out
+
+
+def _optimizer(name: str, params):
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-3)
+    if name == "sgd_momentum":
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+    return torch.optim.SGD(params, lr=1e-2)
