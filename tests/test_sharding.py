@@ -1,9 +1,18 @@
 """gaswap.plan.sharding on a hand-made two-unit step (no torch): exact memory traces at W = 2 and 4."""
 import pytest
 
-from gaswap.graph import Graph, Op, Tensor
-from gaswap.plan.sharding import (Link, ParamSpec, ShardError, ShardSpec, local_shard_numel, memory_report,
-                                  padded_shard_numel, shard_step, step_time)
+from gaswap.plan.graph import Graph, Op, Tensor
+from gaswap.plan.sharding import (
+    Link,
+    ParamSpec,
+    ShardError,
+    ShardSpec,
+    local_shard_numel,
+    memory_report,
+    padded_shard_numel,
+    shard_step,
+    step_time,
+)
 
 # two units "a" and "b", a root with no parameters; parameters of 8 x 4 float32 (128 bytes) and a bias of 3
 # (12 bytes, padded to 4 or 4 rows); activations of 64 bytes; the loss outside the model

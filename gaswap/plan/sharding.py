@@ -47,11 +47,11 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 
-from gaswap.costs import Costs
-from gaswap.encoding import Action
-from gaswap.graph import Graph, Op, Tensor
-from gaswap.program import Verb
-from gaswap.simulator import Simulator
+from gaswap.base.program import Verb
+from gaswap.plan.costs import Costs
+from gaswap.plan.encoding import Action
+from gaswap.plan.graph import Graph, Op, Tensor
+from gaswap.plan.simulator import Simulator
 
 ROOT = ""
 COMPUTE, ALL_GATHER, REDUCE_SCATTER = "compute", "all_gather", "reduce_scatter"

@@ -6,8 +6,8 @@ from __future__ import annotations
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from gaswap.capture import Captured, capture, tensor_outputs
 from gaswap.plan.sharding import ParamSpec
+from gaswap.run.capture import Captured, capture, tensor_outputs
 
 
 def fsdp_units(model: nn.Module, unit_classes=()) -> list[str]:

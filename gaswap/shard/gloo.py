@@ -1,5 +1,5 @@
 """Real FSDP2 training steps on the CPU: `world_size` processes (gloo backend), each rank metering its peak with
-the CPU allocator's counts (`gaswap.meter.PeakMeter`) and timing its steps in CPU seconds."""
+the CPU allocator's counts (`gaswap.run.peak_meter.PeakMeter`) and timing its steps in CPU seconds."""
 from __future__ import annotations
 
 import importlib
@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gaswap.meter import PeakMeter
-from gaswap.shard.tracker import _optimizer, apply_fsdp
+from gaswap.run.peak_meter import PeakMeter
+from gaswap.shard.tracker import apply_fsdp, build_optimizer
 
 
 def _resolve(path: str):
@@ -56,7 +56,7 @@ def _rank_main(rank: int, world_size: int, store_path: str, out_dir: str, model:
         mesh = init_device_mesh("cpu", (world_size,))
         torch.manual_seed(0)
         net = apply_fsdp(_resolve(model)(**model_kwargs), units, mesh, **knobs)
-        opt = _optimizer(optimizer, net.parameters())
+        opt = build_optimizer(optimizer, net.parameters())
         args = _resolve(inputs)()
         peaks, cpu = [], []
         for step in range(steps):

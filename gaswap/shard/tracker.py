@@ -69,7 +69,7 @@ def measure_fsdp_tracker(make_model, make_inputs, units, world_size: int, *, opt
     with fake_process_group(world_size) as mesh, (FakeTensorMode() if fake else contextlib.nullcontext()):
         model = apply_fsdp(make_model(), units, mesh, reshard_after_forward=reshard_after_forward,
                            forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch)
-        opt = _optimizer(optimizer, model.parameters())
+        opt = build_optimizer(optimizer, model.parameters())
         inputs = make_inputs()
         tracker = FSDPMemTracker(model, opt)
         tracker.track_inputs(tuple(inputs))
@@ -87,7 +87,8 @@ def measure_fsdp_tracker(make_model, make_inputs, units, world_size: int, *, opt
     return out
 
 
-def _optimizer(name: str, params):
+def build_optimizer(name: str, params):
+    """The optimizer gaswap trains with under `name` (see `base.training_options`)."""
     if name == "adam":
         return torch.optim.Adam(params, lr=1e-3)
     if name == "sgd_momentum":
