@@ -9,10 +9,8 @@ Writes `results/<experiment>/bench.csv` and `bench.md`. No torch at import.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -28,7 +26,6 @@ from gaswap.plan.solvers.baselines import BASELINES
 from gaswap.app import workflow
 
 SPACES = ("swap_only", "recompute_only", "order_only", "hybrid")
-DEFAULT_BUDGETS = "0.9,0.75,0.5,0.33,0.25"
 COLUMNS = ("budget", "budget_bytes", "method", "feasible", "peak_bytes", "step_time_s", "overhead",
            "solve_seconds", "note")
 
@@ -174,43 +171,3 @@ def to_markdown(rows: list[dict], name: str) -> str:
             r["note"] + " |"]))
     return "\n".join(lines) + "\n"
 
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `gaswap bench`."""
-    parser.add_argument("experiment", help="experiment YAML file, e.g. experiments/gpt_bench.yaml")
-    parser.add_argument("--budgets", default=DEFAULT_BUDGETS,
-                        help=f"comma-separated: fractions of the keep-all peak or sizes (default: {DEFAULT_BUDGETS})")
-    parser.add_argument("--results", default="results", help="folder of result folders (default: results)")
-    parser.add_argument("--cache", default=None, help="cost cache folder (default: $GASWAP_CACHE or ~/.cache/gaswap)")
-    parser.add_argument("--time-limit", type=float, default=60.0, help="seconds for the MILP per budget (default: 60)")
-
-
-def command(args) -> int:
-    """Run the bench from parsed arguments, printing a line per row, then the table."""
-    budgets = [b for b in args.budgets.split(",") if b.strip()]
-    def show(row):
-        fits = "fits" if row["feasible"] else "over"
-        t = "-" if row["step_time_s"] is None else f"{row['step_time_s'] * 1e3:.2f} ms"
-        print(f"{row['budget']:>6} {row['method']:<20} {fits} {t:>12} ({row['solve_seconds']:.1f} s)", flush=True)
-
-    rows = run(args.experiment, budgets, results_root=args.results, cache_dir=args.cache,
-               time_limit=args.time_limit, progress=show)
-    name = config.load_experiment(args.experiment).name
-    print(to_markdown(rows, name))
-    print(f"wrote {Path(args.results) / name}/ (bench.csv, bench.md)")
-    return 0
-
-
-def main(argv=None) -> int:
-    """`python -m gaswap.app.bench EXPERIMENT [--budgets ...]`."""
-    parser = argparse.ArgumentParser(prog="gaswap bench", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    try:
-        return command(parser.parse_args(argv))
-    except config.ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -24,16 +24,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from gaswap.base import config, units
+from gaswap.base import config, errors, units
 from gaswap.base.config import format_size
-
-# Exit codes (README, "Exit codes"): 0 done; 1 an internal error (a bug: one line, GASWAP_DEBUG=1 shows the
-# traceback); 2 a bad experiment file, command-line value or model, or a folder that holds no results;
-# 3 no policy fits the budget; 4 refused: another experiment's or another running search's results folder, no or
-# an unusable checkpoint, a policy file that is unreadable, edited or made for another model, or a factory named
-# only by a file; 5 a file or folder that cannot be read or written (read-only, full disk, a file in the way);
-# stopped by a signal: 128 + its number (130 Ctrl-C, 143 SIGTERM).
-EXIT_INTERNAL, EXIT_CONFIG, EXIT_INFEASIBLE, EXIT_REFUSED, EXIT_IO = 1, 2, 3, 4, 5
 
 
 def _at_least(minimum: float, kind=int):
@@ -90,12 +82,13 @@ def main(argv=None) -> int:
                    help="build the model from the factory the results name, even outside gaswap.zoo")
     p.set_defaults(run=plot)
     p = add_parser("bench", help="baselines, GA per search space and MILP at several budgets")
-    p.add_argument("experiment", help="experiment YAML file")
+    p.add_argument("experiment", help="experiment YAML file, e.g. experiments/gpt_bench.yaml")
     p.add_argument("--budgets", default="0.9,0.75,0.5,0.33,0.25",
                    help="comma-separated fractions of keep-all peak or sizes (default 0.9,0.75,0.5,0.33,0.25)")
     p.add_argument("--results", default="results", help="folder of result folders (default: results)")
-    p.add_argument("--cache", default=None, help="cost cache folder")
-    p.add_argument("--time-limit", type=_at_least(0.1, float), default=60.0, help="MILP time limit per budget, seconds")
+    p.add_argument("--cache", default=None, help="cost cache folder (default: $GASWAP_CACHE or ~/.cache/gaswap)")
+    p.add_argument("--time-limit", type=_at_least(0.1, float), default=60.0,
+                   help="MILP time limit per budget, seconds (default 60)")
     p.set_defaults(run=bench)
     p = add_parser("compare", help="eager, torch.compile memory budgets and gaswap compiled policies, head to head")
     p.add_argument("experiment", help="experiment YAML file, e.g. experiments/compare_densenet_cpu.yaml")
@@ -121,28 +114,21 @@ def main(argv=None) -> int:
     try:
         args = parser.parse_args(argv)
     except SystemExit as stop:  # argparse printed the usage and one error line (or the help)
-        return stop.code if isinstance(stop.code, int) else EXIT_CONFIG
+        return stop.code if isinstance(stop.code, int) else errors.BAD_INPUT
     return run(args)
 
 
-# Errors a user can act on, by exit code: (module, class). Looked up among the modules already imported, so that
-# a bad experiment file is refused without importing torch.
-KNOWN_ERRORS = {
-    EXIT_CONFIG: (("gaswap.base.config", "ConfigError"), ("gaswap.run.capture", "CaptureError"),
-                  ("gaswap.app.results", "ResultsError")),
-    EXIT_REFUSED: (("gaswap.plan.policy", "PolicyError"), ("gaswap.app.results", "Refused"),
-                   ("gaswap.plan.checkpoint", "CheckpointError")),
-}
-
-
 def run(args) -> int:
-    """Run a verb; every failure a user can meet is one `error:` line and its exit code, never a traceback."""
+    """Run a verb; every failure a user can meet is one `error:` line and its exit code, never a traceback
+    (README, "Exit codes and trust"): a GaswapError's `exit_code` (gaswap.base.errors), 5 a file or folder
+    that cannot be read or written, 128 + the signal when stopped; 1 any other error (a bug: GASWAP_DEBUG=1
+    shows the traceback)."""
     try:
         units.use(args.units)
         units.convention()  # a bad $GASWAP_UNITS is refused before any work
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
-        return EXIT_CONFIG
+        return errors.BAD_INPUT
     try:
         return args.run(args)
     except KeyboardInterrupt as err:  # Ctrl-C outside a search, or a second signal during one
@@ -151,17 +137,16 @@ def run(args) -> int:
         return 128 + signum
     except OSError as err:
         where = f"{err.filename}: " if err.filename else ""
-        return _error(f"{where}cannot read or write ({err.strerror or err})", EXIT_IO)
+        return _error(f"{where}cannot read or write ({err.strerror or err})", errors.UNWRITABLE)
     except MemoryError:
-        return _error("out of host memory", EXIT_IO)
+        return _error("out of host memory", errors.UNWRITABLE)
     except Exception as err:
-        for code, kinds in KNOWN_ERRORS.items():
-            if any(isinstance(err, getattr(sys.modules.get(module), name, ())) for module, name in kinds):
-                return _error(err, code)
+        if isinstance(err, errors.GaswapError) and err.exit_code != errors.INTERNAL:  # one a user can act on
+            return _error(err, err.exit_code)
         if os.environ.get("GASWAP_DEBUG"):  # a bug: say so in one line
             raise
         return _error(f"internal error, please report it: {type(err).__name__}: {err} "
-                      f"(GASWAP_DEBUG=1 shows the traceback)", EXIT_INTERNAL)
+                      f"(GASWAP_DEBUG=1 shows the traceback)", errors.INTERNAL)
 
 
 def _error(err, code: int) -> int:
@@ -225,8 +210,6 @@ def _search(args, exp, out) -> int:
 
             result, summary = workflow.run_search(prepared, out, on_generation=on_generation, resume=args.resume,
                                                   force=args.force, stop=stop)
-    except workflow.Infeasible as err:
-        return _error(err, EXIT_INFEASIBLE)
     except KeyboardInterrupt as err:
         if (out / CHECKPOINT).is_file():
             print(f"\nstopped at once; {out / CHECKPOINT} holds the search as of its last checkpoint (written at "
@@ -330,7 +313,7 @@ def memory(args) -> int:
         exp = config.load_experiment(path)
         if exp.costs.source != "estimate":
             print(f"error: {path}: costs.source must be 'estimate' here (no device is used)", file=sys.stderr)
-            return EXIT_CONFIG
+            return errors.BAD_INPUT
         table += gpu_memory_report.rows(workflow.prepare(exp), args.results)
     print(gpu_memory_report.markdown(table))
     return 0

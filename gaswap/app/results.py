@@ -31,6 +31,7 @@ from gaswap.plan.problem import GENERATION_FIELDS, Evaluated, SearchResult
 from gaswap.base import config
 from gaswap.base.files import UnreadableFile, read_text
 from gaswap.base.locate import experiment_file
+from gaswap.base.errors import BadInput, Refusal
 
 FRONT_COLUMNS = ("policy", "peak_bytes", "step_time_s", "overhead", "keep", "swap", "recompute")
 HISTORY_COLUMNS = GENERATION_FIELDS
@@ -221,12 +222,12 @@ def _acquire(path: Path, folder: Path):
 # ------------------------------------------------------------------------------------------ ownership
 
 
-class Refused(Exception):
+class Refused(Refusal):
     """What is on disk forbids the command: another experiment's results folder, a folder another process is
     writing, or no checkpoint to resume."""
 
 
-class ResultsError(ValueError):
+class ResultsError(BadInput, ValueError):
     """A folder that is not a readable gaswap results folder; str() is one line naming the file."""
 
 

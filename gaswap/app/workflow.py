@@ -18,6 +18,7 @@ from pathlib import Path
 from gaswap.app import results
 from gaswap.app.results import Refused  # noqa: F401  (what check_results_folder raises)
 from gaswap.base import config
+from gaswap.base.errors import NoFit
 from gaswap.plan import checkpoint as checkpoints
 from gaswap.plan import costfile
 from gaswap.plan import policy as policies
@@ -31,7 +32,7 @@ from gaswap.plan.simulator import lower_bound
 from gaswap.run.experiment import build_model, make_inputs, output_gradient
 
 
-class Infeasible(Exception):
+class Infeasible(NoFit):
     """No policy found under the budget."""
 
 

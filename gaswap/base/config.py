@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, NoReturn
 
 from gaswap.base import units
+from gaswap.base.errors import BadInput
 from gaswap.base.files import UnreadableFile, load_yaml
 from gaswap.base.training_options import (AUTOCAST, COUNTABLE, DEFAULT_LOSS, DEFAULT_OPTIMIZER, LOSSES, NO_TARGET,
                                           OPTIMIZERS)
@@ -51,7 +52,7 @@ _UNITS = {"B": 1, "KB": 10**3, "KiB": 2**10, "MB": 10**6, "MiB": 2**20,
 _SIZE = re.compile(rf"(-?\d+(?:\.\d+)?)\s*({'|'.join(_UNITS)}|x)?")
 
 
-class ConfigError(ValueError):
+class ConfigError(BadInput, ValueError):
     """An invalid configuration; str() is one line naming the file and the key."""
 
 

@@ -15,10 +15,12 @@ from typing import Any
 
 import yaml
 
+from gaswap.base.errors import GaswapError
+
 MiB = 2**20
 
 
-class UnreadableFile(ValueError):
+class UnreadableFile(GaswapError, ValueError):
     """A file that cannot be read as asked; str() is one line naming the file."""
 
 

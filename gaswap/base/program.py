@@ -10,6 +10,8 @@ from __future__ import annotations
 from enum import Enum, IntEnum
 from typing import NamedTuple
 
+from gaswap.base.errors import GaswapError
+
 
 class Action(IntEnum):
     """What happens to a candidate activation between its forward and backward uses."""
@@ -59,7 +61,7 @@ class Instruction(NamedTuple):
         return f"{self.verb.value} {self.name}"
 
 
-class ProgramSyntaxError(ValueError):
+class ProgramSyntaxError(GaswapError, ValueError):
     """A program line that is not `verb name` with a known verb."""
 
 

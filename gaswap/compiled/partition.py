@@ -70,6 +70,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_
 from torch.utils._ordered_set import OrderedSet
 from torch.utils._pytree import arg_tree_leaves
 
+from gaswap.base.errors import GaswapError
 from gaswap.base.training_options import OPTIMIZER_STATE
 from gaswap.compiled.step_model import is_extern
 from gaswap.plan import graph as graphs
@@ -82,7 +83,7 @@ SPACE = "compiled"  # the search space of compiled policies: keep / recompute, c
 OFFLOADED_PREFIX = "cpu_offload_"  # torch's activation offloading names a saved value's host copy so
 
 
-class CompiledCaptureError(RuntimeError):
+class CompiledCaptureError(GaswapError, RuntimeError):
     """torch.compile could not trace the model up to its partitioner; the message says why."""
 
 
@@ -452,7 +453,7 @@ class _Recorder(CustomPartitionerFn):
         return None  # never cached
 
 
-class _Captured(Exception):
+class _Captured(GaswapError):
     """Raised by `_Recorder` once it has the joint graph: nothing more to compile."""
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
 
+from gaswap.base.errors import GaswapError
 from gaswap.compiled.step_model import LOSS_TEMPORARIES
 
 RESIDENT_PREFIX = "primals_"  # aot_autograd's name for a forward input: a parameter, buffer or user input
@@ -51,7 +52,7 @@ class Walk(NamedTuple):
     at_end: dict
 
 
-class ProgramError(RuntimeError):
+class ProgramError(GaswapError, RuntimeError):
     """A generated program this module cannot read."""
 
 

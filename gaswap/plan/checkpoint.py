@@ -33,6 +33,7 @@ import math
 from dataclasses import asdict
 from pathlib import Path
 
+from gaswap.base.errors import Refusal
 from gaswap.base.files import MiB, UnreadableFile, read_text, write_atomic
 
 FORMAT, VERSION = "gaswap-checkpoint", 1
@@ -53,7 +54,7 @@ COUNTS = ("generation", "evaluations", "seconds", "smallest_peak")  # numbers th
 MAX_BYTES = 256 * MiB  # a 4,500-op search's checkpoint is a few MB
 
 
-class CheckpointError(ValueError):
+class CheckpointError(Refusal, ValueError):
     """A checkpoint that is missing, unreadable, corrupted, of another version or of another configuration."""
 
 

@@ -10,13 +10,14 @@ import json
 import math
 from pathlib import Path
 
+from gaswap.base.errors import GaswapError
 from gaswap.plan.costs import Costs
 
 NAME = "costs.json"
 FORMAT = 1
 
 
-class CostFileError(ValueError):
+class CostFileError(GaswapError, ValueError):
     """A costs.json that cannot be used: damaged, or made for another graph."""
 
 

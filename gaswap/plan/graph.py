@@ -11,6 +11,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
+from gaswap.base.errors import GaswapError
 from gaswap.base.training_options import COUNTABLE
 
 PHASES = ("fwd", "bwd")
@@ -22,7 +23,7 @@ KINDS = ("param", "buffer", "input", "grad_output", "activation", "grad")
 RESIDENT_KINDS = ("param", "buffer", "input", "grad_output")  # tensors without a producer
 
 
-class GraphError(ValueError):
+class GraphError(GaswapError, ValueError):
     """A graph that breaks an invariant (unknown tensor, two producers, a cycle...)."""
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from gaswap.base.errors import Refusal
 from gaswap.base.files import UnreadableFile, load_yaml, write_atomic
 from gaswap.base.program import Action, ProgramSyntaxError, Verb, parse_program
 from gaswap.plan.graph import Graph
@@ -30,7 +31,7 @@ KEYS = ("gaswap_policy", "fingerprint", "order", "actions", "predicted", "proven
 LABELS = tuple(a.label for a in Action)
 
 
-class PolicyError(ValueError):
+class PolicyError(Refusal, ValueError):
     """A policy file that is unreadable, of another version, or made for another graph."""
 
 

@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from gaswap.base.errors import GaswapError
 from gaswap.base.program import Action, Instruction, Verb
 from gaswap.plan.costs import Costs
 from gaswap.plan.graph import COUNTABLE, Graph
@@ -84,7 +85,7 @@ class SimResult:
         return out
 
 
-class Unrealizable(Exception):
+class Unrealizable(GaswapError):
     """A tensor is needed again but the policy left no way to bring it back."""
 
 

@@ -48,6 +48,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import flop_registry
 
+from gaswap.base.errors import BadInput
 from gaswap.plan import graph
 from gaswap.run.dropout import eager_masks
 from gaswap.plan.graph import Graph, Op, Tensor
@@ -58,7 +59,7 @@ if not hasattr(fx_traceback, "annotate"):
 
 
 
-class CaptureError(Exception):
+class CaptureError(BadInput):
     """A model whose training step cannot be traced; the message says where and what to do."""
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gaswap.base.errors import GaswapError
 from gaswap.base.program import Verb
 from gaswap.plan.costs import CostCache, Costs, HardwareProfile, load_profile, roofline
 from gaswap.plan.encoding import Action, Encoding
@@ -185,7 +186,7 @@ def _by_signature(graph: Graph, op_time: dict[str, float]) -> dict[str, float]:
     return {signature: statistics.median(ts) for signature, ts in times.items()}
 
 
-class DeviceError(RuntimeError):
+class DeviceError(GaswapError, RuntimeError):
     """The accelerator failed (e.g. a device-side assert): its context is unusable, so measuring stops."""
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
+from gaswap.base.errors import GaswapError
 from gaswap.base.program import OP_VERBS, Instruction, ProgramSyntaxError, Verb, parse_program
 from gaswap.base.training_options import DEFAULT_LOSS, DEFAULT_OPTIMIZER
 from gaswap.plan import policy as policies
@@ -41,7 +42,7 @@ from gaswap.run.streams import for_device
 HOST_ALIGNMENT = 512  # bytes: each host buffer of a runner's arena starts at a multiple of this
 
 
-class ProgramError(RuntimeError):
+class ProgramError(GaswapError, RuntimeError):
     """The program and the graph disagree (a tensor the program should have kept is missing)."""
 
 

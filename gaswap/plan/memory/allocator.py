@@ -34,6 +34,7 @@ import bisect
 import itertools
 from dataclasses import dataclass, field
 
+from gaswap.base.errors import GaswapError
 from gaswap.base.program import Verb
 from gaswap.plan.graph import Graph
 from gaswap.plan.problem import Evaluated, Problem
@@ -61,7 +62,7 @@ def allocation_size(size: int) -> int:
     return -(-size // ROUND_LARGE) * ROUND_LARGE
 
 
-class OutOfMemory(Exception):
+class OutOfMemory(GaswapError):
     """The request does not fit under the capacity even after releasing cached segments."""
 
 

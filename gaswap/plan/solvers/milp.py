@@ -31,6 +31,7 @@ import math
 import time
 from dataclasses import dataclass
 
+from gaswap.base.errors import GaswapError
 from gaswap.plan.costs import Costs
 from gaswap.plan.encoding import Action, Chromosome, Encoding
 from gaswap.plan.graph import Graph
@@ -70,7 +71,7 @@ class MilpResult:
         return s is not None and s.valid and abs(s.step_time - self.step_time) <= 1e-9 * max(1.0, s.step_time)
 
 
-class TooLarge(Exception):
+class TooLarge(GaswapError):
     """The symbolic simulation needs more events than MAX_EVENTS."""
 
 
