@@ -47,6 +47,7 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 
+from gaswap.base.errors import BadInput
 from gaswap.base.program import Verb
 from gaswap.plan.costs import Costs
 from gaswap.plan.encoding import Action
@@ -61,7 +62,7 @@ CATEGORIES = ("sharded params", "unsharded params", "sharded grads", "unsharded 
 OUTSIDE = ("loss",)  # layers of ops outside the model (the loss): no unit's forward or backward
 
 
-class ShardError(ValueError):
+class ShardError(BadInput, ValueError):
     """A sharding the model cannot express (unknown unit, world size below 2, an op reading a resharded
     parameter...)."""
 
