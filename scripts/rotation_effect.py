@@ -4,7 +4,7 @@
 
 In one process: every policy in the folder and torch.compile at budgets 1.0 / 0.5 / 0.2 are compiled; the
 folder's first policy is then timed in alternating blocks, `--blocks` times: `--rounds` rounds of its own
-(`compare.metered_round`: a metered step, an untimed one, three timed), then `--rounds` rounds in which
+(`training.metered_round`: a metered step, an untimed one, three timed), then `--rounds` rounds in which
 every method runs in rotated order, as `compare` times them. Prints the first policy's CPU ms per step,
 median and range, alone and rotated, and their ratio.
 """
@@ -12,20 +12,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from functools import partial
 from pathlib import Path
 
-from gaswap.app.compare import (
-    Method,
-    _allow_recompiles,
-    _torch_compiled,
-    fresh_copy,
-    metered_round,
-    prepare,
-    train_step,
-)
 from gaswap.base import config
 from gaswap.compiled import partition
+from gaswap.compiled.methods import Method, allow_recompiles, setup, torch_compiled
 from gaswap.plan import policy as policies
+from gaswap.run import training
 
 
 def main() -> None:
@@ -36,27 +30,27 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     exp = config.load_experiment(args.experiment)
-    device, model, inputs, target, _ = prepare(exp)
+    device, model, inputs, target, _ = setup(exp)
     methods = []
     for k, path in enumerate(sorted(Path(args.policies).glob("p*.yaml"))):
-        m, opt = fresh_copy(model, exp)
+        m, opt = training.fresh_copy(model, exp.optimizer)
         methods.append(Method("gaswap", str(k), m, partition.compile(m, policies.load(path)), opt))
     if not methods:
         raise SystemExit(f"{args.policies}: no p*.yaml policies")
     for budget in (1.0, 0.5, 0.2):
-        m, opt = fresh_copy(model, exp)
-        methods.append(Method("torch.compile", str(budget), m, _torch_compiled(m, budget), opt))
-    _allow_recompiles(len(methods))
+        m, opt = training.fresh_copy(model, exp.optimizer)
+        methods.append(Method("torch.compile", str(budget), m, torch_compiled(m, budget), opt))
+    allow_recompiles(len(methods))
+    steps = {id(m): partial(m.step, inputs, target, exp.loss, device) for m in methods}
     for m in methods:  # the compiles
-        for _ in range(2):
-            train_step(m, inputs, target, exp.loss, device)
+        training.warm_up(steps[id(m)])
     timed, alone, rotated = methods[0], [], []
     for _ in range(args.blocks):
         for _ in range(args.rounds):
-            alone += [cpu for _, cpu in metered_round(timed, inputs, target, exp.loss, device, 3)[2]]
+            alone += [cpu for _, cpu in training.metered_round(steps[id(timed)], device, 3)[2]]
         for r in range(args.rounds):
             for m in methods[r % len(methods):] + methods[:r % len(methods)]:
-                times = [cpu for _, cpu in metered_round(m, inputs, target, exp.loss, device, 3)[2]]
+                times = [cpu for _, cpu in training.metered_round(steps[id(m)], device, 3)[2]]
                 rotated += times if m is timed else []
     show = lambda v: f"{statistics.median(v) * 1e3:.2f} ms ({min(v) * 1e3:.2f}-{max(v) * 1e3:.2f})"  # noqa: E731
     print(f"{exp.name}, {len(methods)} methods: alone {show(alone)}, rotated {show(rotated)}, "
