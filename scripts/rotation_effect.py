@@ -17,7 +17,7 @@ from pathlib import Path
 
 from gaswap.base import config
 from gaswap.compiled import partition
-from gaswap.compiled.methods import Method, allow_recompiles, setup, torch_compiled
+from gaswap.compiled.methods import allow_recompiles, setup, torch_compiled
 from gaswap.plan import policy as policies
 from gaswap.run import training
 
@@ -31,29 +31,32 @@ def main() -> None:
     args = parser.parse_args()
     exp = config.load_experiment(args.experiment)
     device, model, inputs, target, _ = setup(exp)
-    methods = []
-    for k, path in enumerate(sorted(Path(args.policies).glob("p*.yaml"))):
+    steps = []  # each method's training step: its own copy of the model, compiled
+
+    def add(run, optimizer):
+        steps.append(partial(training.train_step, run, optimizer, inputs, target, exp.loss, device))
+
+    for path in sorted(Path(args.policies).glob("p*.yaml")):
         m, opt = training.fresh_copy(model, exp.optimizer)
-        methods.append(Method("gaswap", str(k), m, partition.compile(m, policies.load(path)), opt))
-    if not methods:
+        add(partition.compile(m, policies.load(path)), opt)
+    if not steps:
         raise SystemExit(f"{args.policies}: no p*.yaml policies")
     for budget in (1.0, 0.5, 0.2):
         m, opt = training.fresh_copy(model, exp.optimizer)
-        methods.append(Method("torch.compile", str(budget), m, torch_compiled(m, budget), opt))
-    allow_recompiles(len(methods))
-    steps = {id(m): partial(m.step, inputs, target, exp.loss, device) for m in methods}
-    for m in methods:  # the compiles
-        training.warm_up(steps[id(m)])
-    timed, alone, rotated = methods[0], [], []
+        add(torch_compiled(m, budget), opt)
+    allow_recompiles(len(steps))
+    for step in steps:  # the compiles
+        training.warm_up(step)
+    alone, rotated = [], []
     for _ in range(args.blocks):
         for _ in range(args.rounds):
-            alone += [cpu for _, cpu in training.metered_round(steps[id(timed)], device, 3)[2]]
+            alone += [cpu for _, cpu in training.metered_round(steps[0], device, 3)[2]]
         for r in range(args.rounds):
-            for m in methods[r % len(methods):] + methods[:r % len(methods)]:
-                times = [cpu for _, cpu in training.metered_round(steps[id(m)], device, 3)[2]]
-                rotated += times if m is timed else []
+            for k in [*range(r % len(steps), len(steps)), *range(r % len(steps))]:
+                times = [cpu for _, cpu in training.metered_round(steps[k], device, 3)[2]]
+                rotated += times if k == 0 else []
     show = lambda v: f"{statistics.median(v) * 1e3:.2f} ms ({min(v) * 1e3:.2f}-{max(v) * 1e3:.2f})"  # noqa: E731
-    print(f"{exp.name}, {len(methods)} methods: alone {show(alone)}, rotated {show(rotated)}, "
+    print(f"{exp.name}, {len(steps)} methods: alone {show(alone)}, rotated {show(rotated)}, "
           f"ratio {statistics.median(rotated) / statistics.median(alone):.3f}")
 
 

@@ -185,7 +185,7 @@ def memory_run(policy_path: str | Path, steps: int = 3, device: str = "cuda", *,
     spec_inputs, spec_target = experiment.make_inputs(exp, "meta")
     captured = capture(model, spec_inputs, spec_target, exp.loss, optimizer=exp.optimizer, counted=exp.counts,
                        autocast=exp.autocast)
-    if arena:  # gradients too: they are dropped below before the next step
+    if arena:  # gradients too: each step drops them (training.optimizer_step) before the next
         runner = ArenaRunner(captured, policy.program, dev, results_in_arena=True)
     else:
         runner = StepRunner(captured, policy.program, dev)

@@ -59,7 +59,7 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, e
     exp = _experiment(policy, policy_path, experiment, trust_factory)
     dev = resolve_device(device)
     model, inputs, target, captured = _captured(policy, policy_path, exp, dev)
-    if arena:  # gradients too: this loop drops them before the next step
+    if arena:  # gradients too: each step drops them (training.optimizer_step) before the next
         runner = ArenaRunner(captured, policy.program, dev, results_in_arena=True)
     else:
         runner = StepRunner(captured, policy.program, dev)
