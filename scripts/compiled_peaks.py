@@ -13,13 +13,15 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+from functools import partial
 
-from gaswap.app.compare import Method, _actions, _allow_recompiles, fresh_copy, metered_round, prepare, train_step
 from gaswap.base import config
 from gaswap.base.config import format_size
 from gaswap.compiled import partition, programs, step_model
+from gaswap.compiled.methods import allow_recompiles, partition_actions, setup
 from gaswap.plan.encoding import Action, Chromosome
 from gaswap.plan.problem import Problem
+from gaswap.run import training
 from gaswap.run.measure import measure
 
 
@@ -30,7 +32,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
     exp = config.load_experiment(args.experiment)
-    device, model, inputs, target, graph = prepare(exp)
+    device, model, inputs, target, graph = setup(exp)
     costs = measure(graph, device, threads=exp.costs.threads)
     space = config.load_search_space(partition.SPACE)
     fused = step_model.CompiledProblem(graph, costs, None, space, loss=exp.loss)
@@ -40,7 +42,7 @@ def main() -> None:
     for budget in (1.0, 0.5, 0.2):
         _, actions = partition.torch_partition(model, *inputs, budget=budget, optimizer=exp.optimizer,
                                               counted=exp.counts)
-        policies[f"torch {budget:g}"] = Chromosome(encoding.captured_keys(), _actions(encoding, actions))
+        policies[f"torch {budget:g}"] = Chromosome(encoding.captured_keys(), partition_actions(encoding, actions))
     rng = random.Random(0)
     for k in range(args.random):
         c = encoding.random(rng, order=False)
@@ -50,16 +52,15 @@ def main() -> None:
           "| measured allocated | error (compiled model) | error (program) | measured resident |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     provenance = {"optimizer": exp.optimizer, "counts": sorted(exp.counts)}
-    _allow_recompiles(len(policies))
+    allow_recompiles(len(policies))
     for label, c in policies.items():
         policy = partition.make_policy(graph, fused.actions_of(c), provenance=provenance)
-        m, opt = fresh_copy(model, exp)
-        method = Method("gaswap", label, m, partition.compile(m, policy), opt)
-        with programs.Recorder() as recorder:
-            train_step(method, inputs, target, exp.loss, device)
-        train_step(method, inputs, target, exp.loss, device)
+        m, optimizer = training.fresh_copy(model, exp.optimizer)
+        step = partial(training.train_step, partition.compile(m, policy), optimizer, inputs, target, exp.loss, device)
+        recorder = programs.Recorder()
+        training.warm_up(step, first=recorder)
         program = programs.step_peak(recorder.programs, graph.tensors[graph.loss].size, exp.loss)
-        rounds = [metered_round(method, inputs, target, exp.loss, device, 0) for _ in range(args.steps)]
+        rounds = [training.metered_round(step, device, 0) for _ in range(args.steps)]
         peaks, rss = [peak for peak, _, _ in rounds], [rss_peak for _, rss_peak, _ in rounds]
         predicted = fused.simulate(c).peak_bytes - resident
         measured = statistics.median(peaks)

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import argparse
 
-from gaswap.app.compare import Method, _measure, _torch_compiled, fresh_copy, prepare
 from gaswap.base import config
 from gaswap.base.config import format_size
 from gaswap.compiled import partition
+from gaswap.compiled.methods import Method, measure, setup, torch_compiled
+from gaswap.run.training import fresh_copy
 
 
 def main() -> None:
@@ -26,18 +27,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per round")
     args = parser.parse_args()
     exp = config.load_experiment(args.experiment)
-    device, model, inputs, target, _ = prepare(exp)
+    device, model, inputs, target, _ = setup(exp)
     provenance = {"optimizer": exp.optimizer, "counts": sorted(exp.counts)}
     methods = []
     for budget in args.budgets:
         graph, actions = partition.torch_partition(model, *inputs, budget=budget, optimizer=exp.optimizer,
                                                   counted=exp.counts)
         policy = partition.make_policy(graph, actions, provenance=provenance)
-        m, opt = fresh_copy(model, exp)
-        methods.append(Method("torch.compile", f"{budget:g}", m, _torch_compiled(m, budget), opt))
-        m, opt = fresh_copy(model, exp)
+        m, opt = fresh_copy(model, exp.optimizer)
+        methods.append(Method("torch.compile", f"{budget:g}", m, torch_compiled(m, budget), opt))
+        m, opt = fresh_copy(model, exp.optimizer)
         methods.append(Method("read back", f"{budget:g}", m, partition.compile(m, policy), opt))
-    rows = _measure(methods, inputs, target, exp, device, args.rounds, args.steps, progress=lambda _: None)
+    rows = measure(methods, inputs, target, exp.loss, device, args.rounds, args.steps, progress=lambda _: None)
     print(f"{exp.name}: {args.rounds} rounds x {args.steps} steps, CPU ms per step")
     print("| budget | method | peak | step (median) | range |")
     print("|---:|---|---:|---:|---:|")

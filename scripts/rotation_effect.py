@@ -4,7 +4,7 @@
 
 In one process: every policy in the folder and torch.compile at budgets 1.0 / 0.5 / 0.2 are compiled; the
 folder's first policy is then timed in alternating blocks, `--blocks` times: `--rounds` rounds of its own
-(`compare.metered_round`: a metered step, an untimed one, three timed), then `--rounds` rounds in which
+(`training.metered_round`: a metered step, an untimed one, three timed), then `--rounds` rounds in which
 every method runs in rotated order, as `compare` times them. Prints the first policy's CPU ms per step,
 median and range, alone and rotated, and their ratio.
 """
@@ -12,20 +12,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from functools import partial
 from pathlib import Path
 
-from gaswap.app.compare import (
-    Method,
-    _allow_recompiles,
-    _torch_compiled,
-    fresh_copy,
-    metered_round,
-    prepare,
-    train_step,
-)
 from gaswap.base import config
 from gaswap.compiled import partition
+from gaswap.compiled.methods import allow_recompiles, setup, torch_compiled
 from gaswap.plan import policy as policies
+from gaswap.run import training
 
 
 def main() -> None:
@@ -36,30 +30,33 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     exp = config.load_experiment(args.experiment)
-    device, model, inputs, target, _ = prepare(exp)
-    methods = []
-    for k, path in enumerate(sorted(Path(args.policies).glob("p*.yaml"))):
-        m, opt = fresh_copy(model, exp)
-        methods.append(Method("gaswap", str(k), m, partition.compile(m, policies.load(path)), opt))
-    if not methods:
+    device, model, inputs, target, _ = setup(exp)
+    steps = []  # each method's training step: its own copy of the model, compiled
+
+    def add(run, optimizer):
+        steps.append(partial(training.train_step, run, optimizer, inputs, target, exp.loss, device))
+
+    for path in sorted(Path(args.policies).glob("p*.yaml")):
+        m, opt = training.fresh_copy(model, exp.optimizer)
+        add(partition.compile(m, policies.load(path)), opt)
+    if not steps:
         raise SystemExit(f"{args.policies}: no p*.yaml policies")
     for budget in (1.0, 0.5, 0.2):
-        m, opt = fresh_copy(model, exp)
-        methods.append(Method("torch.compile", str(budget), m, _torch_compiled(m, budget), opt))
-    _allow_recompiles(len(methods))
-    for m in methods:  # the compiles
-        for _ in range(2):
-            train_step(m, inputs, target, exp.loss, device)
-    timed, alone, rotated = methods[0], [], []
+        m, opt = training.fresh_copy(model, exp.optimizer)
+        add(torch_compiled(m, budget), opt)
+    allow_recompiles(len(steps))
+    for step in steps:  # the compiles
+        training.warm_up(step)
+    alone, rotated = [], []
     for _ in range(args.blocks):
         for _ in range(args.rounds):
-            alone += [cpu for _, cpu in metered_round(timed, inputs, target, exp.loss, device, 3)[2]]
+            alone += [cpu for _, cpu in training.metered_round(steps[0], device, 3)[2]]
         for r in range(args.rounds):
-            for m in methods[r % len(methods):] + methods[:r % len(methods)]:
-                times = [cpu for _, cpu in metered_round(m, inputs, target, exp.loss, device, 3)[2]]
-                rotated += times if m is timed else []
+            for k in [*range(r % len(steps), len(steps)), *range(r % len(steps))]:
+                times = [cpu for _, cpu in training.metered_round(steps[k], device, 3)[2]]
+                rotated += times if k == 0 else []
     show = lambda v: f"{statistics.median(v) * 1e3:.2f} ms ({min(v) * 1e3:.2f}-{max(v) * 1e3:.2f})"  # noqa: E731
-    print(f"{exp.name}, {len(methods)} methods: alone {show(alone)}, rotated {show(rotated)}, "
+    print(f"{exp.name}, {len(steps)} methods: alone {show(alone)}, rotated {show(rotated)}, "
           f"ratio {statistics.median(rotated) / statistics.median(alone):.3f}")
 
 

@@ -274,23 +274,21 @@ def test_a_policy_written_predicts_its_generated_programs_peak_and_keeps_the_mod
 
 @pytest.mark.slow
 def test_warm_up_records_a_compiled_methods_programs_and_reads_its_peak():
-    from types import SimpleNamespace
-
     from gaswap import zoo
+    from gaswap.compiled import methods
 
     torch.manual_seed(0)
     model, x, y = zoo.mlp(sizes=(12, 32, 5)), torch.randn(8, 12), torch.randint(0, 5, (8,))
-    exp = SimpleNamespace(loss="cross_entropy")
     lines = []
-    methods = []
+    ms = []
     for name, run in (("eager", model), ("torch.compile", torch.compile(model, fullgraph=True, dynamic=False))):
-        m = compare.Method(name, "-", model, run, torch.optim.SGD(model.parameters(), lr=0.1))
-        compare._warm_up(m, (x,), y, exp, torch.device("cpu"), lines.append)
-        methods.append(m)
-    eager, compiled_ = methods
+        m = methods.Method(name, "-", model, run, torch.optim.SGD(model.parameters(), lr=0.1))
+        methods.warm_up(m, (x,), y, "cross_entropy", torch.device("cpu"), lines.append)
+        ms.append(m)
+    eager, compiled_ = ms
     assert eager.programs == [] and compare._program_peak(eager, 8 * 5 * 4, "cross_entropy", lines.append) is None
     assert len(compiled_.programs) == 2 and compiled_.compile_s > 0
     with PeakMeter("cpu") as meter:
-        compare.train_step(compiled_, (x,), y, "cross_entropy", torch.device("cpu"))
+        compiled_.step((x,), y, "cross_entropy", torch.device("cpu"))
     predicted = compare._program_peak(compiled_, 8 * 5 * 4, "cross_entropy", lines.append)
     assert abs(meter.peak / predicted - 1) <= 0.05, (meter.peak, predicted)

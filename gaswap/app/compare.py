@@ -44,11 +44,8 @@ Writes `results/<experiment>/compare.csv`, `compare.md`, `finalists.csv` and the
 """
 from __future__ import annotations
 
-import contextlib
-import copy
-import statistics
-import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -56,15 +53,15 @@ import torch
 from gaswap.base import config
 from gaswap.base.config import format_size
 from gaswap.base.files import csv_text, write_atomic
+from gaswap.compiled import methods as compiled_methods
 from gaswap.compiled import partition, programs, step_model
+from gaswap.compiled.methods import Method
 from gaswap.plan import policy as policies
-from gaswap.plan.encoding import Action, Chromosome, Encoding
+from gaswap.plan.encoding import Action, Chromosome
 from gaswap.plan.problem import Evaluated, Problem
 from gaswap.plan.search import search
-from gaswap.run import experiment
-from gaswap.run.capture import loss_fn, output_tensor
-from gaswap.run.measure import device_name, measure, resolve_device, sync, use_cpu
-from gaswap.run.peak_meter import PeakMeter
+from gaswap.run import training
+from gaswap.run.measure import device_name, measure
 
 TORCH_BUDGETS = (1.0, 0.5, 0.2)
 FINALISTS = 3  # gaswap policies per budget compiled and timed before the head to head; the fastest is compared
@@ -75,28 +72,6 @@ COLUMNS = ("method", "knob", "predicted_peak_bytes", "predicted_step_s", "peak_b
 # step_*: CPU seconds; opwise_*: the joint graph's ops one by one (no fusion model); program_peak_bytes: the
 # peak of the programs inductor generated for the method (`gaswap.compiled.programs`)
 FINALIST_COLUMNS = (*COLUMNS, "round")  # finalists.csv: the round that timed the finalist (`_finalists_round`)
-RECORDED = ("torch.compile", "gaswap")  # the methods whose generated programs are read
-OPTIMIZERS = {
-    "sgd": lambda params: torch.optim.SGD(params, lr=0.01),
-    "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
-    "adam": lambda params: torch.optim.Adam(params, lr=1e-3),
-}
-
-
-@dataclass
-class Method:
-    """One way to train the model: a callable model (eager or compiled), its own weights and optimizer."""
-
-    name: str
-    knob: str  # torch's budget or gaswap's simulated budget
-    model: torch.nn.Module
-    run: object
-    optimizer: object
-    predicted: tuple = (None,) * 4  # (peak bytes above resident, step s) predicted: compiled model, ops one by one
-    recomputed: int | None = None
-    compile_s: float = 0.0
-    origin: str = ""  # a gaswap policy's: "search", or the torch.compile partition it is ("torch 0.5")
-    programs: list = field(default_factory=list)  # inductor's, recorded at the compile (`compiled_program`)
 
 
 def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), finalists: int = FINALISTS,
@@ -107,7 +82,7 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
         raise config.ConfigError(f"{exp.path}: loss: compare computes the loss outside the compiled model; give a "
                                  f"loss (cross_entropy, mse or sum) and its target")
     progress(f"{exp.name}: capturing torch.compile's joint graph")
-    device, model, inputs, target, graph = prepare(exp)
+    device, model, inputs, target, graph = compiled_methods.setup(exp)
     progress(f"  on {device_name(device)}")
     costs = measure(graph, device, cache_dir, threads=exp.costs.threads)
     space = config.load_search_space(partition.SPACE)
@@ -130,7 +105,8 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     torch_points = {}
     for budget in TORCH_BUDGETS:
         _, actions = partition.torch_partition(model, *inputs, budget=budget, optimizer=exp.optimizer, counted=exp.counts)
-        chromosome = unbounded.canonical(Chromosome(encoding.captured_keys(), _actions(encoding, actions)))
+        actions = compiled_methods.partition_actions(encoding, actions)
+        chromosome = unbounded.canonical(Chromosome(encoding.captured_keys(), actions))
         torch_points[budget] = (chromosome, unbounded.simulate(chromosome))
     resident = unbounded.fused.resident_bytes()  # the meter measures above what is allocated before a step
 
@@ -138,11 +114,11 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
         o = opwise.simulate(chromosome)
         return r.peak_bytes - resident, r.step_time, o.peak_bytes - resident, o.step_time
 
-    eager, opt = fresh_copy(model, exp)
+    eager, opt = training.fresh_copy(model, exp.optimizer)
     methods = [Method("eager", "-", eager, eager, opt)]
     for budget, (chromosome, r) in torch_points.items():
-        m, opt = fresh_copy(model, exp)
-        methods.append(Method("torch.compile", f"{budget:g}", m, _torch_compiled(m, budget), opt,
+        m, opt = training.fresh_copy(model, exp.optimizer)
+        methods.append(Method("torch.compile", f"{budget:g}", m, compiled_methods.torch_compiled(m, budget), opt,
                               predicted(chromosome, r), _count(chromosome)))
     reached = [_peak_reached(m, inputs, target, exp, device, progress) for m in methods[1:]]
     budgets = _budgets([peak + resident for peak in reached], below, resident)
@@ -168,14 +144,14 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
                                        "device": problem.simulator.costs.device,  # costs and calibration timed here
                                        "calibration": problem.calibration.to_dict(),
                                        "torch_version": str(torch.__version__)})
-        m, opt = fresh_copy(model, exp)
+        m, opt = training.fresh_copy(model, exp.optimizer)
         return Method("gaswap", label, m, partition.compile(m, policy), opt, predicted(evaluated.chromosome, r),
                       _count(evaluated.chromosome), origin=origin.get(evaluated.chromosome.actions, "search")), policy
 
     output_bytes = graph.tensors[graph.loss].size
 
     def measure_methods(ms, rounds_, steps_):
-        rows_ = _measure(ms, inputs, target, exp, device, rounds_, steps_, progress)
+        rows_ = compiled_methods.measure(ms, inputs, target, exp.loss, device, rounds_, steps_, progress)
         for m, row in zip(ms, rows_):
             row["program_peak_bytes"] = _program_peak(m, output_bytes, exp.loss, progress)
         return rows_
@@ -204,28 +180,6 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
         (folder / "finalists.csv").unlink()  # an earlier run's
     write_atomic(folder / "compare.md", to_markdown(rows, exp.name, device_name(device), tuning))
     return rows
-
-
-def prepare(exp: config.Experiment, device="auto") -> tuple:
-    """(device, model, inputs, target, joint graph) of an experiment for compiled runs: its intra-op threads on
-    a CPU, the model and inputs made from its seed, torch.compile's joint graph captured."""
-    dev = resolve_device(device)
-    if dev.type == "cpu":
-        use_cpu(exp.costs.threads)
-    torch.manual_seed(exp.seed)
-    model = experiment.build_model(exp, device=str(dev))
-    inputs, target = experiment.make_inputs(exp, str(dev), torch.Generator(dev).manual_seed(exp.seed))
-    graph = partition.capture(model, *inputs, optimizer=exp.optimizer, counted=exp.counts)
-    return dev, model, inputs, target, graph
-
-
-def _actions(encoding: Encoding, actions: dict[str, str]) -> tuple[int, ...]:
-    """`actions` (a partition's) as a chromosome's, KEEP where the encoding allows no recomputation."""
-    out = []
-    for t, allowed in zip(encoding.candidates, encoding.allowed):
-        action = Action.parse(actions[t])
-        out.append(int(action if action in allowed else Action.KEEP))
-    return tuple(out)
 
 
 def _search(exp, graph, costs, calibration, space, seeds, budgets, resident, progress,
@@ -404,7 +358,7 @@ def _with_program_peak(policy: policies.Policy, program_peak: int | None) -> pol
                                                   "search_peak_bytes": predicted["peak_bytes"]})
 
 
-def _program_peak(m: "Method", output_bytes: int, loss: str, progress) -> int | None:
+def _program_peak(m: Method, output_bytes: int, loss: str, progress) -> int | None:
     """The step peak above resident of the programs inductor generated for `m` (None: none recorded, or
     programs `compiled_program` cannot read, said through `progress`)."""
     if not m.programs:
@@ -425,119 +379,25 @@ def _budgets(peaks: list[int], below, resident: int) -> list[tuple[str, int]]:
             + [(f"{f:g}x {format_size(lowest - resident)}", resident + int(f * (lowest - resident))) for f in below])
 
 
-def _peak_reached(m: "Method", inputs, target, exp, device, progress) -> int:
+def _peak_reached(m: Method, inputs, target, exp, device, progress) -> int:
     """The peak one step of `m` measures (bytes above what is allocated before it), after its warm-up."""
-    _warm_up(m, inputs, target, exp, device, progress)
-    with PeakMeter(device) as meter:
-        train_step(m, inputs, target, exp.loss, device)
-    return meter.peak
-
-
-def _warm_up(m: "Method", inputs, target, exp, device, progress) -> None:
-    """Two steps (the compile), timed into `m.compile_s`, once; a compiled method's generated programs are
-    recorded (`m.programs`) in the first."""
-    if m.compile_s:
-        return
-    started = time.perf_counter()
-    recorder = programs.Recorder() if m.name in RECORDED else None
-    with recorder or contextlib.nullcontext():
-        train_step(m, inputs, target, exp.loss, device)
-    train_step(m, inputs, target, exp.loss, device)
-    m.compile_s = time.perf_counter() - started
-    m.programs = recorder.programs if recorder else []
-    progress(f"  warmed up {m.name} {m.knob} ({m.compile_s:.0f} s)")
-
-
-def fresh_copy(model, exp) -> tuple[torch.nn.Module, object]:
-    """A deep copy of `model` (same weights) and a new optimizer of the experiment's kind over it."""
-    m = copy.deepcopy(model)
-    return m, OPTIMIZERS[exp.optimizer]([p for p in m.parameters() if p.requires_grad])
-
-
-def _torch_compiled(model, budget: float):
-    """torch.compile with inductor, its partitioner at `activation_memory_budget = budget`."""
-    from torch._functorch import config as functorch_config
-    from torch._inductor.compile_fx import compile_fx
-
-    def inductor_at_budget(gm, example_inputs):
-        with functorch_config.patch(activation_memory_budget=budget):
-            return compile_fx(gm, example_inputs)
-
-    return torch.compile(model, backend=inductor_at_budget, fullgraph=True, dynamic=False)
+    compiled_methods.warm_up(m, inputs, target, exp.loss, device, progress)
+    return training.metered_peak(partial(m.step, inputs, target, exp.loss, device), device)[0]
 
 
 def _cpu_times(policies_, model, inputs, target, exp, device, rounds: int = 4, steps: int = 3) -> list[float]:
-    """Median CPU seconds per training step of `model` compiled under each policy, timed as `_measure` times
-    the methods compared (rotated rounds, each after a metered and an untimed step)."""
+    """Median CPU seconds per training step of `model` compiled under each policy, timed as the methods
+    compared are (`compiled_methods.measure`: rotated rounds, each after a metered and an untimed step)."""
     methods = []
     for k, policy in enumerate(policies_):
-        m, opt = fresh_copy(model, exp)
+        m, opt = training.fresh_copy(model, exp.optimizer)
         methods.append(Method("calibration", str(k), m, partition.compile(m, policy), opt))
-    return [row["step_s"] for row in _measure(methods, inputs, target, exp, device, rounds, steps, lambda _: None)]
-
-
-def _allow_recompiles(count: int) -> None:
-    """Let dynamo compile the model's forward once more for each of `count` methods (each is compiled apart;
-    dynamo counts the compiles of one function across them all, and a run compiles some 20)."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * count, 64)
+    rows = compiled_methods.measure(methods, inputs, target, exp.loss, device, rounds, steps, lambda _: None)
+    return [row["step_s"] for row in rows]
 
 
 def _count(chromosome) -> int:
     return sum(1 for a in chromosome.actions if a == Action.RECOMPUTE)
-
-
-def _measure(methods, inputs, target, exp, device, rounds, steps, progress) -> list[dict]:
-    """Warm up (compile) each method, then `rounds` rounds in rotated order: one step under the peak meter, one
-    untimed step, then `steps` timed steps each."""
-    _allow_recompiles(len(methods))
-    times = {m.name + m.knob: [] for m in methods}
-    cpu_times = {k: [] for k in times}
-    peaks = {k: [] for k in times}
-    rss_peaks = {k: [] for k in times}
-    for m in methods:
-        _warm_up(m, inputs, target, exp, device, progress)
-    for r in range(rounds):
-        for m in methods[r % len(methods):] + methods[:r % len(methods)]:
-            peak, rss_peak, timed = metered_round(m, inputs, target, exp.loss, device, steps)
-            peaks[m.name + m.knob].append(peak)
-            rss_peaks[m.name + m.knob].append(rss_peak)
-            times[m.name + m.knob] += [wall for wall, _ in timed]
-            cpu_times[m.name + m.knob] += [cpu for _, cpu in timed]
-    rows = []
-    for m in methods:
-        t, c, p = times[m.name + m.knob], cpu_times[m.name + m.knob], peaks[m.name + m.knob]
-        rows.append({"method": m.name, "knob": m.knob, "predicted_peak_bytes": m.predicted[0],
-                     "predicted_step_s": m.predicted[1], "opwise_peak_bytes": m.predicted[2],
-                     "opwise_step_s": m.predicted[3], "peak_bytes": int(statistics.median(p)), "peak_min": min(p),
-                     "peak_max": max(p), "step_s": statistics.median(c), "step_min": min(c), "step_max": max(c),
-                     "wall_step_s": statistics.median(t), "compile_s": m.compile_s, "recomputed": m.recomputed,
-                     "rss_peak_bytes": _median_or_none(rss_peaks[m.name + m.knob]), "origin": m.origin})
-    return rows
-
-
-def metered_round(m: Method, inputs, target, loss: str, device, steps: int) -> tuple[int, int | None, list]:
-    """One round of `m`: a step under the peak meter, an untimed step (the meter handed memory back to the OS,
-    and slows the steps right after it), then `steps` timed steps: (peak, resident-set peak or None,
-    [(wall s, CPU s)] of the timed steps)."""
-    with PeakMeter(device) as meter:
-        train_step(m, inputs, target, loss, device)
-    train_step(m, inputs, target, loss, device)
-    return meter.peak, meter.rss_peak, [train_step(m, inputs, target, loss, device) for _ in range(steps)]
-
-
-def _median_or_none(values: list) -> int | None:
-    return None if None in values else int(statistics.median(values))
-
-
-def train_step(m: Method, inputs, target, loss: str, device) -> tuple[float, float]:
-    """One training step; (wall seconds, CPU seconds)."""
-    sync(device)
-    wall, cpu = time.perf_counter(), time.process_time()
-    loss_fn(loss, output_tensor(m.run(*inputs)), target).backward()
-    m.optimizer.step()
-    m.optimizer.zero_grad(set_to_none=True)
-    sync(device)
-    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 # --- output ----------------------------------------------------------------------------------------------

@@ -164,15 +164,13 @@ def memory_run(policy_path: str | Path, steps: int = 3, device: str = "cuda", *,
     import torch
 
     # imported when the check runs: the CLI lists `check-gpu` without loading torch
-    from gaswap.app.validate import OPTIMIZERS
     from gaswap.base import config
     from gaswap.plan import policy as policies
     from gaswap.plan.memory import allocator
-    from gaswap.run import experiment
+    from gaswap.run import experiment, training
     from gaswap.run.arena_runtime import ArenaRunner, arena_figures
     from gaswap.run.capture import capture
     from gaswap.run.runtime import StepRunner
-    from gaswap.run.step_memory import DeviceMemory
 
     policy = policies.load(policy_path)
     exp = config.load_experiment(policy.provenance["experiment_file"])
@@ -187,12 +185,11 @@ def memory_run(policy_path: str | Path, steps: int = 3, device: str = "cuda", *,
     spec_inputs, spec_target = experiment.make_inputs(exp, "meta")
     captured = capture(model, spec_inputs, spec_target, exp.loss, optimizer=exp.optimizer, counted=exp.counts,
                        autocast=exp.autocast)
-    if arena:  # gradients too: they are dropped below before the next step
+    if arena:  # gradients too: each step drops them (training.optimizer_step) before the next
         runner = ArenaRunner(captured, policy.program, dev, results_in_arena=True)
     else:
         runner = StepRunner(captured, policy.program, dev)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = OPTIMIZERS[exp.optimizer](trainable)
+    optimizer, params = training.make_optimizer(exp.optimizer, model), training.trainable(model)
     generator = torch.Generator(dev).manual_seed(exp.seed)
     figures = {}
     for _ in range(steps):
@@ -201,25 +198,10 @@ def memory_run(policy_path: str | Path, steps: int = 3, device: str = "cuda", *,
             target = experiment.output_gradient(captured, dev, exp.seed)
         args = captured.arguments(model, inputs, target)
         del inputs, target
-        held = [a for (_, kind, _), a in zip(captured.placeholders, args)
-                if kind != "param" or "parameters" in exp.counts] + ([runner.buffer] if arena else [])
-        if "optimizer_state" in exp.counts:
-            held += [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-        with DeviceMemory(dev) as memory:
-            memory.hold(held)
-            del held
-            _, *grads = runner(args)
-        for p, g in zip(trainable, grads):
-            p.grad = g
-        del grads
-        if cuda:
-            torch.cuda.synchronize(dev)
-            torch.cuda.reset_peak_memory_stats(dev)
-        optimizer.step()
-        step_peak = torch.cuda.max_memory_allocated(dev) if cuda else 0
-        optimizer.zero_grad(set_to_none=True)
-        figures = {"requested_bytes": memory.peak, "allocated_bytes": memory.allocated_peak,
-                   "reserved_bytes": memory.reserved_peak, "optimizer_step_allocated_bytes": step_peak}
+        held = training.resident(captured, args, optimizer, exp.counts, [runner.buffer] if arena else [])
+        done = training.runtime_step(runner, args, held, optimizer, params, dev)
+        figures = {"requested_bytes": done.memory.peak, "allocated_bytes": done.memory.allocated_peak,
+                   "reserved_bytes": done.memory.reserved_peak, "optimizer_step_allocated_bytes": done.optimizer_peak}
     recorded = None
     if cuda:
         trace = torch.cuda.memory._snapshot()["device_traces"][dev.index or torch.cuda.current_device()]

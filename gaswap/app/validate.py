@@ -9,29 +9,22 @@ from __future__ import annotations
 
 import json
 import statistics
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
+from gaswap.app.results import Refused
 from gaswap.base import config
 from gaswap.base.files import write_atomic
 from gaswap.base.locate import experiment_file
 from gaswap.plan import policy as policies
+from gaswap.run import training
 from gaswap.run.arena_runtime import ArenaRunner, arena_figures
 from gaswap.run.capture import capture
 from gaswap.run.experiment import build_model, make_inputs, output_gradient
-from gaswap.run.measure import device_name, load_per_cpu, resolve_device, sync, use_cpu
+from gaswap.run.measure import device_name, load_per_cpu, resolve_device, use_cpu
 from gaswap.run.runtime import CLOCK_NAMES, StepRunner, device_clock
-from gaswap.run.step_memory import DeviceMemory
-from gaswap.app.results import Refused
 from gaswap.zoo import shipped
-
-OPTIMIZERS = {
-    "sgd": lambda params: torch.optim.SGD(params, lr=0.01),
-    "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
-    "adam": lambda params: torch.optim.Adam(params, lr=1e-3),
-}
 
 
 def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, experiment: str | Path | None = None,
@@ -47,23 +40,17 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, e
     the offsets `arena.plan` gives (gaswap.run.arena_runtime), counted in the peak; the report says how big it is
     and which ops had their results copied into it.
     """
-    if steps < 3:
-        raise config.ConfigError(f"--steps {steps}: validate needs at least 3 steps: one warms up and creates the "
-                                 f"optimizer state, then timed steps, and (on the CPU) a last step with the memory tracker")
-    if device not in ("auto", "cpu", "cuda"):
-        raise config.ConfigError(f"--device {device!r}: must be auto, cpu or cuda")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise config.ConfigError("--device cuda: this machine has no CUDA device (use cpu or auto)")
+    _check_arguments(steps, device)
     policy_path = Path(policy_path)
     policy = policies.load(policy_path)
     if policy.provenance.get("form") == "compiled":  # trained inside torch.compile: gaswap.app.validate_compiled
-        # inductor loads only for compiled policies
-        from gaswap.app.validate_compiled import validate_compiled
-
         if arena:
             raise config.ConfigError(f"{policy_path}: --arena runs gaswap's own runtime; this policy runs inside "
                                      f"torch.compile, whose inductor allocates its own buffers")
         exp = _experiment(policy, policy_path, experiment, trust_factory)
+        # inductor loads only for compiled policies
+        from gaswap.app.validate_compiled import validate_compiled
+
         return validate_compiled(policy, policy_path, exp, steps, device, progress)
     if not policy.program:
         raise policies.PolicyError(f"{policy_path}: the policy has no program; re-run the search that made it")
@@ -71,52 +58,14 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, e
         raise policies.PolicyError(f"{policy_path}: predicted: needs peak_bytes and step_time_s to compare with")
     exp = _experiment(policy, policy_path, experiment, trust_factory)
     dev = resolve_device(device)
-    if dev.type == "cpu":
-        use_cpu(exp.costs.threads)  # as when the costs were measured
-    torch.manual_seed(exp.seed)
-    model = build_model(exp, device=str(dev))
-    inputs, target = make_inputs(exp, str(dev), torch.Generator(dev).manual_seed(exp.seed))
-    captured = capture(model, inputs, target, exp.loss, optimizer=exp.optimizer, counted=exp.counts,
-                       autocast=exp.autocast)
-    if exp.loss == "external":  # the loss is computed outside the step: stand in a fixed gradient of the output
-        target = output_gradient(captured, dev, exp.seed)
-    here = {"model": {"factory": exp.model.factory, "kwargs": exp.model.kwargs}, "batch_size": exp.batch_size,
-            "torch_version": str(torch.__version__)}
-    policies.check_matches(policy, captured.graph, policy_path, provenance=policy.provenance | here,
-                           torch_version=str(torch.__version__))
-    if arena:  # gradients too: this loop drops them before the next step
+    model, inputs, target, captured = _captured(policy, policy_path, exp, dev)
+    if arena:  # gradients too: each step drops them (training.optimizer_step) before the next
         runner = ArenaRunner(captured, policy.program, dev, results_in_arena=True)
     else:
         runner = StepRunner(captured, policy.program, dev)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = OPTIMIZERS[exp.optimizer](trainable)
-    peaks, times = [], []
-    clock, load = device_clock(dev), load_per_cpu()  # CPU: the process's CPU time
-    for step in range(steps):
-        # CUDA's allocator counts for free; the CPU tracker slows a step, so it runs on the last one only.
-        tracked = dev.type == "cuda" or step == steps - 1
-        args = captured.arguments(model, [x.clone() for x in inputs], target.clone())  # a fresh batch
-        held = [a for (_, kind, _), a in zip(captured.placeholders, args) if kind != "param" or "parameters" in exp.counts]
-        if "optimizer_state" in exp.counts:
-            held += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
-        sync(dev)
-        started = clock()
-        with DeviceMemory(dev) if tracked else nullcontext() as memory:
-            if memory is not None:
-                memory.hold(held + ([runner.buffer] if arena else []))
-            del held  # the step owns its inputs: a swapped-out input must be free to go
-            loss, *grads = runner(args)
-        sync(dev)
-        if step > 0:  # the first step creates the optimizer state and warms up
-            times += [] if tracked and dev.type != "cuda" else [clock() - started]
-            peaks += [memory.peak] if tracked else []
-        for p, g in zip(trainable, grads):
-            p.grad = g
-        del grads
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if progress:
-            progress(step + 1, steps)
+    load = load_per_cpu()
+    loss, peaks, times = _train(runner, captured, model, inputs, target, exp, dev, steps, progress,
+                                [runner.buffer] if arena else [])
     report = {
         "experiment": exp.name,
         "policy": str(policy_path),
@@ -136,6 +85,64 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, e
         report["arena"] = arena_figures(runner)
     write_atomic(policy_path.with_name("validation.json"), json.dumps(report, indent=2) + "\n")
     return report
+
+
+def _check_arguments(steps: int, device: str) -> None:
+    """ConfigError unless `steps` and `device` can validate here."""
+    if steps < 3:
+        raise config.ConfigError(f"--steps {steps}: validate needs at least 3 steps: one warms up and creates the "
+                                 f"optimizer state, then timed steps, and (on the CPU) a last step with the memory tracker")
+    if device not in ("auto", "cpu", "cuda"):
+        raise config.ConfigError(f"--device {device!r}: must be auto, cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise config.ConfigError("--device cuda: this machine has no CUDA device (use cpu or auto)")
+
+
+def _captured(policy: policies.Policy, policy_path: Path, exp: config.Experiment, dev: torch.device) -> tuple:
+    """(model, inputs, target, captured step) of `exp` on `dev`, built from its seed, the step re-captured and
+    checked to be the one the policy was made for (PolicyError otherwise). With loss "external", the target
+    is a fixed random gradient of the model's output."""
+    if dev.type == "cpu":
+        use_cpu(exp.costs.threads)  # as when the costs were measured
+    torch.manual_seed(exp.seed)
+    model = build_model(exp, device=str(dev))
+    inputs, target = make_inputs(exp, str(dev), torch.Generator(dev).manual_seed(exp.seed))
+    captured = capture(model, inputs, target, exp.loss, optimizer=exp.optimizer, counted=exp.counts,
+                       autocast=exp.autocast)
+    if exp.loss == "external":  # the loss is computed outside the step: stand in a fixed gradient of the output
+        target = output_gradient(captured, dev, exp.seed)
+    here = {"model": {"factory": exp.model.factory, "kwargs": exp.model.kwargs}, "batch_size": exp.batch_size,
+            "torch_version": str(torch.__version__)}
+    policies.check_matches(policy, captured.graph, policy_path, provenance=policy.provenance | here,
+                           torch_version=str(torch.__version__))
+    return model, inputs, target, captured
+
+
+def _train(runner, captured, model, inputs, target, exp: config.Experiment, dev: torch.device, steps: int,
+           progress, extra: list) -> tuple:
+    """`steps` runtime steps (`training.runtime_step`) on fresh copies of the batch, the first a warm-up;
+    (the last step's loss, the peaks metered, the step times) of the later steps. The meter counts what the
+    experiment counts, and `extra` (an arena's buffer)."""
+    optimizer, params = training.make_optimizer(exp.optimizer, model), training.trainable(model)
+    clock, cuda = device_clock(dev), dev.type == "cuda"  # CPU: the process's CPU time
+
+    def step(k: int, metered: bool) -> training.RuntimeStep:
+        args = captured.arguments(model, [x.clone() for x in inputs], target.clone())  # a fresh batch
+        held = training.resident(captured, args, optimizer, exp.counts, extra)
+        done = training.runtime_step(runner, args, held, optimizer, params, dev, metered=metered, clock=clock)
+        if progress:
+            progress(k + 1, steps)
+        return done
+
+    training.warm_up(lambda: step(0, cuda), steps=1)  # it creates the optimizer state
+    peaks, times = [], []
+    for k in range(1, steps):
+        # CUDA's allocator counts for free; the CPU tracker slows a step, so it meters the last one only, untimed.
+        metered = cuda or k == steps - 1
+        done = step(k, metered)
+        times += [done.seconds] if cuda or not metered else []
+        peaks += [done.memory.peak] if metered else []
+    return done.loss, peaks, times
 
 
 def _experiment(policy: policies.Policy, policy_path: Path, named: str | Path | None, trust: bool) -> config.Experiment:

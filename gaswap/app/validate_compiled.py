@@ -1,5 +1,5 @@
 """`gaswap validate` for a compiled policy (`gaswap.compiled.partition`): train the experiment's model compiled under
-the policy, measure its peak with `gaswap compare`'s independent meter and its CPU time per step, and set
+the policy, measure its peak with the independent meter (`gaswap.run.training`) and its CPU time per step, and set
 them beside the policy's predictions: the step time of the search's model (`gaswap.compiled.step_model`), the
 peak of the programs inductor generated for the policy (`gaswap.compiled.programs`, written by `gaswap
 compare`; the model's peak, `search_peak_bytes`, beside it), or the model's where the file has no program's.
@@ -8,9 +8,9 @@ Figures are those `gaswap compare` reports (`gaswap.run.peak_meter`): the peak b
 what was allocated before the step (CUDA: the caching allocator; CPU: the CPU allocator, counted by the
 profiler) and, on a CPU, the resident-set high-water mark beside it; and the process's CPU seconds per
 training step (forward, loss, backward, optimizer step) with the experiment's `costs.threads` intra-op
-threads. Each of `steps` rounds runs one metered step, one untimed step (malloc takes back what the meter
-handed to the OS) and `TIMED` timed steps, after two warm-up steps (the compile), as `gaswap compare` does:
-the meter slows the steps right after it (on compare_gru_cpu the first took 14.5 ms, the second 12.7, the
+threads. Each of `steps` rounds (`training.metered_round`) runs one metered step, one untimed step (malloc
+takes back what the meter handed to the OS) and `TIMED` timed steps, after the warm-up (the compile), as
+`gaswap compare` does: the meter slows the steps right after it (on compare_gru_cpu the first took 14.5 ms, the second 12.7, the
 rest 12.5; timing one step a round read a GRU policy 15.4 % over its prediction, three 10.1 %). The targets
 of issue 11, judged on the allocated peak: the peak within 5 % of the prediction and at or under the budget,
 the time within 15 % (on an idle CPU: the load per CPU is reported beside the figures).
@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import json
 import statistics
+from functools import partial
 from pathlib import Path
 
-from gaswap.app.compare import Method, fresh_copy, metered_round, prepare, train_step
 from gaswap.base import config
 from gaswap.base.files import write_atomic
 from gaswap.compiled import partition
+from gaswap.compiled.methods import setup
 from gaswap.plan import policy as policies
+from gaswap.run import training
 from gaswap.run.measure import device_name, load_per_cpu
 
 TIMED = 3  # timed steps per round
@@ -40,16 +42,15 @@ def validate_compiled(policy: policies.Policy, policy_path: Path, exp: config.Ex
     predicted = policy.predicted
     if "resident_bytes" not in predicted:
         raise policies.PolicyError(f"{policy_path}: predicted: needs resident_bytes (re-run `gaswap compare`)")
-    dev, model, inputs, target, graph = prepare(exp, device)
+    dev, model, inputs, target, graph = setup(exp, device)
     policies.check_matches(policy, graph, policy_path)
-    m, opt = fresh_copy(model, exp)
-    method = Method("gaswap", "", m, partition.compile(m, policy), opt)
-    for _ in range(2):
-        train_step(method, inputs, target, exp.loss, dev)
+    m, optimizer = training.fresh_copy(model, exp.optimizer)
+    step = partial(training.train_step, partition.compile(m, policy), optimizer, inputs, target, exp.loss, dev)
+    training.warm_up(step)
     peaks, rss_peaks, times = [], [], []
     load = load_per_cpu()
     for k in range(steps):
-        peak, rss_peak, timed = metered_round(method, inputs, target, exp.loss, dev, TIMED)
+        peak, rss_peak, timed = training.metered_round(step, dev, TIMED)
         peaks.append(peak)
         rss_peaks.append(rss_peak)
         times += [cpu for _, cpu in timed]

@@ -12,6 +12,8 @@ policies alike:
   /proc/self/clear_refs after glibc's `malloc_trim` hands freed memory back), less what was resident before.
   It counts everything malloc keeps (fragmentation, Python objects, scratch buffers) and moves with the
   heap's state: the same step can read one activation apart on two runs.
+
+It meters module steps (eager and compiled); `gaswap.run.training` says why, and is where verbs reach it.
 """
 from __future__ import annotations
 

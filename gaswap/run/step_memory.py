@@ -9,6 +9,7 @@ before entry by a warm-up matmul) is in the baseline and not counted.
 CPU (where "device" and "host" are the same RAM): a dispatch mode sees every tensor any aten op creates
 while it is active and follows each storage with a weak reference, so a storage counts until the last
 tensor or view holding it is gone. Storages made inside `host_memory()` are host memory, counted apart.
+It meters the steps of gaswap's own runtime; `gaswap.run.training` says why, and is where verbs reach it.
 """
 from __future__ import annotations
 

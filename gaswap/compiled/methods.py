@@ -1,0 +1,126 @@
+"""Compiled methods head to head: ways to train one model (eager, torch.compile at an activation memory budget,
+gaswap's compiled policies), each with its own copy of the weights, warmed up and measured in rotated rounds.
+
+`gaswap compare`, compiled `validate` and the scripts that read torch's partitions back build on this; the
+step, the optimizers and the meter are `gaswap.run.training`'s.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from gaswap.base import config
+from gaswap.compiled import partition, programs
+from gaswap.plan.encoding import Action, Encoding
+from gaswap.run import experiment, training
+from gaswap.run.measure import resolve_device, use_cpu
+
+RECORDED = ("torch.compile", "gaswap")  # the methods whose generated programs are read at their warm-up
+
+
+@dataclass
+class Method:
+    """One way to train the model: a callable model (eager or compiled), its own weights and optimizer."""
+
+    name: str
+    knob: str  # torch's budget or gaswap's simulated budget
+    model: torch.nn.Module
+    run: object
+    optimizer: object
+    predicted: tuple = (None,) * 4  # (peak bytes above resident, step s) predicted: compiled model, ops one by one
+    recomputed: int | None = None
+    compile_s: float = 0.0
+    origin: str = ""  # a gaswap policy's: "search", or the torch.compile partition it is ("torch 0.5")
+    programs: list = field(default_factory=list)  # inductor's, recorded at the compile (`gaswap.compiled.programs`)
+
+    def step(self, inputs, target, loss: str, device) -> tuple[float, float]:
+        """One training step (`training.train_step`); (wall seconds, CPU seconds)."""
+        return training.train_step(self.run, self.optimizer, inputs, target, loss, device)
+
+
+def setup(exp: config.Experiment, device="auto") -> tuple:
+    """(device, model, inputs, target, joint graph) of an experiment for compiled runs: its intra-op threads on
+    a CPU, the model and inputs made from its seed, torch.compile's joint graph captured."""
+    dev = resolve_device(device)
+    if dev.type == "cpu":
+        use_cpu(exp.costs.threads)
+    torch.manual_seed(exp.seed)
+    model = experiment.build_model(exp, device=str(dev))
+    inputs, target = experiment.make_inputs(exp, str(dev), torch.Generator(dev).manual_seed(exp.seed))
+    graph = partition.capture(model, *inputs, optimizer=exp.optimizer, counted=exp.counts)
+    return dev, model, inputs, target, graph
+
+
+def partition_actions(encoding: Encoding, actions: dict[str, str]) -> tuple[int, ...]:
+    """`actions` (a partition's) as a chromosome's, KEEP where the encoding allows no recomputation."""
+    out = []
+    for t, allowed in zip(encoding.candidates, encoding.allowed):
+        action = Action.parse(actions[t])
+        out.append(int(action if action in allowed else Action.KEEP))
+    return tuple(out)
+
+
+def torch_compiled(model, budget: float):
+    """torch.compile with inductor, its partitioner at `activation_memory_budget = budget`."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor.compile_fx import compile_fx
+
+    def inductor_at_budget(gm, example_inputs):
+        with functorch_config.patch(activation_memory_budget=budget):
+            return compile_fx(gm, example_inputs)
+
+    return torch.compile(model, backend=inductor_at_budget, fullgraph=True, dynamic=False)
+
+
+def allow_recompiles(count: int) -> None:
+    """Let dynamo compile the model's forward once more for each of `count` methods (each is compiled apart;
+    dynamo counts the compiles of one function across them all, and a run compiles some 20)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * count, 64)
+
+
+def warm_up(m: Method, inputs, target, loss: str, device, progress) -> None:
+    """`training.warm_up` (the compile), timed into `m.compile_s`, once; a compiled method's generated programs
+    are recorded (`m.programs`) in its first step."""
+    if m.compile_s:
+        return
+    recorder = programs.Recorder() if m.name in RECORDED else None
+    m.compile_s = training.warm_up(partial(m.step, inputs, target, loss, device), first=recorder)
+    m.programs = recorder.programs if recorder else []
+    progress(f"  warmed up {m.name} {m.knob} ({m.compile_s:.0f} s)")
+
+
+def measure(methods: list[Method], inputs, target, loss: str, device, rounds: int, steps: int,
+            progress) -> list[dict]:
+    """Warm up (compile) each method, then `rounds` rounds in rotated order of `training.metered_round` with
+    `steps` timed steps each: a row per method (`gaswap compare`'s columns but the program peak)."""
+    allow_recompiles(len(methods))
+    times = {m.name + m.knob: [] for m in methods}
+    cpu_times = {k: [] for k in times}
+    peaks = {k: [] for k in times}
+    rss_peaks = {k: [] for k in times}
+    for m in methods:
+        warm_up(m, inputs, target, loss, device, progress)
+    for r in range(rounds):
+        for m in methods[r % len(methods):] + methods[:r % len(methods)]:
+            peak, rss_peak, timed = training.metered_round(partial(m.step, inputs, target, loss, device), device, steps)
+            peaks[m.name + m.knob].append(peak)
+            rss_peaks[m.name + m.knob].append(rss_peak)
+            times[m.name + m.knob] += [wall for wall, _ in timed]
+            cpu_times[m.name + m.knob] += [cpu for _, cpu in timed]
+    rows = []
+    for m in methods:
+        t, c, p = times[m.name + m.knob], cpu_times[m.name + m.knob], peaks[m.name + m.knob]
+        rows.append({"method": m.name, "knob": m.knob, "predicted_peak_bytes": m.predicted[0],
+                     "predicted_step_s": m.predicted[1], "opwise_peak_bytes": m.predicted[2],
+                     "opwise_step_s": m.predicted[3], "peak_bytes": int(statistics.median(p)), "peak_min": min(p),
+                     "peak_max": max(p), "step_s": statistics.median(c), "step_min": min(c), "step_max": max(c),
+                     "wall_step_s": statistics.median(t), "compile_s": m.compile_s, "recomputed": m.recomputed,
+                     "rss_peak_bytes": _median_or_none(rss_peaks[m.name + m.knob]), "origin": m.origin})
+    return rows
+
+
+def _median_or_none(values: list) -> int | None:
+    return None if None in values else int(statistics.median(values))
