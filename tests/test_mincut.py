@@ -4,11 +4,11 @@ import itertools
 
 from gaswap.base.config import GASettings, load_search_space
 from gaswap.plan.encoding import Action, Encoding
-from gaswap.plan.graph import Graph, Tensor, chain, residual_graph
+from gaswap.plan.graph import Graph, chain, residual_graph
+from gaswap.plan.op_types import is_compute_intensive
 from gaswap.plan.problem import Problem
 from gaswap.plan.search import Search, seed_policies
 from gaswap.plan.solvers.baselines import min_cut
-from gaswap.plan.op_types import is_compute_intensive
 from gaswap.plan.solvers.mincut import min_cut_policies, min_cut_saved
 from helpers import unit_costs
 

@@ -6,7 +6,6 @@ import math
 from pathlib import Path
 
 import pytest
-
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
@@ -297,3 +296,20 @@ def test_checkpoints_are_written_at_most_every_checkpoint_seconds(problem, tmp_p
     search(Problem(g, costs, 1500, load_search_space("hybrid")), GA, 3, checkpoint=tmp_path / "c.json",
            checkpoint_seconds=0.0)
     assert written == list(range(GA.generations + 1))
+
+
+def test_stopping_rules_report_their_progress_and_the_nearest_one():
+    def generation(g, best, volume):
+        return Generation(g, 10 * g, best, 1, volume, 0.1 * g)
+
+    history = [generation(1, 2.0, 1.0), generation(2, 1.0, 2.0), generation(3, 1.0, 2.0), generation(4, 1.0, 2.0)]
+    now = type("Now", (), {"generation": 4, "evaluations": 40, "history": history, "seconds": lambda self: 1.0})()
+    ga = GASettings(generations=10, max_evaluations=50, max_seconds=4.0, patience=4, tolerance=0.001)
+    rules = stopping.rules(ga, stop=lambda: False)
+    assert [(r.name, r.update(now)) for r in rules] == [
+        ("generations", 0.4), ("evaluations", 0.8), ("seconds", 0.25), ("converged", 0.5), ("interrupted", 0.0)]
+    assert stopping.nearest(rules, now) == ("evaluations", 0.8) and stopping.stopped_by(rules, now) is None
+    history.append(generation(5, 1.0, 2.0))
+    assert stopping.Converged(4, 0.001).update(now) == 0.75
+    now.evaluations = 50
+    assert stopping.stopped_by(rules, now) == "evaluations"
