@@ -5,7 +5,7 @@
 
 Searches a GPT stack of scripts/scaling.py (`gptN`: N layers) at 0.4x (hybrid, population 64) or
 experiments/alexnet_4gb.yaml for exactly `--generations` (patience off), then, for each rule, finds the
-generation where `search.converged` would have stopped it (`search.stopping_generation`) and prints it with the evaluations spent and how
+generation where `stopping.converged` would have stopped it (`stopping.stopping_generation`) and prints it with the evaluations spent and how
 many points of overhead over keep-all the best policy then was behind the whole run's. `--save` writes the
 recorded histories (JSON) and `--load` replays saved ones without searching.
 """
@@ -17,7 +17,8 @@ import json
 
 from gaswap.base.config import GASettings, load_search_space
 from gaswap.plan.problem import Generation, Problem
-from gaswap.plan.search import search, stopping_generation
+from gaswap.plan.search import search
+from gaswap.plan.stopping import stopping_generation
 
 RULES = [(p, t) for p in (20, 30, 40, 50, 60) for t in (0.0, 0.001)]
 

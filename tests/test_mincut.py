@@ -4,11 +4,12 @@ import itertools
 
 from gaswap.base.config import GASettings, load_search_space
 from gaswap.plan.encoding import Action, Encoding
-from gaswap.plan.graph import Graph, Tensor, chain, residual_graph
+from gaswap.plan.graph import Graph, chain, residual_graph
+from gaswap.plan.op_types import is_compute_intensive
 from gaswap.plan.problem import Problem
 from gaswap.plan.search import Search, seed_policies
 from gaswap.plan.solvers.baselines import min_cut
-from gaswap.plan.solvers.mincut import compute_bound, min_cut_policies, min_cut_saved
+from gaswap.plan.solvers.mincut import min_cut_policies, min_cut_saved
 from helpers import unit_costs
 
 
@@ -50,14 +51,14 @@ def test_the_cut_is_the_fewest_bytes_from_which_the_backward_recomputes_everythi
         assert sum(size[k] for k in saved) == best
 
 
-def test_on_a_chain_only_the_input_is_saved_unless_its_ops_are_compute_bound():
+def test_on_a_chain_only_the_input_is_saved_unless_its_ops_are_is_compute_intensive():
     g = chain(6)
     encoding = Encoding(g)
     assert {encoding.candidates[k] for k in min_cut_saved(encoding, pinned=lambda target: False)} == {"x"}
     mm = Graph(tuple(dataclasses.replace(op, target="aten.mm.default") for op in g.ops), g.tensors, loss=g.loss)
     assert len(min_cut_saved(Encoding(mm))) == len(encoding.candidates)  # torch never recomputes a matmul
-    assert compute_bound("aten.addmm.default") and compute_bound("aten.convolution.default")
-    assert not compute_bound("aten.gelu.default") and not compute_bound("aten.add.Tensor")
+    assert is_compute_intensive("aten.addmm.default") and is_compute_intensive("aten.convolution.default")
+    assert not is_compute_intensive("aten.gelu.default") and not is_compute_intensive("aten.add.Tensor")
 
 
 def test_min_cut_policies_save_by_keeping_or_swapping_as_the_space_allows():

@@ -56,7 +56,7 @@ def outcome(r):
 def stop_after(n):
     """A `stop` and an `on_generation` that stop the search once n generations are done."""
     done = []
-    return (lambda: len(done) >= n), done.append
+    return (lambda: len(done) >= n), (lambda record, nearest: done.append(record))
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_stopped_and_resumed_search_equals_an_uninterrupted_one(problem, uninter
 def test_a_search_killed_inside_a_generation_resumes_from_the_last_finished_one(problem, uninterrupted, tmp_path):
     ckpt = tmp_path / checkpoints.NAME
 
-    def crash(record):
+    def crash(record, nearest):
         if record.generation == 6:
             raise KeyboardInterrupt  # as if killed right after generation 6 was checkpointed
 
@@ -127,7 +127,7 @@ def test_a_signal_stops_the_search_after_the_current_generation(problem, uninter
     messages = []
     ckpt = tmp_path / checkpoints.NAME
 
-    def on_generation(record):
+    def on_generation(record, nearest):
         if record.generation == 4:
             os.kill(os.getpid(), signum)
 
@@ -167,7 +167,7 @@ def _children():
 def test_workers_ignore_sigint_and_leave_no_zombies(problem, tmp_path, fail):
     seen = {}
 
-    def on_generation(record):
+    def on_generation(record, nearest):
         for p in multiprocessing.active_children():
             status = dict(line.split(":\t", 1) for line in Path(f"/proc/{p.pid}/status").read_text().splitlines()
                           if ":\t" in line)

@@ -204,9 +204,10 @@ def _search(args, exp, out) -> int:
         with tqdm(total=exp.ga.generations, desc="search", unit="gen") as gens, \
                 stop_on_signals(lambda message: gens.write(message, file=sys.stderr)) as stop:
 
-            def on_generation(record):
+            def on_generation(record, nearest):
+                rule, progress = nearest  # the stopping rule nearest to ending the search
                 gens.n = record.generation
-                gens.set_postfix(best=_ms(record.best_time_s), front=record.front_size)
+                gens.set_postfix(best=_ms(record.best_time_s), front=record.front_size, stop=f"{rule} {progress:.0%}")
 
             result, summary = workflow.run_search(prepared, out, on_generation=on_generation, resume=args.resume,
                                                   force=args.force, stop=stop)

@@ -72,10 +72,10 @@ from torch.utils._pytree import arg_tree_leaves
 
 from gaswap.base.errors import GaswapError
 from gaswap.base.training_options import OPTIMIZER_STATE
-from gaswap.compiled.step_model import is_extern
 from gaswap.plan import graph as graphs
 from gaswap.plan import policy as policies
 from gaswap.plan.graph import Graph, Tensor
+from gaswap.plan.op_types import is_library_call
 from gaswap.plan.policy import Policy, PolicyError
 from gaswap.run.capture import ancestors, storage_key, make_op, tensor_nbytes
 
@@ -284,7 +284,7 @@ def _recomputed_from(ops, tensors: dict[str, Tensor]) -> frozenset:
     a softmax's input `bmm` to recompute the softmax, or a projection's output `addmm` to recompute the
     dropout after it), and of ops that may not run twice, which the forward always saves (`saved_values`:
     a recomputed dropout mask is drawn again from the saved seeds)."""
-    return frozenset(t for op in ops if op.phase == "fwd" and (is_extern(op.target) or not op.recomputable)
+    return frozenset(t for op in ops if op.phase == "fwd" and (is_library_call(op.target) or not op.recomputable)
                      for t in op.outputs if tensors[t].kind == "activation")
 
 

@@ -35,20 +35,9 @@ import numpy as np
 from gaswap.plan.costs import Costs
 from gaswap.plan.encoding import Action, Chromosome
 from gaswap.plan.graph import Graph, Op, Tensor
+from gaswap.plan.op_types import is_heavy, is_library_call, is_realized
 from gaswap.plan.problem import Problem
 from gaswap.plan.simulator import SimResult, Simulator
-
-# Ops inductor runs as library calls on CPU and CUDA (matmul, convolution, attention families); the rest
-# it generates and fuses. Prefixes of the aten target names.
-EXTERN = ("aten.convolution.", "aten.convolution_backward.", "aten.mm.", "aten.addmm.", "aten.bmm.",
-          "aten.baddbmm.", "aten._scaled_dot_product", "aten._flash_attention", "aten._efficient_attention",
-          "aten.randint.", "aten._cudnn_", "aten.mkldnn_", "aten._convolution")
-
-
-def is_extern(target: str) -> bool:
-    """Whether inductor runs an op of this aten target as a library call (not fused)."""
-    return target.startswith(EXTERN)
-
 
 # What the eager loss between the compiled forward and backward holds besides the model's output and its
 # gradient, in units of the output's size: cross entropy saves log_softmax's result and makes nll_loss's
@@ -95,15 +84,6 @@ def without(graph: Graph, inside: set[str]) -> Graph:
     return replace(graph, ops=tuple(ops), tensors=tensors)
 
 
-# Ops whose result inductor always writes to a buffer (reductions, scatters, concatenations, pooling, copies),
-# and those that make a value read more than once worth writing on a CPU (transcendental math). Prefixes of
-# the aten target names.
-REALIZED = ("aten.sum.", "aten.mean.", "aten.amax.", "aten.amin.", "aten.var_mean.", "aten.var.", "aten.std.",
-            "aten.max.", "aten.min.", "aten.argmax.", "aten.argmin.", "aten.prod.", "aten.cumsum.", "aten.logsumexp.",
-            "aten.cat.", "aten.scatter", "aten.index_put",
-            "aten._unsafe_masked_index_put_accumulate.", "aten.embedding_dense_backward.", "aten.avg_pool",
-            "aten.max_pool", "aten.copy_.", "aten.copy.", "aten.clone.")
-HEAVY = ("aten.exp.", "aten.log", "aten.sigmoid.", "aten.tanh.", "aten.pow.", "aten.erf.")
 # inductor's thresholds (torch._inductor.config): distinct buffers a value read more than once may read and
 # stay inlined (`realize_reads_threshold`); that any value may read (`realize_cpu_acc_reads_threshold`, 8 on
 # a GPU); ops an inlined expression may hold (`realize_cpu_opcount_threshold`, 30 on a GPU).
@@ -111,11 +91,11 @@ REUSED_READS, READS, OPS = 4, {True: 12, False: 8}, {True: 50, False: 30}
 
 
 def library_calls(graph: Graph) -> set[str]:
-    """The ops of `graph` inductor runs as library calls: `is_extern`'s, and an `add` of a matrix product
+    """The ops of `graph` inductor runs as library calls: `is_library_call`'s, and an `add` of a matrix product
     read by nothing else (inductor makes the two one `addmm`: an unrolled RNN's gradient sums)."""
     readers = graph.consumers()
     by_name = {op.name: op for op in graph.ops}
-    calls = {op.name for op in graph.ops if is_extern(op.target)}
+    calls = {op.name for op in graph.ops if is_library_call(op.target)}
     for op in graph.ops:
         if op.target == "aten.add.Tensor" and any(
                 graph.tensors[t].producer in by_name and by_name[graph.tensors[t].producer].target == "aten.mm.default"
@@ -129,11 +109,11 @@ def inlined(graph: Graph, cpu: bool = True) -> tuple[set[str], set[str]]:
     """The tensors of `graph` inductor computes inside the kernels that read them instead of writing them to
     memory, and the candidates it would so compute where a policy recomputes them (the others it saves).
 
-    As inductor's lowering decides: a tensor made by a generated op that is not `REALIZED`, read by generated
-    ops alone, in the same graph (the forward's or the backward's: a candidate's backward readers read its
-    recomputation), and not the loss, is inlined unless its expression is too big: a value read by several
-    ops of a graph is written when its inlined expression reads more than `REUSED_READS` buffers or, on a
-    CPU, holds `HEAVY` math; any value when it reads more than `READS` or holds more than `OPS` ops. An
+    As inductor's lowering decides: a tensor made by a generated op that is not realized (`op_types`), read by
+    generated ops alone, in the same graph (the forward's or the backward's: a candidate's backward readers
+    read its recomputation), and not the loss, is inlined unless its expression is too big: a value read by
+    several ops of a graph is written when its inlined expression reads more than `REUSED_READS` buffers or,
+    on a CPU, holds heavy math; any value when it reads more than `READS` or holds more than `OPS` ops. An
     inlined value's buffers stay alive until its last reader runs. Measured against inductor's programs,
     one more rule: a value whose readers run after a library call that follows its making is inlined only if
     every buffer it reads is smaller than it. (On compare_cnn_cpu, ReLU's gradient, read on both sides of a
@@ -150,13 +130,13 @@ def inlined(graph: Graph, cpu: bool = True) -> tuple[set[str], set[str]]:
     count: dict[str, int] = {}  # ops in its expression
     recomputable = set()
     for op in graph.ops:  # in topological order
-        if op.name in calls or op.target.startswith(REALIZED):
+        if op.name in calls or is_realized(op.target):
             continue
-        srcs, is_heavy, n = set(), op.target.startswith(HEAVY) and cpu, 1
+        srcs, costly, n = set(), is_heavy(op.target) and cpu, 1
         for t in op.inputs:
             if t in reads:
                 srcs |= reads[t]
-                is_heavy |= heavy[t]
+                costly |= heavy[t]
                 n += count[t]
             else:
                 srcs.add(t)
@@ -166,22 +146,31 @@ def inlined(graph: Graph, cpu: bool = True) -> tuple[set[str], set[str]]:
             if (graph.tensors[t].kind != "activation" or t == graph.loss or not users
                     or any(u.name in calls or not candidate and u.phase != op.phase for u in users)):
                 continue
-            spans = []  # (made at, last read at, readers) in each graph it is computed in
-            for phase in ("fwd", "bwd"):
-                at = [position[u.name] for u in users if u.phase == phase]
-                if at:
-                    spans.append((position[op.name] if phase == op.phase else min(at) - 1, max(at), len(at)))
-            reused = any(k > 1 for *_, k in spans)
-            if len(srcs) > READS[cpu] or n > OPS[cpu] or reused and (is_heavy or len(srcs) > REUSED_READS):
-                continue
-            if (any(bisect.bisect_right(call_at, a) < bisect.bisect_left(call_at, b) for a, b, _ in spans)
-                    and any(graph.tensors[s].size >= graph.tensors[t].size for s in srcs)):
+            if not _small_enough(graph, op, t, users, (srcs, costly, n), (position, call_at), cpu):
                 continue
             if candidate:
                 recomputable.add(t)
             else:
-                reads[t], heavy[t], count[t] = frozenset(srcs), is_heavy, n
+                reads[t], heavy[t], count[t] = frozenset(srcs), costly, n
     return set(reads), recomputable
+
+
+def _small_enough(graph: Graph, op: Op, t: str, users: list[Op], expression, positions, cpu: bool) -> bool:
+    """Whether `inlined` leaves `t` (made by `op`, read by `users`) inlined, by the size of its expression
+    (the buffers it reads, whether it holds heavy math, its op count) and where the library calls are
+    (`positions`: op name -> position, and the library calls' positions, sorted)."""
+    srcs, heavy, n = expression
+    position, call_at = positions
+    spans = []  # (made at, last read at, readers) in each graph it is computed in
+    for phase in ("fwd", "bwd"):
+        at = [position[u.name] for u in users if u.phase == phase]
+        if at:
+            spans.append((position[op.name] if phase == op.phase else min(at) - 1, max(at), len(at)))
+    reused = any(k > 1 for *_, k in spans)
+    if len(srcs) > READS[cpu] or n > OPS[cpu] or reused and (heavy or len(srcs) > REUSED_READS):
+        return False
+    return not (any(bisect.bisect_right(call_at, a) < bisect.bisect_left(call_at, b) for a, b, _ in spans)
+                and any(graph.tensors[s].size >= graph.tensors[t].size for s in srcs))
 
 
 LOSS_OP = "gaswap.loss"
@@ -339,7 +328,7 @@ class Calibration:
 
     def costs(self, graph: Graph, costs: Costs) -> Costs:
         """`costs` with every generated op's time multiplied by `scale`, every extern op's by `extern_scale`."""
-        op_time = {op.name: costs.op_time[op.name] * (self.extern_scale if is_extern(op.target) else self.scale)
+        op_time = {op.name: costs.op_time[op.name] * (self.extern_scale if is_library_call(op.target) else self.scale)
                    for op in graph.ops}
         return replace(costs, op_time=op_time,
                        source=f"{costs.source}+compiled(scale {self.scale:.3g}, extern {self.extern_scale:.3g})")
@@ -361,7 +350,7 @@ def features(problem: CompiledProblem, chromosomes: list[Chromosome]) -> list[tu
     keep_all = problem.encoding.uniform(Action.KEEP)
     extra, saved = [], []
     for extern in (True, False):
-        only = replace(problem.costs, op_time={op.name: problem.costs.op_time[op.name] if is_extern(op.target) == extern
+        only = replace(problem.costs, op_time={op.name: problem.costs.op_time[op.name] if is_library_call(op.target) == extern
                                                else 0.0 for op in problem.graph.ops})
         p = CompiledProblem(problem.graph, only, None, actions=problem.actions, loss=problem.loss)
         base = p.simulate(keep_all).step_time
@@ -402,7 +391,7 @@ def calibration_policies(problem: CompiledProblem, seed: int = 0) -> dict[str, C
     producer = {op.name: op for op in graph.ops}
     masks = {k for k, _ in problem._masks}
     made_by_generated = [k for k, t in enumerate(encoding.candidates) if graph.tensors[t].producer in producer
-                         and not is_extern(producer[graph.tensors[t].producer].target)]
+                         and not is_library_call(producer[graph.tensors[t].producer].target)]
     recomputable = [Action.RECOMPUTE in allowed for allowed in encoding.allowed]
 
     def recompute(chosen) -> Chromosome:

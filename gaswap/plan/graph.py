@@ -156,29 +156,19 @@ class Graph:
 
 
 def _validate(g: Graph) -> None:
+    """Raise GraphError on the first broken invariant: tensors, then ops in order, then producers, loss and
+    decidable tensors."""
+    for t in g.tensors.values():
+        _check_tensor(t)
     seen_ops: set[str] = set()
     produced: set[str] = set()
     bwd_outputs: set[str] = set()
-    for t in g.tensors.values():
-        if t.kind not in KINDS:
-            raise GraphError(f"tensor {t.name!r}: unknown kind {t.kind!r} (expected one of {KINDS})")
-        if t.size < 0:
-            raise GraphError(f"tensor {t.name!r}: negative size {t.size}")
-        if (t.producer is None) != (t.kind in RESIDENT_KINDS):
-            raise GraphError(f"tensor {t.name!r}: kind {t.kind!r} and producer {t.producer!r} disagree")
     for op in g.ops:
         if op.name in seen_ops:
             raise GraphError(f"op {op.name!r} appears twice")
         if op.phase not in PHASES:
             raise GraphError(f"op {op.name!r}: phase {op.phase!r} is not one of {PHASES}")
-        for t in op.inputs:
-            if t not in g.tensors:
-                raise GraphError(f"op {op.name!r} reads unknown tensor {t!r}")
-            if op.phase == "fwd" and t in bwd_outputs:
-                raise GraphError(f"forward op {op.name!r} reads {t!r}, produced in the backward pass")
-            src = g.tensors[t].producer
-            if src is not None and t not in produced:
-                raise GraphError(f"op {op.name!r} reads {t!r} before its producer {src!r} (ops not in order)")
+        _check_reads(g, op, produced, bwd_outputs)
         for t in op.outputs:
             if t not in g.tensors:
                 raise GraphError(f"op {op.name!r} writes unknown tensor {t!r}")
@@ -197,6 +187,27 @@ def _validate(g: Graph) -> None:
     for t in sorted(g.decidable):
         if t not in g.tensors or g.tensors[t].kind != "activation" or phase[g.tensors[t].producer] != "fwd":
             raise GraphError(f"decidable tensor {t!r} is not a forward activation of the graph")
+
+
+def _check_tensor(t: Tensor) -> None:
+    if t.kind not in KINDS:
+        raise GraphError(f"tensor {t.name!r}: unknown kind {t.kind!r} (expected one of {KINDS})")
+    if t.size < 0:
+        raise GraphError(f"tensor {t.name!r}: negative size {t.size}")
+    if (t.producer is None) != (t.kind in RESIDENT_KINDS):
+        raise GraphError(f"tensor {t.name!r}: kind {t.kind!r} and producer {t.producer!r} disagree")
+
+
+def _check_reads(g: Graph, op: Op, produced: set[str], bwd_outputs: set[str]) -> None:
+    """`op` reads known tensors, already produced (by the forward, for a forward op)."""
+    for t in op.inputs:
+        if t not in g.tensors:
+            raise GraphError(f"op {op.name!r} reads unknown tensor {t!r}")
+        if op.phase == "fwd" and t in bwd_outputs:
+            raise GraphError(f"forward op {op.name!r} reads {t!r}, produced in the backward pass")
+        src = g.tensors[t].producer
+        if src is not None and t not in produced:
+            raise GraphError(f"op {op.name!r} reads {t!r} before its producer {src!r} (ops not in order)")
 
 
 def chain(n: int, size: int = 1, *, name: str = "chain") -> Graph:

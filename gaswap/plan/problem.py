@@ -136,7 +136,7 @@ class SearchResult:
     complete: bool = True  # False when `stop` ended the search before it ran its course
     generations_done: int = 0
     stopped_by: str = ""  # what ended it: "generations", "evaluations", "seconds", "converged", "interrupted"
-    fastest: tuple[Evaluated, ...] = ()  # up to search.FASTEST_KEPT, fastest first, one per (step time, peak)
+    fastest: tuple[Evaluated, ...] = ()  # up to front.FASTEST_KEPT, fastest first, one per (step time, peak)
 
     @property
     def best(self) -> Evaluated | None:

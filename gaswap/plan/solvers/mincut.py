@@ -26,16 +26,10 @@ from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 from gaswap.plan.costs import Costs
 from gaswap.plan.encoding import Action, Chromosome, Encoding
 from gaswap.plan.graph import Graph
+from gaswap.plan.op_types import is_compute_intensive
 from gaswap.plan.problem import Problem
 
-COMPUTE_BOUND = ("mm", "conv", "scaled_dot_product", "_flash_attention", "_efficient_attention")  # target parts
 FILLS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # fractions of the recomputed bytes saved back
-
-
-def compute_bound(target: str) -> bool:
-    """Whether an op (by ATen target, e.g. "aten.addmm.default") is one torch's partitioner never recomputes."""
-    name = target.split(".")[1] if target.count(".") >= 2 else target
-    return any(part in name for part in COMPUTE_BOUND)
 
 
 def recompute_seconds_per_byte(graph: Graph, costs: Costs, tensor: str) -> float:
@@ -45,13 +39,28 @@ def recompute_seconds_per_byte(graph: Graph, costs: Costs, tensor: str) -> float
     return costs.op_time[graph.tensors[tensor].producer] / size if size else float("inf")
 
 
-def min_cut_saved(encoding: Encoding, pinned=compute_bound) -> set[int]:
+def min_cut_saved(encoding: Encoding, pinned=is_compute_intensive) -> set[int]:
     """Candidate indices (into encoding.candidates) of a minimum-bytes set to save (see the module docstring);
     `pinned(target)` says which ops besides random and state-mutating ones are never recomputed."""
-    graph = encoding.graph
     candidate = {t: k for k, t in enumerate(encoding.candidates)}
     if not candidate:
         return set()
+    node, edges = _network(encoding, candidate, pinned)
+    source, sink = 2 * len(node), 2 * len(node) + 1
+    size = 2 * len(node) + 2
+    rows, cols = zip(*edges)
+    capacity = csr_matrix((np.fromiter(edges.values(), np.int32, len(edges)), (rows, cols)), shape=(size, size))
+    flow = maximum_flow(capacity, source, sink).flow
+    residual = (capacity - flow).tocsr()  # flow is antisymmetric: reverse edges get what flows forward
+    residual.eliminate_zeros()
+    reached = set(breadth_first_order(residual, source, directed=True, return_predecessors=False).tolist())
+    return {candidate[t] for t, n in node.items() if t in candidate and 2 * n in reached and 2 * n + 1 not in reached}
+
+
+def _network(encoding: Encoding, candidate: dict[str, int], pinned) -> tuple[dict[str, int], dict]:
+    """The flow network of the module docstring: tensor -> node number n (t_in is 2n, t_out 2n + 1; source and
+    sink follow the last), and (from, to) -> integer capacity."""
+    graph = encoding.graph
     phase = {op.name: op.phase for op in graph.ops}
     nodes = [t.name for t in graph.tensors.values()
              if t.kind == "input" or (t.producer is not None and phase[t.producer] == "fwd")]
@@ -78,22 +87,12 @@ def min_cut_saved(encoding: Encoding, pinned=compute_bound) -> set[int]:
         if op.phase != "fwd":
             continue
         pinned_op = not op.recomputable or pinned(op.target)
-        for u in op.outputs:
-            if u not in node:
-                continue
+        for u in (u for u in op.outputs if u in node):
             if pinned_op:
                 edge(source, 2 * node[u], infinite)
-            for t in op.inputs:
-                if t in node:
-                    edge(2 * node[t] + 1, 2 * node[u], infinite)
-    size = 2 * len(nodes) + 2
-    rows, cols = zip(*edges)
-    capacity = csr_matrix((np.fromiter(edges.values(), np.int32, len(edges)), (rows, cols)), shape=(size, size))
-    flow = maximum_flow(capacity, source, sink).flow
-    residual = (capacity - flow).tocsr()  # flow is antisymmetric: reverse edges get what flows forward
-    residual.eliminate_zeros()
-    reached = set(breadth_first_order(residual, source, directed=True, return_predecessors=False).tolist())
-    return {candidate[t] for t, n in node.items() if t in candidate and 2 * n in reached and 2 * n + 1 not in reached}
+            for t in (t for t in op.inputs if t in node):
+                edge(2 * node[t] + 1, 2 * node[u], infinite)
+    return node, edges
 
 
 def min_cut_policies(problem: Problem) -> list[Chromosome]:
@@ -111,7 +110,7 @@ def min_cut_policies(problem: Problem) -> list[Chromosome]:
 
     saving = [Action.KEEP] + ([Action.SWAP] if any(Action.SWAP in a for a in encoding.allowed) else [])
     policies = {}
-    for pinned in (compute_bound, lambda target: False):
+    for pinned in (is_compute_intensive, lambda target: False):
         saved = min_cut_saved(encoding, pinned)
         ranked = sorted((k for k, allowed in enumerate(encoding.allowed)
                          if Action.RECOMPUTE in allowed and k not in saved), key=ratio, reverse=True)
