@@ -56,11 +56,19 @@ def imported(module: str, source: str) -> list[tuple[int, str, bool]]:
             if node.level:
                 base = here[:len(here) - node.level + 1]
                 prefix = ".".join(["gaswap", *base, *([node.module] if node.module else [])])
-            names = [f"{prefix}.{a.name}" for a in node.names] if prefix == "gaswap" or not node.module else [prefix]
+            names = [f"{prefix}.{a.name}" if _is_module(f"{prefix}.{a.name}") else prefix for a in node.names]
         else:
             continue
         out += [(node.lineno, n, id(node) in in_function) for n in names]
     return out
+
+
+def _is_module(dotted: str) -> bool:
+    """Whether `gaswap.x.y` names a module or package of gaswap (not a function or class in one)."""
+    if not dotted.startswith("gaswap."):
+        return False
+    path = PACKAGE.joinpath(*dotted.split(".")[1:])
+    return path.with_suffix(".py").is_file() or path.is_dir()
 
 
 def package_of(name: str) -> str:
@@ -103,6 +111,44 @@ def _explained(lines: list[str], line: int) -> bool:
 
 def test_no_import_breaks_the_layering():
     assert violations(sources()) == []
+
+
+def import_cycles(modules: dict[str, str]) -> list[list[str]]:
+    """Groups of gaswap modules that import each other, directly or through others (any import, anywhere)."""
+    edges = {m: {name.split(".", 1)[1] for _, name, _ in imported(m, source)
+                 if name.startswith("gaswap.") and name.split(".", 1)[1] in modules and name.split(".", 1)[1] != m}
+             for m, source in modules.items()}
+    cycles, done = [], set()
+    for start in sorted(edges):
+        reach, todo = set(), [start]
+        while todo:
+            for nxt in edges[todo.pop()] - reach:
+                reach.add(nxt)
+                todo.append(nxt)
+        if start in reach and start not in done:
+            group = sorted(m for m in reach if start in _reachable(edges, m))
+            done |= set(group)
+            cycles.append(group)
+    return cycles
+
+
+def _reachable(edges, start) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in edges[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen
+
+
+def test_no_import_cycle():
+    assert import_cycles(sources()) == []
+
+
+def test_a_planted_cycle_is_caught():
+    planted = dict(sources())
+    planted["plan.graph"] += "\n\ndef _planted():\n    from gaswap.plan import simulator  # planted\n"
+    assert any({"plan.graph", "plan.simulator"} <= set(group) for group in import_cycles(planted))
 
 
 def test_every_package_has_a_rule():
