@@ -97,6 +97,7 @@ class Walker:
         op = self._op(name)
         if name in self.done:
             self.fault(f"runs {name} a second time")
+        self._inputs_present(op)
         self.done.add(name)
         self.ran.append(name)
         return op, self._make(op)
@@ -105,6 +106,7 @@ class Walker:
         op = self._op(name)
         if name not in self.done or op.phase != "fwd" or not op.recomputable:
             self.fault(f"{name} cannot be recomputed there (not yet run, a backward op, random or stateful)")
+        self._inputs_present(op)
         return op, self._make(op)
 
     def _swap_out(self, name: str) -> tuple:
@@ -139,14 +141,14 @@ class Walker:
     # --- checks ---
 
     def _op(self, name: str) -> Op:
-        """The op called `name`, its inputs all on the device."""
         if name not in self.ops:
             self.fault(f"this graph has no op {name!r}")
-        op = self.graph.ops[self.ops[name]]
+        return self.graph.ops[self.ops[name]]
+
+    def _inputs_present(self, op: Op) -> None:
         missing = [t for t in op.inputs if t not in self.device]
         if missing:
             self.fault(f"reads {missing[0]}, which the program has not kept, swapped in or recomputed")
-        return op
 
     def _make(self, op: Op) -> list[str]:
         """Put the outputs of `op` that are not on the device there; returns them."""
