@@ -38,7 +38,7 @@ import numpy as np
 from gaswap.base.program import Action, Instruction, Verb
 from gaswap.plan.costs import Costs
 from gaswap.plan.graph import COUNTABLE, Graph
-from gaswap.plan.walker import Walker
+from gaswap.plan.walker import Layout, Walker
 
 # Streams of the timeline, and the one event kind that is not an instruction (compute waits for a copy).
 COMPUTE, D2H, H2D = "compute", "d2h", "h2d"
@@ -162,6 +162,7 @@ class Simulator:
         hold = bool(graph.decidable) if hold_sources is None else hold_sources
         self.sources = _candidate_sources(graph, self.candidates, tid) if hold else None
         self.recompute_tables([tid[t] for t in inlined_if_recomputed])
+        self._layout: Layout | None = None
 
     def op_tables(self, tid: dict[str, int]) -> None:
         """Per op, by index into graph.ops: name, time, input and output tensors, phase, recomputability."""
@@ -217,6 +218,12 @@ class Simulator:
         self.out_bytes_array = np.array(self.out_bytes, dtype=np.int64)
         self.h2d_time_array = np.array(self.h2d_time, dtype=float)
         self.resident_at_start = [p < 0 for p in self.producer]  # parameters, buffers, inputs
+
+    def layout(self) -> Layout:
+        """The graph as a `Walker` reads it (made on the first traced run)."""
+        if self._layout is None:
+            self._layout = Layout.of(self.graph)
+        return self._layout
 
     def run(self, order, actions, *, trace: bool = False) -> SimResult:
         """Simulate the ops in `order` (indices into graph.ops, each op once) with `actions` aligned with
@@ -628,7 +635,7 @@ class _TracedRun(_Run):
         self.events: list[Event] = []
         self.memory: list[tuple[float, int]] = []
         self.changes: list[tuple[float, str, int]] = []
-        self.walker = Walker(sim.graph)  # the program, checked as it is built
+        self.walker = Walker(sim.graph, layout=sim.layout())  # the program, checked as it is built
         self.category: list[str] = [""] * len(sim.size)  # what each resident tensor counts as
         for t, kind in enumerate(sim.kind):  # resident from the start
             if sim.producer[t] < 0:

@@ -15,6 +15,8 @@ cares. No torch here.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from gaswap.base.program import Instruction, Verb
 from gaswap.plan.graph import Graph, Op
 
@@ -50,20 +52,36 @@ class Hooks:
         """A device copy of `tensor` goes: its oldest retired one if `retired`, else the one ops read."""
 
 
+class Layout(NamedTuple):
+    """What a walker reads of a graph, once per graph (`Layout.of`): op name -> index, counted tensor bytes,
+    the tensors on the device when the step starts, and the bytes resident all step."""
+
+    ops: dict[str, int]
+    size: dict[str, int]
+    resident: frozenset[str]
+    resident_bytes: int
+
+    @classmethod
+    def of(cls, graph: Graph) -> "Layout":
+        return cls(graph.op_index(), {t: x.size if graph.counts(x) else 0 for t, x in graph.tensors.items()},
+                   frozenset(t for t, x in graph.tensors.items() if x.producer is None), graph.resident_bytes())
+
+
 class Walker:
     """The state of a program read so far (see the module): `device`, `host`, `retired` (tensor -> retired
-    copies), `ran` (ops in the order they first ran), `level` and `peak` (bytes), `program` (what was read)."""
+    copies), `ran` (ops in the order they first ran), `level` and `peak` (bytes), `program` (what was read).
+    `layout`: `Layout.of(graph)`, when the caller walks many programs of one graph."""
 
-    def __init__(self, graph: Graph, hooks: Hooks | None = None):
+    def __init__(self, graph: Graph, hooks: Hooks | None = None, layout: Layout | None = None):
         self.graph, self.hooks = graph, hooks or Hooks()
-        self.ops = graph.op_index()
-        self.size = {t: x.size if graph.counts(x) else 0 for t, x in graph.tensors.items()}
-        self.device = {t for t, x in graph.tensors.items() if x.producer is None}
+        layout = layout or Layout.of(graph)
+        self.ops, self.size = layout.ops, layout.size
+        self.device = set(layout.resident)
         self.host: set[str] = set()
         self.retired: dict[str, int] = {}
         self.ran: list[str] = []
         self.done: set[str] = set()
-        self.level = self.peak = graph.resident_bytes()
+        self.level = self.peak = layout.resident_bytes
         self.program: list[Instruction] = []
         self.verbs = {verb: (getattr(self, "_" + verb.value), getattr(self.hooks, "on_" + verb.value)) for verb in Verb}
 
@@ -75,8 +93,8 @@ class Walker:
 
     def step(self, instruction) -> None:
         """Read one instruction: check it, apply it, call its hook; ProgramFault if it does not fit."""
-        verb, name = instruction
-        instruction = Instruction(Verb(verb), name)
+        if type(instruction[0]) is not Verb:  # a (verb, name) pair of strings
+            instruction = Instruction(Verb(instruction[0]), instruction[1])
         k = len(self.program)
         self.program.append(instruction)
         apply, hook = self.verbs[instruction.verb]
@@ -152,9 +170,12 @@ class Walker:
 
     def _make(self, op: Op) -> list[str]:
         """Put the outputs of `op` that are not on the device there; returns them."""
-        made = [t for t in op.outputs if t not in self.device]
-        self.device.update(made)
-        self.level += sum(self.size[t] for t in made)
+        made, device = [], self.device
+        for t in op.outputs:
+            if t not in device:
+                made.append(t)
+                device.add(t)
+                self.level += self.size[t]
         return made
 
     def _need(self, ok: bool, name: str) -> None:
