@@ -93,12 +93,13 @@ class Walker:
 
     def step(self, instruction) -> None:
         """Read one instruction: check it, apply it, call its hook; ProgramFault if it does not fit."""
-        if type(instruction[0]) is not Verb:  # a (verb, name) pair of strings
-            instruction = Instruction(Verb(instruction[0]), instruction[1])
+        verb, name = instruction
+        if type(instruction) is not Instruction or type(verb) is not Verb:  # a (verb, name) pair, of strings or not
+            instruction = Instruction(Verb(verb), name)
         k = len(self.program)
         self.program.append(instruction)
         apply, hook = self.verbs[instruction.verb]
-        hook(k, *apply(instruction.name))
+        hook(k, *apply(name))
         if self.level > self.peak:
             self.peak = self.level
 
