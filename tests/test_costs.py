@@ -167,9 +167,12 @@ def test_in_place_op_times_are_less_the_clocks_own_cost_per_reading():
     from types import SimpleNamespace
 
     from gaswap.base.program import Verb
+    from gaswap.plan.graph import Op, Tensor
     from gaswap.run.measure import _op_times, clock_overhead
 
-    runner = SimpleNamespace(program=[(Verb.RUN, "a"), (Verb.FREE, "x"), (Verb.RUN, "b")],
+    graph = Graph((Op("a", "a", (), ("x",)), Op("b", "b", (), ("y",))),
+                  {"x": Tensor("x", 1, producer="a"), "y": Tensor("y", 1, producer="b")}, loss="y")
+    runner = SimpleNamespace(graph=graph, program=[(Verb.RUN, "a"), (Verb.FREE, "x"), (Verb.RUN, "b")],
                              _times=[[3e-6, 4e-6, 3e-6], [1e-6, 1e-6, 1e-6], [0.2e-6, 0.2e-6, 0.2e-6]])
     times = _op_times(runner, overhead=0.5e-6)
     assert times["a"] == pytest.approx(3e-6) and times["b"] == 0.0  # (3 - 0.5) + (1 - 0.5); 0.2 - 0.5 -> 0
@@ -261,6 +264,7 @@ def test_measure_in_place_times_every_op_of_the_running_step(tmp_path):
 
 
 def test_copies_timed_in_place_are_fitted_as_a_latency_plus_bandwidths():
+    from gaswap.base.program import Verb
     from gaswap.plan.graph import chain
     from gaswap.run.measure import _fit_link
 
@@ -268,10 +272,9 @@ def test_copies_timed_in_place_are_fitted_as_a_latency_plus_bandwidths():
     sizes = {name: 1000 * (k + 1) for k, name in enumerate(["a1", "a2", "a3"])}
     graph = Graph(graph.ops, {n: dataclasses.replace(t, size=sizes.get(n, t.size)) for n, t in graph.tensors.items()},
                   loss=graph.loss)
-    times = {("swap_out", n): [2e-6 + b / 1e9] * 3 for n, b in sizes.items()}
-    times |= {("swap_in", n): [2e-6 + b / 4e9] for n, b in sizes.items()}
-    times[("run", "f1")] = [1.0]  # not a copy: ignored
-    link = _fit_link(graph, times, torch.device("cpu"))
+    copies = {(Verb.SWAP_OUT, n): [2e-6 + b / 1e9] * 3 for n, b in sizes.items()}
+    copies |= {(Verb.SWAP_IN, n): [2e-6 + b / 4e9] for n, b in sizes.items()}
+    link = _fit_link(graph, copies, torch.device("cpu"))
     assert link == pytest.approx({"d2h": 1e9, "h2d": 4e9, "latency": 2e-6}, rel=1e-6)
     assert all(type(v) is float for v in link.values())  # plain floats: they go into YAML policy files
 

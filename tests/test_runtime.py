@@ -402,7 +402,8 @@ def test_apply_trains_like_the_unchanged_step(tmp_path):
 def test_a_tensor_retired_twice_keeps_both_device_copies_until_their_frees():
     """Over a slow link, a recompute re-makes a swapped tensor (another output of its op) while the first device
     copy still waits for its copy to the host: the program retires it twice and frees it twice. Both copies are
-    held until their frees (the runtime refused such a program before, and the allocator replay lost a copy)."""
+    held until their frees (the runtime refused such a program before, and the allocator replay lost a copy), and
+    the policy check accepts it."""
     import collections
 
     from gaswap.plan.costs import Costs
@@ -416,6 +417,9 @@ def test_a_tensor_retired_twice_keeps_both_device_copies_until_their_frees():
     retires = collections.Counter(name for verb, name in sim.program if verb.value == "retire")
     assert sim.valid and max(retires.values()) == 2
     assert allocator.replay(cap.graph, sim).requested == sim.peak_bytes
+    made = policies.from_result(cap.graph, enc.candidates, enc.decode(c.keys), c.actions,
+                                {"peak_bytes": sim.peak_bytes, "step_time_s": sim.step_time}, {}, sim.program)
+    policies.check_content(made, cap.graph)  # the policy check refused it before (it counted one retired copy)
     expected = plain_step(cap, model, inputs, target)
     for prompt in ((), ("h2d",), ("d2h",)):
         runner = StepRunner(cap, sim.program, streams=LaggingStreams(prompt))

@@ -3,7 +3,8 @@
 The lowest floor of the package (no imports from gaswap, no torch). An `Action` is what a policy decides
 for one candidate activation; a program is a sequence of `Instruction`s, in issue order, that the simulator
 emits and a runtime replays (compare torch.utils.checkpoint's `CheckpointPolicy` and Checkmate's
-`OperatorEvaluation` / `DeallocateRegister`).
+`OperatorEvaluation` / `DeallocateRegister`). `gaswap.plan.walker` is the one reading of a program: what each
+verb needs and changes, checked, with hooks for each consumer.
 """
 from __future__ import annotations
 

@@ -22,8 +22,9 @@ import yaml
 
 from gaswap.base.errors import Refusal
 from gaswap.base.files import UnreadableFile, load_yaml, write_atomic
-from gaswap.base.program import Action, ProgramSyntaxError, Verb, parse_program
+from gaswap.base.program import Action, ProgramSyntaxError, parse_program
 from gaswap.plan.graph import Graph
+from gaswap.plan.walker import Hooks, ProgramFault, Walker
 
 VERSION = 1
 MAX_BYTES = 16 * 2**20  # a 2,000-op graph makes a 95 KB policy (0.5 s to parse); larger files are refused unread
@@ -254,69 +255,67 @@ def _actions_problem(policy: Policy, graph: Graph) -> str | None:
 
 
 def _program_problem(policy: Policy, graph: Graph) -> str | None:
-    """Replay the program on names and sizes only: the first thing wrong with it, or None."""
+    """Replay the program on names and sizes only (a `Walker`): the first thing wrong with it, or None."""
     if not policy.program:
         return None  # an old policy without a program: the runtime refuses it with its own message
-    ops, tensors = {op.name: op for op in graph.ops}, graph.tensors
-    size = {t: x.size if graph.counts(x) else 0 for t, x in tensors.items()}
-    device = {t for t, x in tensors.items() if x.producer is None}
-    host, retired, ran, done, swapped, remade = set(), set(), [], set(), set(), set()
-    freed_at, last_read = {}, {}  # tensor -> line of its first free, of its last read by a run
-    level = peak = graph.resident_bytes()
-    for k, (verb, name) in enumerate(policy.program, 1):
-        where = f"program line {k} ({verb} {name})"
-        if verb in (Verb.RUN, Verb.RECOMPUTE):
-            op = ops.get(name)
-            if op is None:
-                return f"{where}: this graph has no op {name!r}"
-            if verb == Verb.RUN and name in done:
-                return f"{where}: runs {name} a second time"
-            if verb == Verb.RECOMPUTE and (name not in done or op.phase != "fwd" or not op.recomputable):
-                return f"{where}: {name} cannot be recomputed there (not yet run, a backward op, random or stateful)"
-            missing = [t for t in op.inputs if t not in device]
-            if missing:
-                return f"{where}: reads {missing[0]}, which the program has not kept, swapped in or recomputed"
-            if verb == Verb.RUN:
-                ran.append(name)
-                done.add(name)
-            last_read.update((t, k) for t in op.inputs if verb == Verb.RUN)
-            for t in op.outputs:
-                if t not in device:
-                    device.add(t)
-                    level += size[t]
-                    remade |= {t} if verb == Verb.RECOMPUTE else set()
-        elif verb == Verb.SWAP_OUT and name in device:
-            host.add(name)
-            swapped.add(name)
-        elif verb == Verb.RETIRE and name in device and name in host:
-            device.remove(name)
-            retired.add(name)
-        elif verb == Verb.SWAP_IN and name in host and name not in device:
-            device.add(name)
-            level += size[name]
-        elif verb == Verb.FREE and (name in device or name in retired):
-            (retired if name in retired else device).remove(name)
-            level -= size[name]
-            freed_at.setdefault(name, k)
-        else:
-            return f"{where}: {name!r} is not where this instruction needs it"
-        peak = max(peak, level)
-    if ran != list(policy.order):
-        if sorted(ran) == sorted(ops):
+    uses = _Uses()
+    try:
+        walked = Walker(graph, uses).walk(policy.program)
+    except ProgramFault as err:
+        return str(err)
+    return _runs_problem(policy, graph, walked) or _actions_vs_program(policy.actions, uses) or \
+        _peak_problem(policy, walked.peak)
+
+
+class _Uses(Hooks):
+    """What the policy check needs of a program beyond the walker's state: the tensors it swaps out and
+    recomputes, the line of each tensor's first free and of its last read by a run."""
+
+    def __init__(self):
+        self.swapped, self.remade = set(), set()
+        self.freed_at, self.last_read = {}, {}
+
+    def on_run(self, k: int, op, made: list[str]) -> None:
+        self.last_read.update((t, k + 1) for t in op.inputs)
+
+    def on_recompute(self, k: int, op, made: list[str]) -> None:
+        self.remade.update(made)
+
+    def on_swap_out(self, k: int, tensor: str) -> None:
+        self.swapped.add(tensor)
+
+    def on_free(self, k: int, tensor: str, retired: bool) -> None:
+        self.freed_at.setdefault(tensor, k + 1)
+
+
+def _runs_problem(policy: Policy, graph: Graph, walked: Walker) -> str | None:
+    """The program runs the policy's order, and frees what it made."""
+    if walked.ran != list(policy.order):
+        if sorted(walked.ran) == sorted(op.name for op in graph.ops):
             return "program: runs the ops in another order than the policy's order"
-        return f"program: does not run every op (it runs {len(ran)} of {len(ops)})"
-    left = sorted(t for t in device | retired if tensors[t].producer is not None and tensors[t].kind != "grad"
-                  and t != graph.loss)
+        return f"program: does not run every op (it runs {len(walked.ran)} of {len(graph.ops)})"
+    left = walked.unfreed()
     if left:
         return f"program: never frees {', '.join(left[:3])}{' ...' if len(left) > 3 else ''} (frees removed?)"
-    action = policy.actions
-    for t in sorted(set(action) | swapped):
-        if (action.get(t) == "swap") != (t in swapped):
-            return f"actions: {t} is {action.get(t, 'not a candidate')!r}, but the program "                    f"{'swaps it out' if t in swapped else 'never swaps it out'}"
-        if action[t] == "recompute" and t not in remade:
+    return None
+
+
+def _actions_vs_program(action: dict[str, str], uses: _Uses) -> str | None:
+    """The program swaps out exactly the tensors marked swap, recomputes those marked recompute, and frees
+    none marked keep before its last read."""
+    for t in sorted(set(action) | uses.swapped):
+        if (action.get(t) == "swap") != (t in uses.swapped):
+            return (f"actions: {t} is {action.get(t, 'not a candidate')!r}, but the program "
+                    f"{'swaps it out' if t in uses.swapped else 'never swaps it out'}")
+        if action[t] == "recompute" and t not in uses.remade:
             return f"actions: {t} is 'recompute', but the program never recomputes it"
-        if action[t] == "keep" and freed_at.get(t, math.inf) < last_read.get(t, 0):
-            return f"actions: {t} is 'keep', but the program frees it at line {freed_at[t]}, before it is read at line {last_read[t]}"
+        if action[t] == "keep" and uses.freed_at.get(t, math.inf) < uses.last_read.get(t, 0):
+            return (f"actions: {t} is 'keep', but the program frees it at line {uses.freed_at[t]}, before it is "
+                    f"read at line {uses.last_read[t]}")
+    return None
+
+
+def _peak_problem(policy: Policy, peak: int) -> str | None:
     if peak > policy.predicted.get("peak_bytes", math.inf):
         return f"program: holds {peak} bytes at its peak, more than the {policy.predicted['peak_bytes']} predicted"
     return None

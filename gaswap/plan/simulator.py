@@ -39,6 +39,7 @@ from gaswap.base.errors import GaswapError
 from gaswap.base.program import Action, Instruction, Verb
 from gaswap.plan.costs import Costs
 from gaswap.plan.graph import COUNTABLE, Graph
+from gaswap.plan.walker import Layout, Walker
 
 # Streams of the timeline, and the one event kind that is not an instruction (compute waits for a copy).
 COMPUTE, D2H, H2D = "compute", "d2h", "h2d"
@@ -149,19 +150,36 @@ class Simulator:
         """`hold_sources` (see the module's KEEP): by default, where the graph has `decidable` tensors, which
         only a compiled graph has. `inlined_if_recomputed`: names of candidates that take no memory when
         recomputed (see the module's RECOMPUTE)."""
-        self.graph = graph
-        self.costs = costs
-        names = list(graph.tensors)
-        tid = {t: k for k, t in enumerate(names)}
-        oid = graph.op_index()
-        self.tensor_names = names
-        self.op_names = [op.name for op in graph.ops]
-        self.op_time = [costs.op_time[op.name] for op in graph.ops]
-        self.op_in = [tuple(tid[t] for t in op.inputs) for op in graph.ops]
-        self.op_out = [tuple(tid[t] for t in op.outputs) for op in graph.ops]
+        self.graph, self.costs = graph, costs
+        self.budget = budget  # prefetches wait while they would push memory over it
+        self.serial_copies = not costs.copies_overlap
+        self.tensor_names = list(graph.tensors)
+        tid = {t: k for k, t in enumerate(self.tensor_names)}
+        self.op_tables(tid)
+        self.tensor_tables(tid, graph.op_index())
+        self.static_tables()
+        # candidate -> the nearest candidates it is computed from (through tensors that are not candidates),
+        # candidates latest made first: where a recomputation may start (`hold_sources`)
+        hold = bool(graph.decidable) if hold_sources is None else hold_sources
+        self.sources = _candidate_sources(graph, self.candidates, tid) if hold else None
+        self.recompute_tables([tid[t] for t in inlined_if_recomputed])
+        self._layout: Layout | None = None
+
+    def op_tables(self, tid: dict[str, int]) -> None:
+        """Per op, by index into graph.ops: name, time, input and output tensors, phase, recomputability."""
+        ops = self.graph.ops
+        self.op_names = [op.name for op in ops]
+        self.op_time = [self.costs.op_time[op.name] for op in ops]
+        self.op_in = [tuple(tid[t] for t in op.inputs) for op in ops]
+        self.op_out = [tuple(tid[t] for t in op.outputs) for op in ops]
         self.op_touched = [a + b for a, b in zip(self.op_in, self.op_out)]  # inputs, then outputs
-        self.op_fwd = [op.phase == "fwd" for op in graph.ops]
-        self.op_recomputable = [op.recomputable and op.phase == "fwd" for op in graph.ops]
+        self.op_fwd = [op.phase == "fwd" for op in ops]
+        self.op_recomputable = [op.recomputable and op.phase == "fwd" for op in ops]
+
+    def tensor_tables(self, tid: dict[str, int], oid: dict[str, int]) -> None:
+        """Per tensor, by index into graph.tensors: counted size, kind, producer, persistence, copy times;
+        the candidates, and the bytes each op makes."""
+        graph, costs = self.graph, self.costs
         tensors = list(graph.tensors.values())
         self.size = [t.size if graph.counts(t) else 0 for t in tensors]
         self.kind = [t.kind for t in tensors]
@@ -171,21 +189,16 @@ class Simulator:
         self.base_bytes = graph.resident_bytes()
         self.candidates = [tid[t] for t in graph.candidates()]
         self.out_bytes = [sum(self.size[t] for t in out) for out in self.op_out]
-        self.budget = budget  # prefetches wait while they would push memory over it
         self.d2h_time = [costs.copy_time(t.size, "d2h") for t in tensors]
         self.h2d_time = [costs.copy_time(t.size, "h2d") for t in tensors]
-        self.serial_copies = not costs.copies_overlap
-        self.static_tables()
-        # candidate -> the nearest candidates it is computed from (through tensors that are not candidates),
-        # candidates latest made first: where a recomputation may start (`hold_sources`)
-        hold = bool(graph.decidable) if hold_sources is None else hold_sources
-        self.sources = _candidate_sources(graph, self.candidates, tid) if hold else None
-        self.inlined_if_recomputed = np.zeros(len(names), dtype=bool)
-        self.inlined_if_recomputed[[tid[t] for t in inlined_if_recomputed]] = True
-        # an inlined tensor -> what its producer reads that is not resident all step
+
+    def recompute_tables(self, inlined: list[int]) -> None:
+        """Which tensors take no memory when recomputed (`inlined_if_recomputed`), what their producers read
+        that is not resident all step, and which forward values that are not candidates can be re-produced."""
+        self.inlined_if_recomputed = np.zeros(len(self.size), dtype=bool)
+        self.inlined_if_recomputed[inlined] = True
         self.inline_sources = {t: np.array([u for u in self.op_in[self.producer[t]] if not self.persistent[u]],
                                            dtype=np.intp) for t in self.inlined_if_recomputed.nonzero()[0].tolist()}
-        # forward values that are not candidates and can be re-produced
         candidate = set(self.candidates)
         self.reproducible = np.array([p >= 0 and self.op_recomputable[p] and not self.persistent[t] and t not in candidate
                                       for t, p in enumerate(self.producer)], dtype=bool)
@@ -206,6 +219,12 @@ class Simulator:
         self.out_bytes_array = np.array(self.out_bytes, dtype=np.int64)
         self.h2d_time_array = np.array(self.h2d_time, dtype=float)
         self.resident_at_start = [p < 0 for p in self.producer]  # parameters, buffers, inputs
+
+    def layout(self) -> Layout:
+        """The graph as a `Walker` reads it (made on the first traced run)."""
+        if self._layout is None:
+            self._layout = Layout.of(self.graph)
+        return self._layout
 
     def run(self, order, actions, *, trace: bool = False) -> SimResult:
         """Simulate the ops in `order` (indices into graph.ops, each op once) with `actions` aligned with
@@ -609,13 +628,15 @@ class _Run:
 
 class _TracedRun(_Run):
     """A simulation that records what happens: timeline events, memory after each change, changes by
-    category and the program. Untraced runs do none of this work."""
+    category and the program, built through a `Walker` (which refuses an instruction that does not fit, so
+    the simulator never emits a program the policy check or a runtime would refuse). Untraced runs do none
+    of this work."""
 
     def __init__(self, sim: Simulator, order, actions):
         self.events: list[Event] = []
         self.memory: list[tuple[float, int]] = []
         self.changes: list[tuple[float, str, int]] = []
-        self.program: list[Instruction] = []
+        self.walker = Walker(sim.graph, layout=sim.layout())  # the program, checked as it is built
         self.category: list[str] = [""] * len(sim.size)  # what each resident tensor counts as
         for t, kind in enumerate(sim.kind):  # resident from the start
             if sim.producer[t] < 0:
@@ -630,7 +651,7 @@ class _TracedRun(_Run):
         self.execute()
         return SimResult(max(self.clock, self.d2h_free, self.h2d_free), self.peak, self.compute, self.saved_bytes,
                          timeline=tuple(self.events), memory=tuple(self.memory), changes=tuple(self.changes),
-                         program=tuple(self.program))
+                         program=tuple(self.walker.program))
 
     def execute(self) -> None:
         """`_Run.execute` through the hooks `run_op` and `free`, which record."""
@@ -661,17 +682,17 @@ class _TracedRun(_Run):
         super().landed(when, t, nbytes)
         self.memory.append((when, self.mem))
         self.changes.append((when, self.category[t], -nbytes))
-        self.program.append(Instruction(Verb.FREE, self.sim.tensor_names[t]))
+        self.walker.step(Instruction(Verb.FREE, self.sim.tensor_names[t]))
 
     def free(self, t: int, when: float) -> None:
         super().free(t, when)
         self.memory.append((when, self.mem))
         self.changes.append((when, self.category[t], -self.size[t]))
-        self.program.append(Instruction(Verb.FREE, self.sim.tensor_names[t]))
+        self.walker.step(Instruction(Verb.FREE, self.sim.tensor_names[t]))
 
     def retire(self, t: int) -> None:
         super().retire(t)
-        self.program.append(Instruction(Verb.RETIRE, self.sim.tensor_names[t]))
+        self.walker.step(Instruction(Verb.RETIRE, self.sim.tensor_names[t]))
 
     def run_op(self, i: int, start: float, reader: str = "") -> None:
         if reader:
@@ -699,13 +720,13 @@ class _TracedRun(_Run):
             self.changes.append((start, "recomputed", -self.size[t]))
             self.memory.append((start, level))
         self.events.append(Event(COMPUTE, verb, sim.op_names[i], start, self.clock, reason))
-        self.program.append(Instruction(verb, sim.op_names[i]))
+        self.walker.step(Instruction(verb, sim.op_names[i]))
 
     def swap_out(self, t: int, when: float) -> float:
         start = super().swap_out(t, when)
         name = self.sim.tensor_names[t]
         self.events.append(Event(D2H, Verb.SWAP_OUT, name, start, self.d2h_end[t], f"swap-out {name} after its producer"))
-        self.program.append(Instruction(Verb.SWAP_OUT, name))
+        self.walker.step(Instruction(Verb.SWAP_OUT, name))
         return start
 
     def swap_in(self, t: int, when: float, why: str, reader: str) -> float:
@@ -715,7 +736,7 @@ class _TracedRun(_Run):
         self.category[t] = "swapped in"
         self.changes.append((when, "swapped in", self.size[t]))
         self.events.append(Event(H2D, Verb.SWAP_IN, name, start, self.ready[t], f"swap-in {name}: {why} {reader}"))
-        self.program.append(Instruction(Verb.SWAP_IN, name))
+        self.walker.step(Instruction(Verb.SWAP_IN, name))
         return start
 
 

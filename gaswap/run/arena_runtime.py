@@ -22,7 +22,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from gaswap.base.program import Verb
 from gaswap.plan.memory import arena
 from gaswap.run.capture import Captured
 from gaswap.run.runtime import StepRunner, Codegen
@@ -37,7 +36,7 @@ class ArenaRunner(StepRunner):
     then copies it), "copy" (the result copied in here) and, for swap-ins, "swap_in"."""
 
     def __init__(self, captured: Captured, program, device="cpu", streams=None, *, results_in_arena: bool = False):
-        self.graph, self.results_in_arena = captured.graph, results_in_arena
+        self.results_in_arena = results_in_arena
         super().__init__(captured, program, device, streams)
 
     def _compile(self) -> tuple[str, dict]:
@@ -78,11 +77,12 @@ class _ArenaCodegen(Codegen):
 
     def slot(self, tensor: str) -> str | None:
         carved = self.r.slots.get((self.at, tensor))
-        if carved is None:
-            return None
-        if self.r.program[self.at].verb == Verb.SWAP_IN:
-            self.r.placed["swap_in"].append(tensor)
-        return self.constant(carved, f"{tensor}_slot")
+        return None if carved is None else self.constant(carved, f"{tensor}_slot")
+
+    def on_swap_in(self, k: int, name: str) -> None:
+        if (k, name) in self.r.slots:
+            self.r.placed["swap_in"].append(name)
+        super().on_swap_in(k, name)
 
     def store(self, node: fx.Node, call: str, new: list, dropped: list[str]) -> None:
         slots = {out: self.slot(out) for _, out in new}

@@ -36,6 +36,7 @@ from gaswap.plan.costs import CostCache, Costs, HardwareProfile, load_profile, r
 from gaswap.plan.encoding import Action, Encoding
 from gaswap.plan.graph import Graph
 from gaswap.plan.simulator import Simulator
+from gaswap.plan.walker import Hooks, Walker
 from gaswap.run.runtime import CLOCK_NAMES, StepRunner, device_clock
 
 log = logging.getLogger(__name__)
@@ -410,25 +411,57 @@ def profile_step(captured, make_args, device: str | torch.device = "cpu", warmup
         return runner
 
     op_time = _op_times(timed(keep.actions), clock_overhead(dev))
-    link = _fit_link(graph, timed(swap.actions).times, dev) if int(Action.SWAP) in swap.actions else None
+    link = _fit_link(graph, _Pricing.of(timed(swap.actions)).copies, dev) if int(Action.SWAP) in swap.actions else None
     return StepProfile(op_time, link)
 
 
+class _Pricing(Hooks):
+    """The readings of a timed runner's steps, instruction by instruction (walked over its program): each op's,
+    less the clock's own `overhead` and charged with the frees that follow it (dropping tensors takes time on
+    the compute thread, and the simulator's frees take none), in `op_time`; each copy's as read, by (verb,
+    tensor), in `copies`."""
+
+    def __init__(self, readings: list[list[float]], overhead: float):
+        self.readings, self.overhead = readings, overhead
+        self.op_time: dict[str, list[float]] = {}
+        self.copies: dict[tuple[Verb, str], list[float]] = {}
+        self.charged: list[float] | None = None  # the op the frees read now are charged to
+
+    @classmethod
+    def of(cls, runner: StepRunner, overhead: float = 0.0) -> "_Pricing":
+        pricing = cls(runner._times, overhead)
+        Walker(runner.graph, pricing).walk(runner.program)
+        return pricing
+
+    def seconds(self, k: int) -> list[float]:
+        return [max(0.0, s - self.overhead) for s in self.readings[k]]
+
+    def on_run(self, k: int, op, made: list[str]) -> None:
+        self.charged = self.op_time[op.name] = self.seconds(k)
+
+    def on_free(self, k: int, tensor: str, retired: bool) -> None:
+        if self.charged is not None:
+            self.charged[:] = [a + b for a, b in zip(self.charged, self.seconds(k))]
+
+    def on_recompute(self, k: int, op, made: list[str]) -> None:
+        self.charged = None
+
+    def on_retire(self, k: int, tensor: str) -> None:
+        self.charged = None
+
+    def on_swap_out(self, k: int, tensor: str) -> None:
+        self.charged = None
+        self.copies.setdefault((Verb.SWAP_OUT, tensor), []).extend(self.readings[k])
+
+    def on_swap_in(self, k: int, tensor: str) -> None:
+        self.charged = None
+        self.copies.setdefault((Verb.SWAP_IN, tensor), []).extend(self.readings[k])
+
+
 def _op_times(runner: "_TimedRunner", overhead: float = 0.0) -> dict[str, float]:
-    """Median seconds of each op over the timed steps, the op charged with the frees that follow it: dropping
-    tensors takes time on the compute thread, and the simulator's frees take none. Each instruction's reading
-    is less the clock's own `overhead` (`clock_overhead`), which the untimed step does not pay."""
-    per_step: dict[str, list[float]] = {}
-    charged = None
-    for (verb, name), seconds in zip(runner.program, runner._times):
-        seconds = [max(0.0, s - overhead) for s in seconds]
-        if verb == Verb.RUN:
-            charged = per_step[name] = seconds
-        elif verb == Verb.FREE and charged is not None:
-            charged[:] = [a + b for a, b in zip(charged, seconds)]
-        else:
-            charged = None
-    return {name: statistics.median(seconds) for name, seconds in per_step.items()}
+    """Median seconds of each op over the timed steps (see `_Pricing`): each instruction's reading less the
+    clock's own `overhead` (`clock_overhead`), which the untimed step does not pay."""
+    return {name: statistics.median(seconds) for name, seconds in _Pricing.of(runner, overhead).op_time.items()}
 
 
 def clock_overhead(device: torch.device, samples: int = 2001) -> float:
@@ -446,11 +479,11 @@ def clock_overhead(device: torch.device, samples: int = 2001) -> float:
     return statistics.median(readings)
 
 
-def _fit_link(graph: Graph, times: dict[tuple[str, str], list[float]], dev: torch.device) -> dict[str, float]:
-    """Least-squares latency (shared) and bandwidth per direction of the copies timed by `profile_step`; a
-    direction whose fit is not a positive rate (e.g. copies all of one size) falls back to `measure_link`."""
-    rows = [(verb == "swap_out", graph.tensors[name].size, statistics.median(ts))
-            for (verb, name), ts in times.items() if verb in ("swap_out", "swap_in")]
+def _fit_link(graph: Graph, copies: dict[tuple[Verb, str], list[float]], dev: torch.device) -> dict[str, float]:
+    """Least-squares latency (shared) and bandwidth per direction of the copies timed by `profile_step`
+    (`_Pricing.copies`); a direction whose fit is not a positive rate (e.g. copies all of one size) falls back
+    to `measure_link`."""
+    rows = [(verb == Verb.SWAP_OUT, graph.tensors[name].size, statistics.median(ts)) for (verb, name), ts in copies.items()]
     design = np.array([[1.0, size if out else 0.0, 0.0 if out else size] for out, size, _ in rows])
     (latency, per_byte_d2h, per_byte_h2d), *_ = np.linalg.lstsq(design, np.array([s for *_, s in rows]), rcond=None)
     fallback = measure_link(dev) if min(per_byte_d2h, per_byte_h2d) <= 0 else (0.0, 0.0)
@@ -461,17 +494,10 @@ def _fit_link(graph: Graph, times: dict[tuple[str, str], list[float]], dev: torc
 
 class _TimedRunner(StepRunner):
     """A StepRunner whose generated code reads a clock around each instruction (synchronizing the device
-    around each, so copies are timed whole, not overlapped): `times` are the seconds of each instruction
-    by (verb, name), over the steps run since it was made or `reset`."""
+    around each, so copies are timed whole, not overlapped): `_times` are the seconds of each instruction,
+    over the steps run since it was made or `reset` (`_Pricing` reads them)."""
 
     timed = True
-
-    @property
-    def times(self) -> dict[tuple[str, str], list[float]]:
-        times: dict[tuple[str, str], list[float]] = {}
-        for (verb, name), seconds in zip(self.program, self._times):
-            times.setdefault((verb.value, name), []).extend(seconds)
-        return times
 
     def reset(self) -> None:
         for seconds in self._times:

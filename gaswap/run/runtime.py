@@ -35,6 +35,7 @@ from gaswap.base.training_options import DEFAULT_LOSS, DEFAULT_OPTIMIZER
 from gaswap.plan import policy as policies
 from gaswap.plan.graph import COUNTABLE
 from gaswap.plan.policy import Policy, PolicyError
+from gaswap.plan.walker import Hooks, ProgramFault, Walker
 from gaswap.run.capture import Captured, capture, tensor_outputs
 from gaswap.run.step_memory import host_memory
 from gaswap.run.streams import for_device
@@ -73,6 +74,7 @@ class StepRunner:
         self.nodes = {n.name: n for n in gm.graph.nodes}
         self.placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         self.results = list(gm.graph.output_node().args[0])
+        self.graph = captured.graph
         self.ops = {op.name: op for op in captured.graph.ops}
         self.program = _parse(program)
         self._check_program()
@@ -83,7 +85,10 @@ class StepRunner:
         self.streams = streams or for_device(self.device)
         self.host = self._host_buffers()
         self._times: list[list[float]] = [[] for _ in self.program]
-        self.source, self._functions = self._compile()
+        try:
+            self.source, self._functions = self._compile()
+        except ProgramFault as e:
+            raise ProgramError(f"the policy's program does not fit this graph: {e}") from None
 
     def _compile(self) -> tuple[str, dict]:
         """The program's code and its functions (a subclass may place the tensors: gaswap.run.arena_runtime)."""
@@ -179,14 +184,14 @@ def _attribute(gm: fx.GraphModule, target: str) -> torch.Tensor:
     return value
 
 
-class Codegen:
+class Codegen(Hooks):
     """Writes a runner's program as Python functions: `step(args, copies)` and, with loss "external",
     `forward(args, copies) -> (output, state)` and `backward(state, copies, grad_output)`.
 
-    While writing, it knows which tensors are on the device (`live`: tensor name -> local variable), which
-    are retired (their copies to the host may be under way: held, but no op may read them) and which were
-    swapped in and not yet waited for: a program that reads a tensor it does not have is refused here,
-    before anything runs."""
+    The hooks of a `Walker` over the program, which refuses a program that reads a tensor it does not have
+    before anything runs. While writing, it knows the local variable of each tensor on the device (`live`)
+    and of each retired copy (their copies to the host may be under way: held, but no op may read them),
+    and which tensors were swapped in and not yet waited for."""
 
     def __init__(self, runner: StepRunner):
         self.r = runner
@@ -203,19 +208,20 @@ class Codegen:
         self.retired: dict[str, list[str]] = {}  # a tensor re-made while its first copy waits is retired twice
         self.pending: set[str] = set()
         self.cached: dict[str, set[str]] = {}  # a view rebuilt and kept -> the tensors it is a view of
+        self.walker: Walker | None = None  # the program read so far, in the function being written (`begin`)
         self.at = -1  # the index in the program of the instruction being written
 
     def compile(self) -> tuple[str, dict]:
         """The source, and its functions by name."""
         r = self.r
         self.begin("step", r.placeholders)
-        self.run(r.program, 0)
+        self.run(r.program)
         self.end(r.results)
         if r.grad_output is not None:  # the output, then the gradients
             self.begin("forward", [name for name in r.placeholders if name != r.grad_output])
-            self.run(r.program[:r.split], 0)
+            self.run(r.program[:r.split])
             self.suspend()
-            self.run(r.program[r.split:], r.split)
+            self.run(r.program[r.split:])
             self.end(r.results[1:])
         source = "\n".join(self.lines) + "\n"
         filename = f"<gaswap program {id(self):x}>"
@@ -227,7 +233,9 @@ class Codegen:
     # --- functions ---------------------------------------------------------------------------------
 
     def begin(self, function: str, live: list[str]) -> None:
-        """`def function(args, copies):`, taking the placeholders in `live` from `args` (then emptied)."""
+        """`def function(args, copies):`, taking the placeholders in `live` from `args` (then emptied); the
+        program is read again from its start."""
+        self.walker = Walker(self.r.graph, self)
         self.live = {name: self.local(name) for name in live} | self.constants
         self.retired, self.pending, self.cached = {}, set(), {}
         self.emit(f"def {function}({self.args}, {self.copies}):", indent=0)
@@ -263,16 +271,15 @@ class Codegen:
 
     # --- instructions ------------------------------------------------------------------------------
 
-    def run(self, program: list[Instruction], first: int) -> None:
-        write = {Verb.RUN: self.op, Verb.RECOMPUTE: self.op, Verb.SWAP_OUT: self.swap_out, Verb.RETIRE: self.retire,
-                 Verb.SWAP_IN: self.swap_in, Verb.FREE: self.free}
-        for k, (verb, name) in enumerate(program, first):
+    def run(self, program: list[Instruction]) -> None:
+        """Write `program`, the next instructions of the walk, through the hooks below."""
+        for instruction in program:
             if self.r.timed:
                 self.clock()
-            self.at = k
-            write[verb](name)
+            self.at = len(self.walker.program)
+            self.walker.step(instruction)
             if self.r.timed:
-                self.clock(self.r._times[k])
+                self.clock(self.r._times[self.at])
 
     def clock(self, times: list | None = None) -> None:
         """Read the clock (the device synchronized): start an instruction, or append its seconds to `times`."""
@@ -285,14 +292,11 @@ class Codegen:
         else:
             self.emit(f"{self.constant(times, 'times')}.append({now} - {self.started})")
 
-    def op(self, name: str) -> None:
+    def on_run(self, k: int, op, made: list[str]) -> None:
         """Run (or re-run) an op: wait for inputs being copied in, rebuild the views it reads (kept for later
-        readers until what they are views of goes), call it, keep the outputs that are not on the device
-        already."""
-        node, op = self.r.nodes[name], self.r.ops[name]
-        for t in op.inputs:
-            if t not in self.live:
-                raise ProgramError(f"op {name} needs {t}, which the program has not kept, swapped in or recomputed")
+        readers until what they are views of goes), call it, keep the outputs in `made` (those not on the
+        device already)."""
+        node = self.r.nodes[op.name]
         for t in op.inputs:
             if t in self.pending:
                 self.emit(f"{self.copies}.wait_for({t!r})")
@@ -307,12 +311,14 @@ class Codegen:
             outputs = list(zip(indices, (out for out, _ in tensor_outputs(node, val))))
         else:
             outputs = []
-        new = [(i, out) for i, out in outputs if out in op.outputs and out not in self.live]
+        new = [(i, out) for i, out in outputs if out in made]
         self.store(node, call, new, dropped)
         for _, out in new:
             self.live[out] = self.local(out)
         if dropped:
             self.emit(f"del {', '.join(dropped)}")
+
+    on_recompute = on_run
 
     def store(self, node: fx.Node, call: str, new: list, dropped: list[str]) -> None:
         """Write the op's call, keeping the outputs in `new` ((index in its result or None, tensor name)) in
@@ -332,30 +338,30 @@ class Codegen:
         """The expression of the memory the current instruction's `tensor` goes into (None: a new tensor)."""
         return None
 
-    def swap_out(self, name: str) -> None:
-        self.emit(f"{self.copies}.to_host({name!r}, {self.present(name, 'swap_out')})")
+    def on_swap_out(self, k: int, name: str) -> None:
+        self.emit(f"{self.copies}.to_host({name!r}, {self.live[name]})")
 
-    def retire(self, name: str) -> None:
+    def on_retire(self, k: int, name: str) -> None:
         """No op reads `name` any more; its memory is held until it is freed (its copy may be under way)."""
-        local, retired = self.present(name, "retire"), self.fresh(name + "_retired")
+        local, retired = self.live[name], self.fresh(name + "_retired")
         self.emit(f"{retired} = {local}")
         self.emit(f"del {local}")
         del self.live[name]
         self.retired.setdefault(name, []).append(retired)
         self.drop_views_of(name)
 
-    def swap_in(self, name: str) -> None:
+    def on_swap_in(self, k: int, name: str) -> None:
         into = self.slot(name)
         self.emit(f"{self.local(name)} = {self.copies}.to_device({name!r}{'' if into is None else ', ' + into})")
         self.live[name] = self.local(name)
         self.pending.add(name)
 
-    def free(self, name: str) -> None:
-        """Drop `name` (the retired copy if there is one); compute first waits for the copies that use it."""
-        if self.retired.get(name):  # the oldest retired copy first (see allocator.step_events)
+    def on_free(self, k: int, name: str, retired: bool) -> None:
+        """Drop `name` (its oldest retired copy if `retired`); compute first waits for the copies that use it."""
+        if retired:
             local = self.retired[name].pop(0)
         else:
-            local = self.present(name, "free")
+            local = self.live[name]
             del self.live[name]
             if name in self.pending:  # swapped in and never read: its copy must land before its memory goes
                 self.emit(f"{self.copies}.wait_for({name!r})")
@@ -373,11 +379,6 @@ class Codegen:
             del self.cached[view]
         if gone:
             self.emit(f"del {', '.join(gone)}")
-
-    def present(self, name: str, verb: str) -> str:
-        if name not in self.live:
-            raise ProgramError(f"the program's {verb} {name}: {name} is not on the device there")
-        return self.live[name]
 
     # --- expressions -------------------------------------------------------------------------------
 

@@ -38,6 +38,7 @@ from gaswap.base.errors import GaswapError
 from gaswap.base.program import Verb
 from gaswap.plan.graph import Graph
 from gaswap.plan.problem import Evaluated, Problem
+from gaswap.plan.walker import Hooks, Walker
 
 MIN_BLOCK = 512  # kMinBlockSize: every request is rounded to a multiple of this
 SMALL_SIZE = 1 << 20  # kSmallSize: largest request served by the small pool
@@ -363,56 +364,74 @@ def step_events(graph: Graph, result, *, swap_in_stream: str = "compute", swap_o
     the index in `result.program` (-1: before it). Keys never freed are alive at the step's end."""
     if not result.program:
         raise ValueError("allocator replay needs a traced SimResult (Simulator.run(..., trace=True))")
-    size = {t.name: (t.size if graph.counts(t) else 0) for t in graph.tensors.values()}
-    outputs = {op.name: op.outputs for op in graph.ops}
-    resident = [size[t.name] for t in graph.tensors.values() if t.producer is None and t.kind != "input"]
-    resident += _optimizer_state(graph)
-    events: list[tuple] = []
-    keys = itertools.count()
+    resident = [t.size if graph.counts(t) else 0 for t in graph.tensors.values()
+                if t.producer is None and t.kind != "input"]
+    allocations = _Allocations(graph, result, swap_in_stream, swap_out_free)
+    Walker(graph, allocations).walk(result.program)
+    return resident + _optimizer_state(graph), allocations.events
 
-    at = -1  # the instruction being replayed
 
-    def malloc(name: str, stream: str, when: float) -> int:
-        key = next(keys)
-        events.append(("malloc", key, size[name], stream, when, name, at))
+class _Allocations(Hooks):
+    """The hooks of `step_events`: each instruction's mallocs and frees, keyed per allocation."""
+
+    def __init__(self, graph: Graph, result, swap_in_stream: str, swap_out_free: str):
+        self.size = {t.name: (t.size if graph.counts(t) else 0) for t in graph.tensors.values()}
+        self.swap_in_stream, self.record_stream = swap_in_stream, swap_out_free == "record_stream"
+        self.times = _instruction_times(result)
+        self.timed = bool(getattr(result, "timeline", ()))
+        self.landed = {} if self.timed else _landing_positions(result.program)
+        self.events: list[tuple] = []
+        self.keys = itertools.count()
+        self.at = -1  # the instruction being replayed
+        self.live = {t.name: self.malloc(t.name, "compute", 0.0) for t in graph.tensors.values() if t.kind == "input"}
+        # swapped-out device copies waiting for their copy to the host, oldest first (a tensor re-made by a
+        # recompute while its first copy waits is retired twice); with record_stream they are freed at once
+        self.retired: dict[str, list[int]] = {}
+        self.d2h_queued = 0.0  # when the d2h work issued so far ends
+
+    def malloc(self, name: str, stream: str, when: float) -> int:
+        key = next(self.keys)
+        self.events.append(("malloc", key, self.size[name], stream, when, name, self.at))
         return key
 
-    def free(key: int, reusable_at: float | None = None) -> None:
-        events.append(("free", key, 0, "", reusable_at, "", at))
+    def free(self, key: int, reusable_at: float | None = None) -> None:
+        self.events.append(("free", key, 0, "", reusable_at, "", self.at))
 
-    live = {t.name: malloc(t.name, "compute", 0.0) for t in graph.tensors.values() if t.kind == "input"}
-    retired: dict[str, list[int]] = {}  # swapped-out device copies waiting for their copy to the host (a tensor
-    # re-made by a recompute while its first copy waits is retired twice: two copies, freed oldest first)
-    early: dict[str, int] = {}  # retired copies already freed (record_stream): skip their `free`
-    d2h_queued = 0.0  # when the d2h work issued so far ends
-    timed = bool(getattr(result, "timeline", ()))
-    landed = {} if timed else _landing_positions(result.program)
-    for at, ((verb, name), (start, end)) in enumerate(zip(result.program, _instruction_times(result))):
-        if verb in (Verb.RUN, Verb.RECOMPUTE):
-            for t in outputs[name]:
-                key = malloc(t, "compute", start)
-                if t in live:  # re-produced while kept: the copy is dropped
-                    free(key)
-                else:
-                    live[t] = key
-        elif verb == Verb.SWAP_IN:
-            live[name] = malloc(name, swap_in_stream, start)
-        elif verb == Verb.SWAP_OUT:
-            d2h_queued = max(d2h_queued, end)
-        elif verb == Verb.RETIRE:  # the device copy waits for its copy to the host; a swap-in may come first
-            if swap_out_free == "record_stream":
-                free(live.pop(name), d2h_queued if timed else landed[at])
-                early[name] = early.get(name, 0) + 1
-            else:
-                retired.setdefault(name, []).append(live.pop(name))
-        elif verb == Verb.FREE:  # a retired copy goes before the swapped-in one (see Simulator.settle)
-            if retired.get(name):
-                free(retired[name].pop(0))
-            elif early.get(name):
-                early[name] -= 1
-            else:
-                free(live.pop(name))
-    return resident, events
+    def on_run(self, k: int, op, made: list[str]) -> None:
+        self.at, start = k, self.times[k][0]
+        for t in op.outputs:
+            key = self.malloc(t, "compute", start)
+            if t in made:
+                self.live[t] = key
+            else:  # re-produced while kept: the copy is dropped
+                self.free(key)
+
+    on_recompute = on_run
+
+    def on_swap_in(self, k: int, tensor: str) -> None:
+        self.at = k
+        self.live[tensor] = self.malloc(tensor, self.swap_in_stream, self.times[k][0])
+
+    def on_swap_out(self, k: int, tensor: str) -> None:
+        self.d2h_queued = max(self.d2h_queued, self.times[k][1])
+
+    def on_retire(self, k: int, tensor: str) -> None:
+        """The device copy waits for its copy to the host; a swap-in may come first."""
+        self.at = k
+        key = self.live.pop(tensor)
+        if self.record_stream:
+            self.free(key, self.d2h_queued if self.timed else self.landed[k])
+        else:
+            self.retired.setdefault(tensor, []).append(key)
+
+    def on_free(self, k: int, tensor: str, retired: bool) -> None:
+        """A retired copy goes before the swapped-in one (see Simulator.settle); with record_stream it went at
+        its retire."""
+        self.at = k
+        if not retired:
+            self.free(self.live.pop(tensor))
+        elif not self.record_stream:
+            self.free(self.retired[tensor].pop(0))
 
 
 def replay_recorded(trace, *, expandable_segments: bool = False) -> dict:
