@@ -39,9 +39,13 @@ POLICIES = 32
 
 
 def old_module(rev: str, name: str):
-    """gaswap/<name>.py as of `rev`, imported as a module of its own."""
-    text = subprocess.run(["git", "show", f"{rev}:gaswap/{name}.py"], check=True, capture_output=True, text=True,
-                          cwd=ROOT).stdout
+    """gaswap/plan/<name>.py as of `rev` (gaswap/<name>.py before the sub-packages), imported as a module of
+    its own."""
+    def show(path):
+        return subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True, cwd=ROOT)
+
+    shown = show(f"gaswap/plan/{name}.py")
+    text = (shown if shown.returncode == 0 else show(f"gaswap/{name}.py")).stdout
     path = Path(tempfile.mkdtemp()) / f"{name}_old.py"
     path.write_text(text)
     spec = importlib.util.spec_from_file_location(f"{name}_old", path)
