@@ -150,9 +150,19 @@ def unit_of(path: str, units) -> str:
 def unit_owned_forward(graph: Graph, units, unit: str, outside=OUTSIDE) -> list[int]:
     """Indices of the forward ops `unit` owns itself (its layer's owner is it, not a unit inside it): the
     positions a recompute choice names."""
-    out = set(outside)
-    return [i for i, op in enumerate(graph.ops) if op.phase == "fwd" and op.layer not in out
-            and op.layer.split(".")[0] not in out and unit_of(op.layer, units) == unit]
+    return owned_forward(graph, units, outside).get(unit, [])
+
+
+def owned_forward(graph: Graph, units, outside=OUTSIDE) -> dict[str, list[int]]:
+    """{unit: `unit_owned_forward`} for every unit owning a forward op, in one pass."""
+    out, owner, by_unit = set(outside), {}, {}
+    for i, op in enumerate(graph.ops):
+        if op.phase != "fwd" or op.layer in out or op.layer.split(".")[0] in out:
+            continue
+        if op.layer not in owner:
+            owner[op.layer] = unit_of(op.layer, units)
+        by_unit.setdefault(owner[op.layer], []).append(i)
+    return by_unit
 
 
 def _tag(unit: str) -> str:
@@ -373,16 +383,24 @@ class _Builder:
         outputs go after their last forward reader and the copies after their last backward one. A backward
         op outside the unit still reads the forward's tensor (a checkpointed module's outputs are saved)."""
         g, clones_at, redirect = self.g, {}, {}
-        for u, chosen in (self.spec.recompute or {}).items():
+        if not self.spec.recompute:
+            return clones_at, redirect
+        owned = owned_forward(g, self.units, self.spec.outside)
+        backward: dict[str, list[int]] = {}  # unit -> its backward ops (those of units inside it included)
+        for i in bwd:
+            parts = g.ops[i].layer.split(".")
+            for k in range(1, len(parts) + 1):
+                backward.setdefault(".".join(parts[:k]), []).append(i)
+        for u, chosen in self.spec.recompute.items():
             if u == ROOT or u not in self.units:
                 raise ShardError(f"recompute: {u or 'the root'!r} is not a unit that can be checkpointed "
                                  f"(units: {', '.join(x for x in self.units if x)})")
-            own = unit_owned_forward(g, self.units, u, self.spec.outside)
+            own = owned.get(u, [])
             positions = range(len(own)) if chosen == "full" else chosen
             if any(not 0 <= p < len(own) for p in positions):
                 raise ShardError(f"recompute: unit {u!r} has {len(own)} forward ops, not positions {chosen}")
             ops = {own[p] for p in positions}
-            back = [i for i in bwd if within(g.ops[i].layer, u)]
+            back = [i for i in backward.get(u, ()) if within(g.ops[i].layer, u, i)]
             if not ops or not back:
                 continue
             made = {t: i for i in ops for t in g.ops[i].outputs}
