@@ -134,8 +134,8 @@ class ShardProblem:
         return Knobs(recompute, reshard, genes[k], genes[k + 1])
 
     def seed(self, name: str) -> tuple:
-        """Genes of a seed: "keep_all" (FSDP2's defaults), "full_ac" or "selective_ac" (torchtitan's op-level
-        policy: matmul and attention outputs saved, the rest recomputed)."""
+        """Genes of a seed, with the spec's reshard and prefetch knobs: "keep_all", "full_ac" or "selective_ac"
+        (torchtitan's op-level policy: matmul and attention outputs saved, the rest recomputed)."""
         genes = []
         for cls, sel in zip(self.classes, self.selectable):
             if name == "selective_ac":
@@ -143,7 +143,9 @@ class ShardProblem:
                 genes += [2] + [int(not t.startswith(SAVED_BY_TORCHTITAN)) for t in targets]
             else:
                 genes += [1 if name == "full_ac" else 0] + [0] * len(sel)
-        return tuple(genes + [1] * len(self.units) + [0, 1])
+        reshard = [int(self.spec.reshards(u)) for u in self.units]
+        prefetch = [min(self.spec.forward_prefetch, MAX_PREFETCH), min(self.spec.backward_prefetch, MAX_PREFETCH)]
+        return tuple(genes + reshard + prefetch)
 
     def bounds(self) -> list[int]:
         """The largest value of each gene."""
