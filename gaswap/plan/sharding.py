@@ -485,9 +485,16 @@ class _Builder:
         after: dict[int, list] = {}
         deferred = []
         forward_spans = {}
+        members: dict[str, list[int]] = {ROOT: list(range(len(g.ops)))}  # module path -> ops inside it, in order
+        for i, op in enumerate(g.ops):
+            parts = op.layer.split(".") if op.layer else []
+            for k in range(1, len(parts) + 1):
+                members.setdefault(".".join(parts[:k]), []).append(i)
         for u in grouped + ([] if ROOT in grouped else [ROOT]):
-            f = [i for i in fwd if within(g.ops[i].layer, u)]
-            b = [i for i in bwd if within(g.ops[i].layer, u, i)] if u in self.group else []
+            ops_in = members.get(u, ())
+            f = [i for i in ops_in if g.ops[i].phase == "fwd" and within(g.ops[i].layer, u)]
+            b = [i for i in ops_in if g.ops[i].phase == "bwd" and within(g.ops[i].layer, u, i)] \
+                if u in self.group else []
             if f:  # the root's post-forward frees the last all-gather output, whether it has parameters or not
                 forward_spans[u] = (f[0], f[-1])
                 before.setdefault(f[0], []).append(("pre_forward", u))
