@@ -169,6 +169,11 @@ def _prog() -> str:
 def search(args) -> int:
     """Capture, cost, search and write `results/<experiment>/`; print a short table."""
     exp = config.load_experiment(args.experiment)  # a bad file is refused before torch is imported
+    if exp.distributed is not None:
+        # imported when this verb runs: one rank of a sharded run is planned there
+        from gaswap.app import shard_plan
+
+        return shard_plan.command(args, exp)
     # imported when this verb runs: the others, and --help, load neither torch nor these modules
     from gaswap.app import results, workflow
 

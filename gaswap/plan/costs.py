@@ -12,7 +12,7 @@ import math
 import os
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -76,6 +76,8 @@ class HardwareProfile:
     efficiency: float
     copy_latency: float = 0.0
     copies_overlap: bool = True  # False for a CPU: its host copies hold up compute
+    links: dict = field(default_factory=dict)  # interconnect name -> {"latency_s": s, "bandwidth_Bps": bytes/s}
+    gpus_per_node: int | None = None  # devices a node's fast link joins (sharded runs beyond go over the slowest)
 
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s for a dtype name, falling back to float32."""
@@ -105,6 +107,9 @@ def load_profile(name: str) -> HardwareProfile:
             efficiency=float(data["efficiency"]),
             copy_latency=float(data.get("copy_latency", 0.0)),
             copies_overlap=bool(data.get("copies_overlap", True)),
+            links={str(k): {"latency_s": float(v["latency_s"]), "bandwidth_Bps": float(v["bandwidth_Bps"])}
+                   for k, v in (data.get("links") or {}).items()},
+            gpus_per_node=int(data["gpus_per_node"]) if data.get("gpus_per_node") is not None else None,
         )
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"hardware profile {path} is malformed: {e!r}") from e

@@ -86,7 +86,8 @@ class ShardSpec:
     (FSDP2's default: True except for the root); prefetch depths; this `rank`; `sharded_itemsize` the bytes per
     element of the sharded parameters when the graph was captured in another dtype (mixed precision: the graph
     in the parameter dtype, the shards in the original one); `reduce_itemsize` of the reduce-scatter (default:
-    the gradients'); `optimizer_scalar_bytes` per parameter (Adam's `step`: 4)."""
+    the gradients'); `optimizer_scalar_bytes` per parameter (Adam's `step`: 4); `recompute` {unit: "full" or
+    positions among `unit_owned_forward(...)`}: activation checkpointing (see `_Builder.recompute_plan`)."""
 
     world_size: int
     units: tuple[str, ...] = (ROOT,)
@@ -98,6 +99,7 @@ class ShardSpec:
     reduce_itemsize: int | None = None
     optimizer_scalar_bytes: int = 0
     outside: tuple[str, ...] = OUTSIDE
+    recompute: dict | None = None
 
     def reshards(self, unit: str) -> bool:
         r = self.reshard_after_forward
@@ -134,6 +136,7 @@ class RankGraph:
     units: dict
     collective_bytes: dict = field(default_factory=dict)
     collective_kind: dict = field(default_factory=dict)
+    recomputed: dict = field(default_factory=dict)  # recomputed op -> the forward op it repeats
 
 
 def unit_of(path: str, units) -> str:
@@ -143,6 +146,24 @@ def unit_of(path: str, units) -> str:
         if u and (path == u or path.startswith(u + ".")) and len(u) > len(best):
             best = u
     return best
+
+
+def unit_owned_forward(graph: Graph, units, unit: str, outside=OUTSIDE) -> list[int]:
+    """Indices of the forward ops `unit` owns itself (its layer's owner is it, not a unit inside it): the
+    positions a recompute choice names."""
+    return owned_forward(graph, units, outside).get(unit, [])
+
+
+def owned_forward(graph: Graph, units, outside=OUTSIDE) -> dict[str, list[int]]:
+    """{unit: `unit_owned_forward`} for every unit owning a forward op, in one pass."""
+    out, owner, by_unit = set(outside), {}, {}
+    for i, op in enumerate(graph.ops):
+        if op.phase != "fwd" or op.layer in out or op.layer.split(".")[0] in out:
+            continue
+        if op.layer not in owner:
+            owner[op.layer] = unit_of(op.layer, units)
+        by_unit.setdefault(owner[op.layer], []).append(i)
+    return by_unit
 
 
 def _tag(unit: str) -> str:
@@ -186,6 +207,8 @@ class _Builder:
         self.rs_states: list[str] = []
         self.done_pre_backward: set[str] = set()
         self.done_post_backward: set[str] = set()
+        self.recomputed: dict[str, str] = {}  # recomputed op -> the forward op it repeats
+        self.copy_of: dict[str, str] = {}  # recomputed tensor -> the forward's
 
     # --- sizes ---
     def shard_bytes(self, p: ParamSpec, itemsize: int | None = None) -> int:
@@ -348,6 +371,83 @@ class _Builder:
         self.pending_relabel.append((out, "sharded grads"))
         self.rs_states.append(rs_in)
 
+    # --- activation checkpointing ---
+    def recompute_plan(self, fwd, bwd, within) -> tuple[dict, dict]:
+        """Where the recomputed forward ops go and what the backward reads instead: ({backward op index: the
+        clones run before it}, {backward op index: {tensor: its recomputed copy}}), from `spec.recompute`.
+
+        Per unit, its own forward ops (`unit_owned_forward`) at the chosen positions are recomputed (all of them
+        for "full"): those whose outputs the unit's backward reads, and those these need, run again in forward
+        order just before the unit's first backward op, after its pre-backward all-gather (torch's checkpoint
+        unpacks its saved tensors there; FSDP2 skips its pre-forward hooks in the pre-backward state, so the
+        recompute reads the re-gathered parameters). The unit's backward ops read the copies, so the forward's
+        outputs go after their last forward reader and the copies after their last backward one. A backward
+        op outside the unit still reads the forward's tensor (a checkpointed module's outputs are saved)."""
+        g, clones_at, redirect = self.g, {}, {}
+        if not self.spec.recompute:
+            return clones_at, redirect
+        owned = owned_forward(g, self.units, self.spec.outside)
+        backward: dict[str, list[int]] = {}  # unit -> its backward ops (those of units inside it included)
+        for i in bwd:
+            parts = g.ops[i].layer.split(".")
+            for k in range(1, len(parts) + 1):
+                backward.setdefault(".".join(parts[:k]), []).append(i)
+        for u, chosen in self.spec.recompute.items():
+            if u == ROOT or u not in self.units:
+                raise ShardError(f"recompute: {u or 'the root'!r} is not a unit that can be checkpointed "
+                                 f"(units: {', '.join(x for x in self.units if x)})")
+            own = owned.get(u, [])
+            positions = range(len(own)) if chosen == "full" else chosen
+            if any(not 0 <= p < len(own) for p in positions):
+                raise ShardError(f"recompute: unit {u!r} has {len(own)} forward ops, not positions {chosen}")
+            ops = {own[p] for p in positions}
+            back = [i for i in backward.get(u, ()) if within(g.ops[i].layer, u, i)]
+            if not ops or not back:
+                continue
+            made = {t: i for i in ops for t in g.ops[i].outputs}
+            needed = {t for i in back for t in g.ops[i].inputs if t in made}
+            run = []
+            for i in sorted(ops, reverse=True):
+                if needed.intersection(g.ops[i].outputs):
+                    run.append(i)
+                    needed.update(t for t in g.ops[i].inputs if t in made)
+            copy = {t: f"{t}.rc" for i in run for t in g.ops[i].outputs}
+            clones = []
+            for i in sorted(run):
+                op = g.ops[i]
+                clones.append(replace(op, name=f"{op.name}.rc", inputs=tuple(copy.get(t, t) for t in op.inputs),
+                                      outputs=tuple(copy[t] for t in op.outputs), phase="bwd"))
+                self.recomputed[f"{op.name}.rc"] = op.name
+            self.copy_of.update({v: k for k, v in copy.items()})
+            clones_at.setdefault(back[0], []).extend(clones)
+            for i in back:
+                if copy.keys() & set(g.ops[i].inputs):
+                    redirect.setdefault(i, {}).update(copy)
+        return clones_at, redirect
+
+    def step_op(self, op: Op, owner, category: str) -> None:
+        """Emit one op of the single-device step (or a recomputed copy): parameters read as the unit's unsharded
+        ones, outputs categorised (gradients of sharded parameters are unsharded gradients)."""
+        inputs = []
+        for t in op.inputs:
+            if t in self.params:
+                if t not in self.current:
+                    raise ShardError(f"op {op.name} ({op.layer or 'root'}) reads parameter {self.params[t].path} "
+                                     f"while its unit {owner(self.params[t].path) or 'root'!r} is sharded")
+                inputs.append(self.current[t])
+            else:
+                inputs.append(t)
+        for t in op.outputs:
+            src = self.g.tensors[self.copy_of.get(t, t)]
+            if t in self.grad_of:
+                self.tensor(t, src.size, "activation", op.name, "unsharded grads", "temporaries")
+            elif src.kind == "grad":  # a gradient of no parameter we shard (kept as it is)
+                self.tensor(t, src.size, "grad", op.name, "temporaries")
+            else:
+                self.tensor(t, src.size, src.kind, op.name, category)
+        self.emit(op.name, op.target, inputs, op.outputs, layer=op.layer)
+        self.ops[-1] = replace(op, inputs=tuple(dict.fromkeys(inputs)))
+
     # --- the walk ---
     def build(self) -> RankGraph:
         g, spec, units = self.g, self.spec, self.units
@@ -386,9 +486,16 @@ class _Builder:
         after: dict[int, list] = {}
         deferred = []
         forward_spans = {}
+        members: dict[str, list[int]] = {ROOT: list(range(len(g.ops)))}  # module path -> ops inside it, in order
+        for i, op in enumerate(g.ops):
+            parts = op.layer.split(".") if op.layer else []
+            for k in range(1, len(parts) + 1):
+                members.setdefault(".".join(parts[:k]), []).append(i)
         for u in grouped + ([] if ROOT in grouped else [ROOT]):
-            f = [i for i in fwd if within(g.ops[i].layer, u)]
-            b = [i for i in bwd if within(g.ops[i].layer, u, i)] if u in self.group else []
+            ops_in = members.get(u, ())
+            f = [i for i in ops_in if g.ops[i].phase == "fwd" and within(g.ops[i].layer, u)]
+            b = [i for i in ops_in if g.ops[i].phase == "bwd" and within(g.ops[i].layer, u, i)] \
+                if u in self.group else []
             if f:  # the root's post-forward frees the last all-gather output, whether it has parameters or not
                 forward_spans[u] = (f[0], f[-1])
                 before.setdefault(f[0], []).append(("pre_forward", u))
@@ -420,29 +527,15 @@ class _Builder:
                 else:
                     self.post_backward(u)
 
+        clones_at, redirect = self.recompute_plan(fwd, bwd, within)
         for i, op in enumerate(g.ops):
             self.phase = op.phase
             run(before.get(i, ()))
-            inputs = []
-            for t in op.inputs:
-                if t in self.params:
-                    if t not in self.current:
-                        raise ShardError(f"op {op.name} ({op.layer or 'root'}) reads parameter {self.params[t].path} "
-                                         f"while its unit {owner(self.params[t].path) or 'root'!r} is sharded")
-                    inputs.append(self.current[t])
-                else:
-                    inputs.append(t)
-            for t in op.outputs:
-                src = g.tensors[t]
-                if t in self.grad_of:
-                    self.tensor(t, src.size, "activation", op.name, "unsharded grads", "temporaries")
-                elif src.kind == "grad":  # a gradient of no parameter we shard (kept as it is)
-                    self.tensor(t, src.size, "grad", op.name, "temporaries")
-                else:
-                    cat = "activations" if op.phase == "fwd" or i in seed else "temporaries"
-                    self.tensor(t, src.size, src.kind, op.name, cat)
-            self.emit(op.name, op.target, inputs, op.outputs, layer=op.layer)
-            self.ops[-1] = replace(op, inputs=tuple(dict.fromkeys(inputs)))
+            for clone in clones_at.get(i, ()):
+                self.step_op(clone, owner, "activations")
+            if i in redirect:
+                op = replace(op, inputs=tuple(redirect[i].get(t, t) for t in op.inputs))
+            self.step_op(op, owner, "activations" if op.phase == "fwd" or i in seed else "temporaries")
             run(after.get(i, ()))
         self.phase = "bwd"
         order = [u for u in units if u == ROOT] + [u for u in units if u != ROOT]  # all_states: root first
@@ -469,7 +562,7 @@ class _Builder:
         units_out = {u: tuple(p.tensor for p in self.group[u]) for u in grouped}
         return RankGraph(graph, spec, self.stream, self.category, self.tracker,
                          {t: tuple(v) for t, v in self.relabel.items()}, units_out, self.collective_bytes,
-                         self.collective_kind)
+                         self.collective_kind, self.recomputed)
 
 
 def shard_step(graph: Graph, params: list[ParamSpec], spec: ShardSpec) -> RankGraph:

@@ -1,0 +1,265 @@
+"""`gaswap search` of an experiment with a `distributed:` key: plan one rank of an FSDP2 run before launch.
+
+Capture the single-device step on the meta device (parameters in the mixed-precision parameter dtype), turn it
+into one rank's step (`plan.sharding`), search activation checkpointing and FSDP's knobs (`plan.shard_search`)
+with op costs from the hardware profile's roofline and collectives from its `links`, print per rank what is
+resident by category for keep-all, full AC, selective AC and the best plan (the fastest on the front whose
+reserved peak fits too, else the fastest), and whether each fits the budget (live, allocated and reserved through
+the allocator model: the rank's program replayed in order, all on one stream), and write `results/<experiment>/`: summary.json,
+front.csv and plan.yaml (the chosen knobs and recompute sets: not a policy file, whose format names one
+device's keep/swap/recompute per activation).
+"""
+from __future__ import annotations
+
+import csv
+import fnmatch
+import io
+import json
+import random
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import yaml
+
+from gaswap.app import results
+from gaswap.base import config
+from gaswap.base.config import format_size
+from gaswap.base.files import umask
+from gaswap.plan.costs import Costs, estimate, load_profile
+from gaswap.plan.encoding import Action
+from gaswap.plan.memory import allocator
+from gaswap.plan.shard_search import Point, ShardProblem, link_for, search
+from gaswap.plan.sharding import CATEGORIES, ShardError, ShardSpec, memory_report
+from gaswap.plan.simulator import Simulator
+
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+REFERENCES = (("keep-all", "keep_all"), ("full AC", "full_ac"), ("selective AC", "selective_ac"))
+EXIT_INFEASIBLE = 3
+
+
+def refuse_unsupported(exp: config.Experiment) -> None:
+    """ConfigError (one line) for what this planner does not model."""
+    d = exp.distributed
+    where = f"{exp.path}: distributed"
+    if d.strategy != "fsdp":
+        raise config.ConfigError(f"{where}.strategy: {d.strategy!r} is not modelled yet; only 'fsdp' (FSDP2's "
+                                 f"fully_shard, ZeRO-3) is planned")
+    if d.offload:
+        raise config.ConfigError(f"{where}.offload: CPU offload (CPUOffloadPolicy) is not modelled yet")
+    if exp.autocast and d.mixed_precision.param_dtype:
+        raise config.ConfigError(f"{where}.mixed_precision: autocast together with FSDP's param_dtype is not "
+                                 f"modelled; use one of them")
+    if exp.costs.source != "estimate":
+        raise config.ConfigError(f"{exp.path}: costs.source: a sharded run is planned from a hardware profile "
+                                 f"('estimate', with `links`), not measured here")
+
+
+def match_units(exp: config.Experiment, model) -> list[str]:
+    """Module paths of the FSDP units: modules whose class name is a pattern, or whose path matches one
+    (`fnmatch`); ConfigError for a pattern that matches nothing. The root comes last."""
+    found = []
+    for pattern in exp.distributed.units:
+        hits = [name for name, m in model.named_modules()
+                if name and (type(m).__name__ == pattern or fnmatch.fnmatchcase(name, pattern))]
+        if not hits:
+            classes = sorted({type(m).__name__ for _, m in model.named_modules()})
+            raise config.ConfigError(f"{exp.path}: distributed.units: {pattern!r} matches no module of "
+                                     f"{exp.model.factory} (its classes: {', '.join(classes)})")
+        found += hits
+    return list(dict.fromkeys(found)) + [""]
+
+
+def prepare(exp: config.Experiment) -> dict:
+    """Capture (timed in CPU seconds) and the search problem: {"problem", "link", "profile", "capture_s", ...}."""
+    import torch  # the torch side of this verb: building and capturing the model
+
+    from gaswap.run.capture import CaptureError  # the capture's own errors, renamed with the file
+    from gaswap.run.experiment import build_model, make_inputs  # the model and inputs, as every verb builds them
+    from gaswap.shard.capture import capture_for_sharding  # the single-device step and its parameters
+
+    refuse_unsupported(exp)
+    d = exp.distributed
+    try:
+        profile = load_profile(exp.costs.profile)
+        link_name, link = link_for(profile, d.world_size, d.link)
+    except (ValueError, ShardError) as err:
+        raise config.ConfigError(f"{exp.path}: costs.profile / distributed.link: {err}") from None
+    started = time.process_time()
+    model = build_model(exp)
+    units = match_units(exp, model)
+    sharded = {p.element_size() for p in model.parameters()}
+    mp = d.mixed_precision
+    if mp.param_dtype:
+        if len(sharded) != 1:
+            raise config.ConfigError(f"{exp.path}: distributed.mixed_precision: parameters of several dtypes "
+                                     f"cast to {mp.param_dtype} are not modelled")
+        model = model.to(getattr(torch, mp.param_dtype))
+    inputs, target = make_inputs(exp)
+    try:
+        captured, _, params = capture_for_sharding(model, inputs, target, exp.loss, optimizer=exp.optimizer,
+                                                   autocast=exp.autocast)
+    except CaptureError as err:
+        raise CaptureError(f"{exp.path}: {err}") from None
+    capture_s = time.process_time() - started
+    spec = ShardSpec(d.world_size, tuple(units), reshard_after_forward=None if d.reshard_after_forward else False,
+                     forward_prefetch=d.prefetch.forward, backward_prefetch=d.prefetch.backward,
+                     sharded_itemsize=sharded.pop() if mp.param_dtype else None,
+                     reduce_itemsize=ITEMSIZE[mp.reduce_dtype] if mp.reduce_dtype else None,
+                     optimizer_scalar_bytes=4 if exp.optimizer == "adam" else 0)
+    costs = estimate(captured.graph, profile)
+    problem = ShardProblem(captured.graph, params, spec, costs.op_time, link, 0,
+                           profile.memory_bandwidth * profile.efficiency)
+    return {"problem": problem, "link": link_name, "profile": profile, "capture_s": capture_s, "units": units}
+
+
+def memory(problem: ShardProblem, point: Point, optimizer: str) -> dict:
+    """Per-category bytes at the peak, the live peak, and the allocator model's allocated and reserved peaks
+    (two steps, the optimizer's temporaries included)."""
+    rank = problem.rank(point.knobs)
+    report = memory_report(rank)
+    g = rank.graph
+    sim = Simulator(g, report_costs(g))
+    traced = sim.run(list(range(len(g.ops))), [int(Action.KEEP)] * len(sim.candidates), trace=True)
+    figures = allocator.figures(g, traced, steps=2, optimizer=optimizer)
+    return {"at_peak": {c: report.at_peak.get(c, 0) for c in CATEGORIES}, "peak_op": report.peak_op} | figures
+
+
+def report_costs(graph) -> Costs:
+    """Zero-cost ops: only the memory is read."""
+    return Costs({op.name: 0.0 for op in graph.ops}, 1.0, 1.0, "shard", "shard")
+
+
+def command(args, exp: config.Experiment) -> int:
+    """The `search` verb for a sharded experiment: plan, print, write; 0, or 3 when nothing fits the budget."""
+    out = results.folder_of(args.results, exp.name)
+    d = exp.distributed
+    print(f"gaswap search {exp.name}: {exp.model.factory}, batch {exp.batch_size} per rank, FSDP2 over "
+          f"{d.world_size} ranks")
+    prepared = prepare(exp)
+    problem, profile = prepared["problem"], prepared["profile"]
+    started = time.process_time()
+    keep = problem.evaluate(problem.seed("keep_all"))
+    rank_s = time.process_time() - started
+    budget = exp.budget.resolve(keep.peak)
+    problem.budget = budget
+    g = problem.graph
+    print(f"graph: {len(g.ops)} ops, {len(prepared['units'])} units ({len(problem.classes)} class(es) of identical "
+          f"blocks), captured in {prepared['capture_s']:.1f} CPU s; one rank's graph + simulation "
+          f"{rank_s:.2f} CPU s; costs {profile.name}, collectives over {prepared['link']}")
+    result = search(problem, random.Random(exp.seed), population=exp.ga.population, generations=exp.ga.generations,
+                    cx_prob=exp.ga.cx_prob, mut_prob=exp.ga.mut_prob, max_seconds=exp.ga.max_seconds)
+    shown = {name: result.seeds[key] for name, key in REFERENCES}
+    figures = {name: memory(problem, p, exp.optimizer) for name, p in shown.items()}
+    best = None
+    for p in sorted(result.front, key=lambda p: p.step_time):  # the fastest whose reserved peak fits too
+        best, figures["best"] = p, memory(problem, p, exp.optimizer)
+        if figures["best"]["reserved_bytes"] <= budget:
+            break
+    if best is not None:
+        shown["best"] = best
+    print(table(shown, figures, budget, keep))
+    print(f"search: {result.evaluations} plans in {result.seconds:.1f} CPU s, {len(result.front)} on the front; "
+          f"total {prepared['capture_s'] + rank_s + result.seconds:.1f} CPU s (capture, rank graph, search)")
+    summary = {
+        "experiment": exp.name, "experiment_file": exp.path, "model": asdict(exp.model),
+        "distributed": asdict(d), "batch_size": exp.batch_size, "optimizer": exp.optimizer, "loss": exp.loss,
+        "device": profile.name, "cost_source": f"estimated:{profile.name}", "link": prepared["link"],
+        "budget_bytes": budget, "budget": str(exp.budget), "units": prepared["units"][:-1],
+        "block_classes": [list(c) for c in problem.classes],
+        "graph": {"ops": len(g.ops), "fingerprint": g.fingerprint()},
+        "cpu_seconds": {"capture": prepared["capture_s"], "rank_graph": rank_s, "search": result.seconds},
+        "plans": {name: {"peak_bytes": p.peak, "step_time_s": p.step_time, "fits": p.fits(budget),
+                         "overhead": p.step_time / keep.step_time - 1} | figures[name] | {"knobs": knobs(problem, p)}
+                  for name, p in shown.items()},
+        "best": "best" if best is not None else None,
+        "front_size": len(result.front), "evaluations": result.evaluations,
+        "history": [{"best_time_s": t, "front_size": n} for t, n in result.history],
+    }
+    files = {"summary.json": json.dumps(summary, indent=2) + "\n",
+             "front.csv": front_csv(problem, result.front, keep)}
+    if best is not None:
+        files["plan.yaml"] = yaml.safe_dump(plan(exp, problem, best), sort_keys=False)
+    write_folder(exp, out, files, force=args.force)
+    print(f"wrote {out}/ ({', '.join(files)})")
+    if best is None:
+        print(f"error: no plan fits {format_size(budget)} per rank on {d.world_size} ranks", file=sys.stderr)
+        return EXIT_INFEASIBLE
+    return 0
+
+
+def table(shown: dict, figures: dict, budget: int, keep: Point) -> str:
+    """Per rank, bytes by category at each plan's peak, the peaks and whether they fit the budget."""
+    names = list(shown)
+    rows = [["per rank"] + names]
+    for cat in CATEGORIES:
+        if any(figures[n]["at_peak"][cat] for n in names):
+            rows.append([cat] + [format_size(figures[n]["at_peak"][cat]) for n in names])
+    for key, label in (("live_bytes", "peak (live)"), ("allocated_bytes", "allocated"),
+                       ("reserved_bytes", "reserved")):
+        rows.append([label] + [format_size(figures[n][key]) for n in names])
+        rows.append([f"  fits {format_size(budget)}"] + ["yes" if figures[n][key] <= budget else "NO" for n in names])
+    rows.append(["step time"] + [f"{shown[n].step_time * 1e3:.1f} ms ({shown[n].step_time / keep.step_time - 1:+.1%})"
+                                 for n in names])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def knobs(problem: ShardProblem, p: Point) -> dict:
+    """A plan's knobs as plain data: per block class the recompute choice, the units kept gathered after the
+    forward, prefetch depths."""
+    per_class = []
+    for cls in problem.classes:
+        chosen = p.knobs.recompute.get(cls[0], ())
+        ops = problem.owned[cls[0]]
+        per_class.append({"units": f"{cls[0]} .. {cls[-1]} ({len(cls)})" if len(cls) > 1 else cls[0],
+                          "recompute": "full" if chosen == "full" else
+                          [problem.graph.ops[ops[i]].name for i in chosen] or "none"})
+    return {"recompute": per_class,
+            "reshard_after_forward_false": [u for u in problem.units if not p.knobs.reshard.get(u, True)],
+            "forward_prefetch": p.knobs.forward_prefetch, "backward_prefetch": p.knobs.backward_prefetch}
+
+
+def plan(exp: config.Experiment, problem: ShardProblem, best: Point) -> dict:
+    return {"experiment": exp.name, "experiment_file": exp.path, "world_size": exp.distributed.world_size,
+            "predicted": {"peak_bytes": best.peak, "step_time_s": best.step_time}, **knobs(problem, best)}
+
+
+def front_csv(problem: ShardProblem, front: list, keep: Point) -> str:
+    out = io.StringIO()
+    w = csv.writer(out, lineterminator="\n")
+    w.writerow(["peak_bytes", "step_time_s", "overhead", "recompute", "reshard_after_forward_false",
+                "forward_prefetch", "backward_prefetch"])
+    for p in front:
+        k = knobs(problem, p)
+        w.writerow([p.peak, p.step_time, p.step_time / keep.step_time - 1,
+                    ";".join(str(c["recompute"]) if isinstance(c["recompute"], str) else f"{len(c['recompute'])} ops"
+                             for c in k["recompute"]),
+                    len(k["reshard_after_forward_false"]), k["forward_prefetch"], k["backward_prefetch"]])
+    return out.getvalue()
+
+
+def write_folder(exp: config.Experiment, out: Path, files: dict, *, force: bool) -> None:
+    """Write `files` into `out` whole (a temporary sibling folder renamed into place, as `app.results` does),
+    refusing another experiment's folder unless `force`."""
+    with results.locked(out):
+        results.recover(out)
+        results.check_folder(exp.name, exp.path, out, force=force)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+        tmp.chmod(0o777 & ~umask())
+        try:
+            for name, text in files.items():
+                (tmp / name).write_text(text)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        new, old = out.with_name(f".{out.name}.new"), out.with_name(f".{out.name}.old")
+        tmp.rename(new)
+        if out.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            out.rename(old)
+        new.rename(out)
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,278 @@
+"""Search one rank's FSDP2 step: activation checkpointing per block class and FSDP's knobs, NSGA-II on (per-rank
+peak, step time) under a per-rank budget. No torch here.
+
+Genes (`ShardProblem.decode`): per class of identical units (`unit_classes`: their own forward ops match one by
+one), a mode (0 keep, 1 full AC, 2 selective) and one bit per recomputable forward op of the class (recomputed
+when selective); per non-root unit, `reshard_after_forward`; the forward and backward prefetch depths. Identical
+units share one recompute choice. An evaluation builds the rank's graph (`sharding.shard_step`), its peak from
+the simulator (every activation kept, the graph's order: the recompute is in the graph) and its step time from
+`sharding.step_time` (ops from the single-device costs, recomputed ops as their originals, collectives from a
+`Link`). Selection is NSGA-II (`deap.tools.selNSGA2`) under constraint domination: a policy under the budget
+beats any over it, and of two over it the smaller peak wins. Seeds: keep-all, full AC on every unit and
+torchtitan's selective AC (matmul and attention outputs saved, the rest recomputed). Randomness is passed in.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field, replace
+
+from deap import base, tools
+
+from gaswap.plan.costs import Costs, HardwareProfile
+from gaswap.plan.encoding import Action
+from gaswap.plan.graph import Graph
+from gaswap.plan.sharding import (OUTSIDE, ROOT, Link, ParamSpec, RankGraph, ShardError, ShardSpec, owned_forward,
+                                  rank_op_times, shard_step, step_time)
+from gaswap.plan.simulator import Simulator
+
+MODES = ("keep", "full", "selective")
+MAX_PREFETCH = 2
+SAVED_BY_TORCHTITAN = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten._scaled_dot_product")  # op targets saved
+
+
+def link_for(profile: HardwareProfile, world_size: int, name: str | None = None) -> tuple[str, Link]:
+    """The profile's interconnect a ring of `world_size` ranks runs over: `name`, else its first link within
+    `gpus_per_node` and its slowest beyond (the ring crosses nodes); ShardError when the profile has none."""
+    if not profile.links:
+        raise ShardError(f"hardware profile {profile.name!r} has no `links`: it cannot cost collectives")
+    if name is None:
+        within = profile.gpus_per_node is None or world_size <= profile.gpus_per_node
+        name = next(iter(profile.links)) if within else min(profile.links,
+                                                            key=lambda k: profile.links[k]["bandwidth_Bps"])
+    if name not in profile.links:
+        raise ShardError(f"link {name!r} is not one of hardware profile {profile.name!r}'s: "
+                         f"{', '.join(profile.links)}")
+    figures = profile.links[name]
+    return name, Link(figures["latency_s"], figures["bandwidth_Bps"])
+
+
+def unit_classes(graph: Graph, units, outside=OUTSIDE) -> list[tuple[str, ...]]:
+    """Non-root units grouped by their own forward ops (target, signature, layer inside the unit,
+    recomputability), in captured order: identical blocks share a class; a unique unit is a class of one."""
+    owned = owned_forward(graph, units, outside)
+    classes: dict[tuple, list[str]] = {}
+    for u in units:
+        if u == ROOT or u not in owned:
+            continue
+        key = tuple((graph.ops[i].target, graph.ops[i].signature, graph.ops[i].layer[len(u):],
+                     graph.ops[i].recomputable) for i in owned[u])
+        classes.setdefault(key, []).append(u)
+    return [tuple(v) for v in classes.values()]
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """One point of the search space: {unit: "full" or positions} recomputed, {unit: bool} resharded after
+    the forward, prefetch depths."""
+
+    recompute: dict
+    reshard: dict
+    forward_prefetch: int
+    backward_prefetch: int
+
+    def spec(self, base_spec: ShardSpec) -> ShardSpec:
+        return replace(base_spec, recompute=self.recompute or None, reshard_after_forward=self.reshard,
+                       forward_prefetch=self.forward_prefetch, backward_prefetch=self.backward_prefetch)
+
+
+@dataclass(frozen=True)
+class Point:
+    """An evaluated plan: per-rank peak (bytes), step time (s), its knobs and genes."""
+
+    peak: int
+    step_time: float
+    knobs: Knobs
+    genes: tuple
+
+    def fits(self, budget: int) -> bool:
+        return self.peak <= budget
+
+
+@dataclass
+class ShardProblem:
+    """The single-device `graph`, its parameters, the run's `spec` (world size, units, dtypes), seconds per op
+    of the single-device graph, the `link`, the per-rank `budget` and FSDP's copy bandwidth (bytes/s)."""
+
+    graph: Graph
+    params: list[ParamSpec]
+    spec: ShardSpec
+    op_time: dict
+    link: Link
+    budget: int
+    copy_bandwidth: float
+    classes: list = field(init=False)
+    selectable: list = field(init=False)  # per class: the positions a selective gene may recompute
+    units: list = field(init=False)  # non-root units, in the spec's order
+    owned: dict = field(init=False)  # unit -> its own forward ops
+    cache: dict = field(init=False, default_factory=dict)
+
+    def __post_init__(self):
+        units = tuple(dict.fromkeys([u for u in self.spec.units if u != ROOT] + [ROOT]))
+        self.classes = unit_classes(self.graph, units, self.spec.outside)
+        owned = owned_forward(self.graph, units, self.spec.outside)
+        self.selectable = [tuple(p for p, i in enumerate(owned[c[0]]) if self.graph.ops[i].recomputable)
+                           for c in self.classes]
+        self.units = [u for u in units if u != ROOT]
+        self.owned = owned
+
+    # --- genes ---
+    def length(self) -> int:
+        return sum(1 + len(s) for s in self.selectable) + len(self.units) + 2
+
+    def decode(self, genes) -> Knobs:
+        genes, k, recompute = list(genes), 0, {}
+        for cls, sel in zip(self.classes, self.selectable):
+            mode, bits = genes[k], genes[k + 1:k + 1 + len(sel)]
+            k += 1 + len(sel)
+            chosen = "full" if mode == 1 else tuple(p for p, b in zip(sel, bits) if b) if mode == 2 else ()
+            for u in cls:
+                if chosen:
+                    recompute[u] = chosen
+        reshard = {u: bool(b) for u, b in zip(self.units, genes[k:k + len(self.units)])} | {ROOT: False}
+        k += len(self.units)
+        return Knobs(recompute, reshard, genes[k], genes[k + 1])
+
+    def seed(self, name: str) -> tuple:
+        """Genes of a seed, with the spec's reshard and prefetch knobs: "keep_all", "full_ac" or "selective_ac"
+        (torchtitan's op-level policy: matmul and attention outputs saved, the rest recomputed)."""
+        genes = []
+        for cls, sel in zip(self.classes, self.selectable):
+            if name == "selective_ac":
+                targets = [self.graph.ops[self.owned[cls[0]][p]].target for p in sel]
+                genes += [2] + [int(not t.startswith(SAVED_BY_TORCHTITAN)) for t in targets]
+            else:
+                genes += [1 if name == "full_ac" else 0] + [0] * len(sel)
+        reshard = [int(self.spec.reshards(u)) for u in self.units]
+        prefetch = [min(self.spec.forward_prefetch, MAX_PREFETCH), min(self.spec.backward_prefetch, MAX_PREFETCH)]
+        return tuple(genes + reshard + prefetch)
+
+    def bounds(self) -> list[int]:
+        """The largest value of each gene."""
+        out = []
+        for sel in self.selectable:
+            out += [len(MODES) - 1] + [1] * len(sel)
+        return out + [1] * len(self.units) + [MAX_PREFETCH, MAX_PREFETCH]
+
+    # --- evaluation ---
+    def rank(self, knobs: Knobs) -> RankGraph:
+        return shard_step(self.graph, self.params, knobs.spec(self.spec))
+
+    def evaluate(self, genes) -> Point:
+        knobs = self.decode(genes)
+        key = (tuple(sorted(knobs.recompute.items())), tuple(sorted(knobs.reshard.items())),
+               knobs.forward_prefetch, knobs.backward_prefetch)
+        if key not in self.cache:
+            rank = self.rank(knobs)
+            self.cache[key] = Point(peak_bytes(rank), self.time(rank), knobs, tuple(genes))
+        return replace(self.cache[key], genes=tuple(genes))
+
+    def time(self, rank: RankGraph) -> float:
+        times = dict(self.op_time)
+        times.update({c: self.op_time.get(o, 0.0) for c, o in rank.recomputed.items()})
+        return step_time(rank, rank_op_times(rank, times, self.link, copy_bandwidth=self.copy_bandwidth))[0]
+
+
+def peak_bytes(rank: RankGraph) -> int:
+    """The rank's peak (the simulator's, every activation kept, the graph's order)."""
+    g = rank.graph
+    sim = Simulator(g, Costs({op.name: 0.0 for op in g.ops}, 1.0, 1.0, "shard", "shard"))
+    result = sim.run(list(range(len(g.ops))), [int(Action.KEEP)] * len(sim.candidates))
+    if not result.valid:
+        raise ShardError(f"the rank's step cannot run: {result.reason}")
+    return result.peak_bytes
+
+
+# --- NSGA-II -------------------------------------------------------------------------------------
+
+class _Fitness(base.Fitness):
+    weights = (-1.0, -1.0)
+
+
+class _Individual(list):
+    def __init__(self, genes, point: Point):
+        super().__init__(genes)
+        self.point = point
+        self.fitness = _Fitness((float(point.peak), point.step_time))
+
+
+def select(individuals: list, k: int, budget: int) -> list:
+    """`k` survivors under constraint domination: NSGA-II among those under the budget, then those over it by
+    their peak."""
+    feasible = [i for i in individuals if i.point.fits(budget)]
+    if len(feasible) >= k:
+        return tools.selNSGA2(feasible, k)
+    over = sorted((i for i in individuals if not i.point.fits(budget)), key=lambda i: i.point.peak)
+    return feasible + over[:k - len(feasible)]
+
+
+def _vary(a: list, b: list, bounds: list[int], rng: random.Random, cx: float, mut: float) -> list:
+    """A child: uniform crossover of `a` and `b` (probability `cx`), then mutated (probability `mut`): each gene
+    redrawn with probability 2 / len, one at least."""
+    child = [x if rng.random() < 0.5 else y for x, y in zip(a, b)] if rng.random() < cx else list(a)
+    if rng.random() < mut:
+        picked = {rng.randrange(len(child))} | {k for k in range(len(child)) if rng.random() < 2 / len(child)}
+        for k in picked:
+            child[k] = rng.randint(0, bounds[k])
+    return child
+
+
+@dataclass(frozen=True)
+class ShardResult:
+    """The seeds, the front (under the budget, by peak), the fastest plan under the budget (None: none fits),
+    evaluations (distinct plans simulated), CPU seconds and, per generation, (best feasible time, front size)."""
+
+    seeds: dict
+    front: list
+    best: Point | None
+    evaluations: int
+    seconds: float
+    history: list
+
+
+def search(problem: ShardProblem, rng: random.Random, *, population: int = 16, generations: int = 8,
+           cx_prob: float = 0.9, mut_prob: float = 0.5, max_seconds: float | None = None) -> ShardResult:
+    """NSGA-II over `problem` seeded with keep-all, full AC and selective AC; stops after `generations` or
+    `max_seconds` of CPU time."""
+    started = time.process_time()
+    seeds = {name: problem.evaluate(problem.seed(name)) for name in ("keep_all", "full_ac", "selective_ac")}
+    bounds = problem.bounds()
+    pop = [_Individual(p.genes, p) for p in seeds.values()]
+    while len(pop) < population:
+        genes = [rng.randint(0, hi) for hi in bounds]
+        pop.append(_Individual(genes, problem.evaluate(genes)))
+    seen = list(pop)
+    history = []
+    for _ in range(generations):
+        if max_seconds is not None and time.process_time() - started > max_seconds:
+            break
+        children = []
+        for _ in range(population):
+            a, b = (min(rng.sample(pop, 2), key=lambda i: _rank_key(i, problem.budget)) for _ in range(2))
+            genes = _vary(a, b, bounds, rng, cx_prob, mut_prob)
+            children.append(_Individual(genes, problem.evaluate(genes)))
+        seen += children
+        pop = select(pop + children, population, problem.budget)
+        front = _front(seen, problem.budget)
+        history.append((min((p.step_time for p in front), default=float("inf")), len(front)))
+    front = _front(seen, problem.budget)
+    best = min(front, key=lambda p: p.step_time) if front else None
+    return ShardResult(seeds, front, best, len(problem.cache), time.process_time() - started, history)
+
+
+def _rank_key(ind, budget: int) -> tuple:
+    """Binary tournament order: under the budget first (then faster), else smaller peak."""
+    p = ind.point
+    return (0, p.step_time, p.peak) if p.fits(budget) else (1, p.peak, p.step_time)
+
+
+def _front(individuals, budget: int) -> list[Point]:
+    """The non-dominated plans under the budget, distinct, by peak."""
+    feasible = {}
+    for i in individuals:
+        if i.point.fits(budget):
+            feasible.setdefault((i.point.peak, i.point.step_time), i)
+    if not feasible:
+        return []
+    first = tools.sortNondominated(list(feasible.values()), len(feasible), first_front_only=True)[0]
+    return sorted((i.point for i in first), key=lambda p: p.peak)

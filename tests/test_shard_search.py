@@ -1,0 +1,99 @@
+"""gaswap.plan.shard_search on a hand-made step of three identical units (no torch): block classes, links,
+seeds, and a front of (per-rank peak, step time) under the budget."""
+import random
+
+import pytest
+
+from gaswap.plan.costs import load_profile
+from gaswap.plan.graph import Graph, Op, Tensor
+from gaswap.plan.shard_search import ShardProblem, link_for, search, unit_classes
+from gaswap.plan.sharding import Link, ParamSpec, ShardError, ShardSpec, memory_report, shard_step
+
+UNITS = ("layers.0", "layers.1", "layers.2")
+
+
+def toy(n: int = 3) -> tuple[Graph, list[ParamSpec]]:
+    """n units layers.k: a linear (h, w -> z, 64 B) then an activation (z -> h', 256 B) whose backward reads z
+    and h'; weights 8 x 4 float32; the loss outside the model."""
+    t = {"x": Tensor("x", 64, "input")}
+    ops, params = [], []
+
+    def op(name, layer, ins, outs, phase, sizes):
+        for o, s in zip(outs, sizes):
+            t[o] = Tensor(o, s, "grad" if o.startswith("g_") else "activation", name)
+        ops.append(Op(name, "aten.mm.default" if name.startswith("lin") else "aten.relu.default", tuple(ins),
+                      tuple(outs), phase, layer, flops=1e6))
+
+    h = "x"
+    for k in range(n):
+        t[f"w{k}"] = Tensor(f"w{k}", 128, "param")
+        params.append(ParamSpec(f"w{k}", f"layers.{k}.lin.weight", (8, 4), 4, f"g_w{k}"))
+        op(f"lin{k}", f"layers.{k}.lin", [h, f"w{k}"], [f"z{k}"], "fwd", [64])
+        op(f"act{k}", f"layers.{k}", [f"z{k}"], [f"h{k}"], "fwd", [256])
+        h = f"h{k}"
+    op("loss", "loss", [h], ["l"], "fwd", [4])
+    op("seed", "", ["l"], ["dl"], "bwd", [4])
+    d = "dl"
+    for k in reversed(range(n)):
+        op(f"actb{k}", f"layers.{k}", [d, f"z{k}", f"h{k}"], [f"dz{k}"], "bwd", [64])
+        ins = [f"dz{k}", "x" if k == 0 else f"h{k - 1}", f"w{k}"]
+        op(f"linb{k}", f"layers.{k}.lin", ins, [f"dh{k}", f"g_w{k}"], "bwd", [64, 128])
+        d = f"dh{k}"
+    return Graph(tuple(ops), t, resident={"optimizer_state": 2 * 128 * n}, loss="l"), params
+
+
+def problem(budget: int = 10**9) -> ShardProblem:
+    g, params = toy()
+    return ShardProblem(g, params, ShardSpec(2, UNITS), {op.name: 1e-3 for op in g.ops}, Link(1e-5, 1e9), budget,
+                        1e10)
+
+
+def test_identical_units_form_one_class():
+    g, _ = toy()
+    assert unit_classes(g, UNITS + ("",)) == [UNITS]
+
+
+def test_links_by_world_size():
+    h100 = load_profile("h100-sxm-80gb")
+    assert link_for(h100, 8)[0] == "nvlink" and link_for(h100, 16)[0] == "infiniband"
+    assert link_for(h100, 8, "infiniband")[1] == Link(6e-6, 40e9)
+    with pytest.raises(ShardError, match="no `links`"):
+        link_for(load_profile("cpu"), 2)
+    with pytest.raises(ShardError, match="not one of"):
+        link_for(h100, 2, "ethernet")
+
+
+def test_seeds_decode_to_the_knobs_they_name():
+    p = problem()
+    assert p.decode(p.seed("keep_all")).recompute == {}
+    assert p.decode(p.seed("full_ac")).recompute == {u: "full" for u in UNITS}
+    assert p.decode(p.seed("selective_ac")).recompute == {u: (1,) for u in UNITS}  # the matmul (0) saved
+    keep = p.decode(p.seed("keep_all"))
+    assert keep.reshard == {**{u: True for u in UNITS}, "": False} and (keep.forward_prefetch,
+                                                                           keep.backward_prefetch) == (0, 1)
+
+
+def test_an_evaluation_is_the_rank_graphs_simulation():
+    p = problem()
+    full = p.evaluate(p.seed("full_ac"))
+    g, params = toy()
+    rank = shard_step(g, params, ShardSpec(2, UNITS, recompute={u: "full" for u in UNITS}))
+    assert full.peak == memory_report(rank).peak
+    assert set(rank.recomputed.values()) == {"lin0", "lin1", "lin2", "act0", "act1", "act2"}
+    keep = p.evaluate(p.seed("keep_all"))
+    assert full.peak < keep.peak and full.step_time > keep.step_time  # 3 x 256 B of activations rerun
+
+
+def test_search_front_is_under_the_budget_and_non_dominated():
+    p = problem()
+    keep, full = (p.evaluate(p.seed(s)) for s in ("keep_all", "full_ac"))
+    p.budget = (keep.peak + full.peak) // 2
+    result = search(p, random.Random(0), population=8, generations=4)
+    assert not result.seeds["keep_all"].fits(p.budget) and result.front
+    assert all(q.fits(p.budget) for q in result.front)
+    for a in result.front:
+        assert not any(b.peak <= a.peak and b.step_time <= a.step_time and (b.peak, b.step_time) !=
+                       (a.peak, a.step_time) for b in result.front)
+    assert result.best == min(result.front, key=lambda q: q.step_time)
+    again = search(problem(p.budget), random.Random(0), population=8, generations=4)
+    assert [(q.peak, q.step_time) for q in again.front] == [(q.peak, q.step_time) for q in result.front]
