@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from gaswap.base.errors import GaswapError
 from gaswap.base.program import Instruction, Verb
 from gaswap.plan.graph import Graph, Op
 
 
-class ProgramFault(ValueError):
+class ProgramFault(GaswapError, ValueError):
     """An instruction that does not fit the program's state where it stands."""
 
     def __init__(self, line: int, instruction: Instruction, problem: str):
