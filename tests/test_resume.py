@@ -198,7 +198,9 @@ def checkpointed(problem, tmp_path):
     (lambda t: t[: len(t) // 2], "not a readable checkpoint \\(truncated or corrupted\\?\\)"),
     (lambda t: "", "not a readable checkpoint"),
     (lambda t: t.replace('"generation":3', '"generation":4'), "corrupted checkpoint"),
-    (lambda t: t.replace('"version":1', '"version":9'), "checkpoint version 9"),
+    (lambda t: t.replace('"version":2', '"version":9'), "checkpoint version 9"),
+    (lambda t: t.replace('"version":2', '"version":1'), "checkpoint version 1, this gaswap reads version 2 \\(it was "
+                                                        "written by a search that ranked over-budget policies as 1e9"),
     (lambda t: "[1, 2]", "not a gaswap checkpoint"),
     (lambda t: "\x00\xff garbage", "not a readable checkpoint"),
 ])

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 
 import pytest
-from hypothesis import assume, given
+from hypothesis import given
 from hypothesis import strategies as st
 
 from gaswap.app import results
@@ -18,7 +18,7 @@ from gaswap.plan.encoding import Action, Encoding
 from gaswap.plan.front import FASTEST_KEPT, Fastest, Front, hypervolume
 from gaswap.plan.graph import chain, residual_graph
 from gaswap.plan.problem import Evaluated, Generation, Problem
-from gaswap.plan.search import INFEASIBLE, Search, fitness, search
+from gaswap.plan.search import Search, _individual, _tournament, search, select
 from gaswap.plan.stopping import stopping_generation
 from helpers import unit_costs
 
@@ -73,13 +73,68 @@ def test_an_impossible_budget_gives_an_empty_front_and_the_smallest_peak(problem
     assert r.smallest_peak > 10
 
 
-def test_fitness_folds_the_violation_into_the_objectives():
+BUDGET_4GB = 4 * 10**9
+
+
+def individuals(points, budget=BUDGET_4GB):
+    """DEAP individuals of (step time, peak[, valid]) points, each chromosome distinct, named by position."""
     c = Encoding(chain(2)).uniform(Action.KEEP)
-    ok, over, worse, invalid = (Evaluated(c, 9.0, 100), Evaluated(c, 1.0, 120), Evaluated(c, 1.0, 150),
-                                Evaluated(c, 0.0, 0, valid=False))
-    fo, fa, fb, fi = (fitness(e, budget=100) for e in (ok, over, worse, invalid))
-    assert fo == (9.0, 100.0)
-    assert fo[0] < fa[0] < fb[0] < fi[0] and fo[1] < fa[1] < fb[1] < fi[1]
+    return [_individual(Evaluated(type(c)((float(k),) * len(c.keys), c.actions), float(p[0]), int(p[1]), *p[2:]),
+                        budget) for k, p in enumerate(points)]
+
+
+def names(population, chosen):
+    return [population.index(i) for i in chosen]
+
+
+# budget 4 GB, peaks of GBs as AlexNet's: fronts of the feasible {0, 1, 2}, {3}, {4}; over budget 5 (5 %), 6 (25 %),
+# 7 (5 %, after 5); 8 invalid. 5 and 6 are faster than any feasible point, 5 also lower than 0 and 3
+POPULATION = [(0.70, 3.9e9), (0.80, 3.0e9), (0.90, 2.5e9), (0.85, 3.5e9), (0.95, 3.6e9),
+              (0.60, 4.2e9), (0.50, 5.0e9), (0.65, 4.2e9), (0.0, 0, False)]
+
+
+def test_selection_takes_the_feasible_first_then_the_least_violation():
+    population = individuals(POPULATION)
+    assert [i.violation for i in population] == [0, 0, 0, 0, 0, 0.05, 0.25, 0.05, math.inf]
+    assert names(population, select(population, 9)) == [0, 1, 2, 3, 4, 5, 7, 6, 8]
+    assert names(population, select(population, 6)) == [0, 1, 2, 3, 4, 5]  # the first over budget: 5, not 7
+    assert names(population, select(population, 5)) == [0, 1, 2, 3, 4]  # no over-budget point while feasible ones wait
+    reverse = population[::-1]
+    assert [population.index(i) for i in select(reverse, 9)[5:]] == [7, 5, 6, 8]  # equal violations: in given order
+    assert all(i.fitness.crowding_dist == 0.0 for i in population[5:])
+
+
+def test_selection_is_pareto_on_the_objectives_among_the_feasible():
+    # a front of five and 5 behind it (dominated by 1); the extremes are kept (infinite crowding), then the least
+    # crowded: crowding distances (time, then peak, each over twice its range) 1: 1.1/8 + 1.1/5, 2: 2/8 + 1/5,
+    # 3: 2.9/8 + 1.4/5
+    population = individuals([(1.0, 3.0e9), (2.0, 2.0e9), (2.1, 1.9e9), (4.0, 1.0e9), (5.0, 0.5e9), (3.0, 3.0e9)])
+    assert names(population, select(population, 6)) == [0, 1, 2, 3, 4, 5]
+    assert [i.fitness.crowding_dist for i in population[1:4]] == pytest.approx([1.1 / 8 + 1.1 / 5, 2 / 8 + 1 / 5,
+                                                                                 2.9 / 8 + 1.4 / 5])
+    assert names(population, select(population, 4)) == [0, 4, 3, 2]  # 1, the most crowded, left out
+    assert names(population, select(population, 2)) == [0, 4]
+    assert population[5].fitness.crowding_dist == math.inf  # alone on the second front
+
+
+def test_tournaments_compare_by_constraint_domination():
+    population = individuals(POPULATION)
+    select(population, len(population))  # crowding distances set
+    pairs = [(5, 2), (2, 5), (6, 7), (8, 6), (3, 4), (4, 3), (0, 2), (2, 1), (1, 2)]
+
+    class Drawn:  # an rng that draws the pairs above
+        def __init__(self):
+            self.pairs = iter(pairs)
+
+        def sample(self, population, n):
+            return [population[k] for k in next(self.pairs)]
+
+    winners = names(population, _tournament(population, len(pairs), Drawn()))
+    # feasible beats faster and smaller infeasible; less violation; invalid loses; lower front; extremes (inf
+    # crowding) beat the middle point whichever is drawn first; equal crowding: the first drawn
+    assert winners == [2, 2, 7, 6, 3, 3, 0, 2, 2]
+    assert population[0].fitness.crowding_dist == population[2].fitness.crowding_dist == math.inf
+    assert population[1].fitness.crowding_dist < math.inf
 
 
 def constraint_dominates(a: Evaluated, b: Evaluated, budget: int) -> bool:
@@ -91,30 +146,18 @@ def constraint_dominates(a: Evaluated, b: Evaluated, budget: int) -> bool:
     return a.step_time <= b.step_time and a.peak_bytes <= b.peak_bytes and a.objectives != b.objectives
 
 
-def dominates(fa: tuple[float, float], fb: tuple[float, float]) -> bool:
-    return fa[0] <= fb[0] and fa[1] <= fb[1] and fa != fb
+points = st.tuples(st.floats(0.0, 1e6), st.integers(0, 8 * 10**9), st.booleans())
 
 
-points = st.builds(lambda t, peak, valid: (t, peak, valid), st.floats(0.0, 1e6), st.integers(0, 3 * 10**8),
-                   st.booleans())
-
-
-@given(points, points, st.integers(1, 2 * 10**8))
-def test_fitness_ranks_as_constraint_domination_while_peaks_stay_under_infeasible(a, b, budget):
-    c = Encoding(chain(2)).uniform(Action.KEEP)
-    ea, eb = (Evaluated(c, float(t), peak, valid) for t, peak, valid in (a, b))
-    va, vb = ea.violation(budget), eb.violation(budget)
-    assume(va == vb or abs(va - vb) > 1e-6)  # INFEASIBLE + violation resolves violations 1.2e-7 apart (an ulp)
-    assert dominates(fitness(ea, budget), fitness(eb, budget)) == constraint_dominates(ea, eb, budget)
-
-
-def test_above_infeasible_bytes_a_policy_over_budget_is_not_dominated_by_fitting_ones():
-    # what the shipped results were found with (see gaswap.plan.search): kept, as it is, until they are redone
-    c = Encoding(chain(2)).uniform(Action.KEEP)
-    budget = 4 * 10**9
-    fits, over = Evaluated(c, 0.7, 3 * 10**9), Evaluated(c, 0.6, 5 * 10**9)
-    assert constraint_dominates(fits, over, budget) and 3 * 10**9 > INFEASIBLE
-    assert not dominates(fitness(fits, budget), fitness(over, budget))
+@given(st.lists(points, min_size=1, max_size=30), st.integers(1, 30), st.integers(1, 6 * 10**9))
+def test_no_point_left_out_constraint_dominates_a_point_selected(population, k, budget):
+    population = individuals(population, budget)
+    chosen = select(population, k)
+    assert len(chosen) == min(k, len(population)) and len({id(i) for i in chosen}) == len(chosen)
+    left = [i for i in population if all(i is not j for j in chosen)]
+    assert not any(constraint_dominates(o.evaluated, i.evaluated, budget) for o in left for i in chosen)
+    violations = [i.violation for i in chosen]
+    assert violations == sorted(violations)  # the feasible first, then less violation first
 
 
 def test_front_keeps_only_nondominated_points():

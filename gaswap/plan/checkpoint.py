@@ -4,7 +4,7 @@ A search writes `results/<experiment>/.checkpoint.json` after its initial popula
 `search.CHECKPOINT_SECONDS` and when it leaves between two generations (see `gaswap.plan.search.search`), atomically (temporary file, fsync, os.replace): a reader finds the previous checkpoint or the new
 one, never half of one. The file is one JSON object and carries no code (no pickle):
 
-    {"format": "gaswap-checkpoint", "version": 1, "sha256": <digest of "state">,
+    {"format": "gaswap-checkpoint", "version": 2, "sha256": <digest of "state">,
      "about": {...}, "fingerprint": {...}, "state": {...}}
 
 - `about`: what the checkpoint belongs to (experiment name and file), for messages and folder ownership;
@@ -21,6 +21,11 @@ one, never half of one. The file is one JSON object and carries no code (no pick
   fastest first; a checkpoint without it, written before it was kept, still reads), seeds and history.
   Keys are base64 strings of little-endian float64s, actions strings of digits (0 keep, 1 swap, 2 recompute).
 
+Version 2: the population was selected under constraint-domination (`gaswap.plan.search.select`). Version 1
+holds the same fields, but its population was selected, ordered and given crowding distances by the earlier
+rule (over-budget policies ranked as 1e9 + violation); continued under today's rule it would reach neither
+search's result, so it is refused (exit 4) with a message saying so.
+
 Other floats are written as Python's json module writes them (shortest round-tripping repr, `Infinity` for
 the step time of invalid policies), so a state reads back bit for bit. The sha256 of the canonical state
 text catches corruption that still parses.
@@ -36,7 +41,10 @@ from pathlib import Path
 from gaswap.base.errors import Refusal
 from gaswap.base.files import MiB, UnreadableFile, read_text, write_atomic
 
-FORMAT, VERSION = "gaswap-checkpoint", 1
+FORMAT, VERSION = "gaswap-checkpoint", 2
+# Versions this gaswap refuses, with why (read() says it).
+OLDER = {1: "it was written by a search that ranked over-budget policies as 1e9 + violation, before selection "
+            "by constraint-domination; its population cannot be continued under the new rule"}
 NAME = ".checkpoint.json"  # inside the results folder of the experiment
 # Parts of the fingerprint, in the order messages name them, with what to say when one differs.
 PARTS = {
@@ -112,8 +120,10 @@ def read(path: str | Path) -> dict:
     if not isinstance(body, dict) or body.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a gaswap checkpoint (no format {FORMAT!r})")
     if body.get("version") != VERSION:
+        why = OLDER.get(body.get("version"))
+        why = f" ({why})" if why else ""
         raise CheckpointError(f"{path}: checkpoint version {body.get('version')!r}, this gaswap reads version "
-                              f"{VERSION}; start the search afresh")
+                              f"{VERSION}{why}; start the search afresh (without --resume)")
     state = body.get("state")
     if not isinstance(state, dict) or hashlib.sha256(_canonical(state).encode()).hexdigest() != body.get("sha256"):
         raise CheckpointError(f"{path}: corrupted checkpoint (its contents do not match their checksum)")

@@ -3,26 +3,24 @@
     population <- seeds (keep-all, recompute-all, swap-all; baselines, min-cut and MILP policies that fit)
                   + random chromosomes; evaluate
     repeat for each generation:
-        parents   <- binary tournaments on (front rank, crowding distance)
+        parents   <- binary tournaments on (feasible first, less violation, front rank, crowding distance)
         offspring <- crossover (cx_prob) then mutation (mut_prob) of parent pairs, then, with probability
                      space.share_blocks, one block policy per class of identical blocks; evaluate the new ones
-        population <- NSGA-II selection of the best `population` of parents + offspring
+        population <- NSGA-II selection under constraint-domination (`select`) of the best `population` of
+                     parents + offspring
         front     <- feasible points nobody dominates (`front.Front`); record best feasible time, front size,
                      hypervolume
         fastest   <- the FASTEST_KEPT fastest feasible points evaluated, one per (step time, peak)
                      (`front.Fastest`)
 
 Objectives and constraint apart, as pymoo's F and G: an `Evaluated` holds F = (step time, peak bytes) and its
-violation G (`Evaluated.violation`: 0 when it fits). DEAP's NSGA-II reads one vector, so `fitness` folds G in:
-a policy over budget ranks as INFEASIBLE + its violation on both objectives, an invalid one as 2 INFEASIBLE.
-Where every feasible objective stays below INFEASIBLE (peaks under 1 GB) this is Deb's constraint-domination
-(feasible beats infeasible; less violation wins; Pareto among the feasible), as tests/test_search.py checks.
-Above, a policy over budget is not dominated by the feasible ones whose peak is over
-INFEASIBLE bytes: the least-violating one stays on the first front, at its low-peak end. The shipped results
-were found so. Strict constraint-domination (an offset above every peak) changes them: on alexnet_4gb it
-converges after 96 generations instead of 147 to 18 points instead of 15, best 686.2 ms instead of 687.1 ms;
-`selNSGA2(nd="log")` orders the fronts it returns otherwise and so changes them too (144 generations, 13
-points, 688.2 ms), while the tournaments' ranks (a partition) take the log sort unchanged.
+violation G (`Evaluated.violation`: 0 when it fits, inf when it is invalid). Selection is Deb's
+constraint-domination, as pymoo's NSGA-II does it (`select`): the feasible first, by DEAP's NSGA-II
+(`selNSGA2(..., nd="log")`: non-dominated sorting and crowding on F); then the infeasible, less violation first.
+The tournaments compare the same way (`_tournament`): feasible beats infeasible, less violation wins, then
+front rank and crowding distance. (Until this rule infeasible points were folded into the objectives as 1e9 +
+violation, which is constraint-domination only while feasible peaks stay under 1 GB; see CHANGELOG.md.
+Checkpoints of that rule are refused: `gaswap.plan.checkpoint` version 2.)
 
 `Search` is the loop, step by step (pymoo's ask/tell): `initial()` or `restore(state)`, then `step()` while
 `has_next()`, then `result()`; `state()` is everything carried from one generation to the next, as plain
@@ -56,7 +54,6 @@ from gaswap.plan.solvers import milp
 from gaswap.plan.solvers.baselines import BASELINES
 from gaswap.plan.solvers.mincut import min_cut_policies
 
-INFEASIBLE = 1e9  # objective offset of policies that break the budget
 SIMPLE_SEEDS = ("keep_all", "recompute_all", "swap_all")  # always in the initial population
 MILP_SEED_NODES, MILP_SEED_GAP, MILP_SEED_SECONDS = 500, 0.01, 20.0  # the MILP seed is stopped early
 CHECKPOINT_SECONDS = 30.0  # at most one checkpoint per this many seconds while a search runs
@@ -66,18 +63,20 @@ def _deap_types():
     """DEAP's creator classes, made once (not at import time)."""
     if not hasattr(creator, "GaswapFitness"):
         creator.create("GaswapFitness", base.Fitness, weights=(-1.0, -1.0))
-        creator.create("GaswapIndividual", list, fitness=creator.GaswapFitness, evaluated=None)
+        creator.create("GaswapIndividual", list, fitness=creator.GaswapFitness, evaluated=None, violation=0.0)
     return creator.GaswapIndividual
 
 
-def fitness(e: Evaluated, budget: int) -> tuple[float, float]:
-    """The vector NSGA-II ranks `e` by: its objectives with its violation folded in (see the module docstring)."""
-    violation = e.violation(budget)
-    if violation == math.inf:
-        return INFEASIBLE * 2, INFEASIBLE * 2
-    if violation > 0:
-        return INFEASIBLE + violation, INFEASIBLE + violation
-    return e.step_time, float(e.peak_bytes)
+def select(individuals: list, k: int) -> list:
+    """NSGA-II's survival under constraint-domination (pymoo's, Deb's): the feasible first, chosen and ordered by
+    `selNSGA2(..., nd="log")` (fronts of F, crowding distances set), then the infeasible by increasing violation
+    (stable; crowding distance 0). Returns up to `k` of `individuals`."""
+    feasible = [i for i in individuals if i.violation == 0]
+    infeasible = sorted((i for i in individuals if i.violation > 0), key=lambda i: i.violation)
+    chosen = tools.selNSGA2(feasible, min(k, len(feasible)), nd="log") if feasible else []
+    for i in infeasible:
+        i.fitness.crowding_dist = 0.0
+    return chosen + infeasible[:k - len(chosen)]
 
 
 def seed_policies(problem: Problem, milp_ops: int = 0) -> dict[str, Chromosome]:
@@ -153,7 +152,7 @@ class Search:
         population = self._absorb(self._evaluate(initial))
         self.seeds = {name: next(i.evaluated for i in population if i[0] == c)
                       for name, c in self.seed_chromosomes.items()}
-        self.population = tools.selNSGA2(population, self.mu)
+        self.population = select(population, self.mu)
         self.reference = _reference_point(self.seeds, self.budget)
 
     def has_next(self) -> bool:
@@ -174,7 +173,7 @@ class Search:
             if rng.random() < ga.cx_prob:
                 ca, cb = crossover(ca, cb, rng, kind=space.crossover, indpb=space.cx_indpb)
             children += [self._maybe_share(self._maybe_mutate(c)) for c in (ca, cb)]
-        self.population = tools.selNSGA2(self.population + self._absorb(self._evaluate(children)), self.mu)
+        self.population = select(self.population + self._absorb(self._evaluate(children)), self.mu)
         record = Generation(self.generation + 1, self.evaluations,
                             min((e.step_time for e in self.front), default=math.inf), len(self.front),
                             self.front.hypervolume(self.reference), self.seconds())
@@ -339,25 +338,29 @@ def _evaluated(row: list, encoding: Encoding) -> Evaluated:
 
 
 def _individual(e: Evaluated, budget: int):
+    """`e` as a DEAP individual: its fitness is F (step time, peak), its `violation` G apart."""
     ind = _deap_types()([e.chromosome])
     ind.evaluated = e
-    ind.fitness.values = fitness(e, budget)
+    ind.violation = e.violation(budget)
+    ind.fitness.values = e.objectives
     return ind
 
 
 def _tournament(population: list, k: int, rng: random.Random) -> list:
-    """Binary tournaments on (non-domination rank, then larger crowding distance), with our own rng."""
+    """Binary tournaments under constraint-domination, with our own rng: feasible beats infeasible, less
+    violation wins, then the lower non-domination rank among the feasible (DEAP's log sort), then the larger
+    crowding distance; a tie goes to the first drawn."""
+    feasible = [i for i in population if i.violation == 0]
     rank = {}
-    for r, front in enumerate(tools.sortLogNondominated(population, len(population))):
-        for ind in front:
-            rank[id(ind)] = r
+    if feasible:
+        for r, front in enumerate(tools.sortLogNondominated(feasible, len(feasible))):
+            for ind in front:
+                rank[id(ind)] = r
 
-    def better(a, b):
-        ka = (rank[id(a)], -a.fitness.crowding_dist)
-        kb = (rank[id(b)], -b.fitness.crowding_dist)
-        return a if ka <= kb else b
+    def key(i):
+        return (i.violation, rank.get(id(i), 0), -i.fitness.crowding_dist)
 
-    return [better(*rng.sample(population, 2)) for _ in range(k)]
+    return [a if key(a) <= key(b) else b for a, b in (rng.sample(population, 2) for _ in range(k))]
 
 
 def _reference_point(seeds: dict[str, Evaluated], budget: int) -> tuple[float, float]:
