@@ -20,12 +20,20 @@ from gaswap.shard.tracker import measure_fsdp_tracker
 WORLD_SIZES = (8, 64, 256, 1024)
 
 
+def llama_fused(**config):
+    """The tiny Llama with F.silu as users write it (the SwiGLU's silu one op, its backward `silu_backward`)."""
+    model = models.llama(**config)
+    for layer in model.layers:
+        layer.feed_forward.fused_silu = True
+    return model
+
+
 def cases(seq8b: int):
     gpt_block = type(zoo.gpt().blocks[0])
     return {
         "mlp": (lambda: models.block_mlp(4096, 8), models.MLPBlock, lambda: (torch.randn(64, 4096),)),
         "gpt": (lambda: zoo.gpt(1000, 4, 256, 4, 64), gpt_block, lambda: (torch.randint(0, 1000, (4, 64)),)),
-        "llama": (lambda: models.llama(), models.DecoderLayer, lambda: (torch.randint(0, 256, (2, 32)),)),
+        "llama": (llama_fused, models.DecoderLayer, lambda: (torch.randint(0, 256, (2, 32)),)),
         "llama8b": (lambda: models.llama(**(models.LLAMA3_8B | {"seq": seq8b})), models.DecoderLayer,
                     lambda: (torch.randint(0, 128256, (1, seq8b)),)),
     }

@@ -56,17 +56,77 @@ def apply_fsdp(model: nn.Module, units, mesh, *, reshard_after_forward=None, for
     return model
 
 
+@contextlib.contextmanager
+def _module_hooks_keep_no_grads():
+    """FSDPMemTracker's ModTracker learns that a module's backward is done through
+    `register_multi_grad_hook(module inputs, fn)` (mode "all"), whose hooks keep each input's gradient in a
+    buffer until every input's gradient has come: the tracker then holds gradients that eager FSDP2, untracked,
+    frees at once (e.g. the gradient of zoo.gpt's tied head's input, kept until the embedding's gradient
+    completes at the end of the backward). Inside this block ModTracker gets the same hook that keeps None in
+    place of the gradients (its callbacks do not read them), so the tracker measures the run as it is without
+    it."""
+    import threading
+
+    from torch.distributed._tools import mod_tracker
+
+    original = mod_tracker.register_multi_grad_hook
+
+    def counting(tensors, fn, *, mode="all"):
+        if mode != "all":
+            return original(tensors, fn, mode=mode)
+        from torch.autograd.graph import _get_grad_fn_or_grad_acc
+
+        grad_fns = [_get_grad_fn_or_grad_acc(t) for t in tensors]
+        n = len(tensors)  # the hooks must not hold the tensors themselves
+        count: dict[int, int] = {}
+        expected: dict[int, int] = {}
+        lock = threading.Lock()
+
+        def hook(grad):
+            task = torch._C._current_graph_task_id()
+            with lock:
+                if task not in count:
+                    count[task] = 0
+                    expected[task] = sum(map(torch._C._will_engine_execute_node, grad_fns))
+                count[task] += 1
+                done = count[task] == expected[task]
+                if done:
+                    del count[task], expected[task]
+            if done:
+                fn([None] * n)
+
+        return _Handles([t.register_hook(hook) for t in tensors])
+
+    mod_tracker.register_multi_grad_hook = counting
+    try:
+        yield
+    finally:
+        mod_tracker.register_multi_grad_hook = original
+
+
+class _Handles:
+    def __init__(self, handles):
+        self.handles = handles
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
 def measure_fsdp_tracker(make_model, make_inputs, units, world_size: int, *, optimizer: str = "adam",
                          reshard_after_forward=None, forward_prefetch: int = 0, backward_prefetch: int = 1,
-                         fake: bool = True, steps: int = 2) -> dict:
+                         fake: bool = True, steps: int = 2, hold_grads: bool = True) -> dict:
     """FSDPMemTracker's peak snapshot of rank 0, {gaswap category: bytes} plus "total", for `steps` training
     steps (`model(*inputs).sum()`, backward, optimizer step, zero_grad; the peak of them all: the last, once the
     optimizer has its state) of `make_model()` sharded over `world_size` ranks of the fake process group.
-    `fake`: the model and inputs are made under FakeTensorMode (nothing allocated)."""
+    `fake`: the model and inputs are made under FakeTensorMode (nothing allocated). `hold_grads` False: the
+    tracker's module hooks keep no gradients (`_module_hooks_keep_no_grads`: the run as it is untracked); True,
+    the tracker as torch ships it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-    with fake_process_group(world_size) as mesh, (FakeTensorMode() if fake else contextlib.nullcontext()):
+    with fake_process_group(world_size) as mesh, (FakeTensorMode() if fake else contextlib.nullcontext()), \
+            (contextlib.nullcontext() if hold_grads else _module_hooks_keep_no_grads()):
         model = apply_fsdp(make_model(), units, mesh, reshard_after_forward=reshard_after_forward,
                            forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch)
         opt = build_optimizer(optimizer, model.parameters())
