@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from gaswap.run.peak_meter import PeakMeter
-from gaswap.shard.tracker import apply_fsdp, build_optimizer
+from gaswap.shard.tracker import apply_fsdp, build_optimizer, resident_bytes
 
 COLLECTIVE_SIZES = (1 << 16, 1 << 20, 1 << 22, 1 << 24)  # bytes of the full (world-size) buffer, for the link fit
 
@@ -56,16 +56,41 @@ def _fenced(call, fence: torch.Tensor):
     return fenced
 
 
+def _one_worker(gloo_class):
+    """A `ProcessGroupGloo` that init_process_group makes as it makes gloo's (store, rank, size, timeout), with
+    one worker thread (gloo's default is 2), so that its work runs, and is let go of, in issue order."""
+
+    class OneWorker(gloo_class):
+        def __init__(self, store, rank, size, timeout):
+            options = gloo_class._Options()
+            options._timeout = timeout
+            options._threads = 1
+            options._devices = [gloo_class.create_default_device()]
+            super().__init__(store, rank, size, options)
+
+    return OneWorker
+
+
 def _rank_main(rank: int, world_size: int, store_path: str, out_dir: str, model: str, model_kwargs: dict,
                inputs: str, units: list, optimizer: str, steps: int, metered: int, knobs: dict,
                collectives: list, repeats: int) -> None:
-    torch.set_num_threads(1)
     from torch.distributed.device_mesh import init_device_mesh
 
+    from gaswap.run.measure import use_cpu
+
+    use_cpu(1)  # as ops are timed: one thread, glibc keeps freed memory (no page faults for reused buffers)
+
     store = dist.FileStore(store_path, world_size)
-    options = dist.ProcessGroupGloo._Options()
-    options._threads = 1  # one worker: collectives (and their frees) in issue order, see the module docstring
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, store=store, pg_options=options)
+    c10d = dist.distributed_c10d
+    gloo_class = c10d.ProcessGroupGloo
+    c10d.ProcessGroupGloo = _one_worker(gloo_class)  # init_process_group ignores gloo's pg_options
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, store=store)
+    finally:
+        c10d.ProcessGroupGloo = gloo_class
+    backend = c10d._get_default_group()._get_backend(torch.device("cpu"))
+    if backend.options._threads != 1:
+        raise RuntimeError(f"gloo runs {backend.options._threads} worker threads, not 1: the fence needs one")
     try:
         mesh = init_device_mesh("cpu", (world_size,))
         torch.manual_seed(0)
@@ -99,7 +124,7 @@ def _rank_main(rank: int, world_size: int, store_path: str, out_dir: str, model:
         for name, call in plain.items():
             setattr(dist, name, call)
         opt.zero_grad(set_to_none=True)
-        resident = _resident(net, opt, args)
+        resident = resident_bytes(net, opt, args)
         times = _time_collectives(world_size, collectives, repeats)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
             {"rank": rank, "peak_above_start": min(peaks), "peaks_above_start": peaks, "resident_at_start": resident,
@@ -130,22 +155,6 @@ def _time_collectives(world_size: int, sizes, repeats: int) -> dict:
                 wall.append(time.perf_counter() - w0)
             out[f"{kind}:{n}"] = {"cpu": cpu, "wall": wall}
     return out
-
-
-def _resident(net, opt, args) -> int:
-    """Bytes allocated before a step: the sharded parameters' storages, the optimizer's state, the buffers and
-    the inputs (each storage once)."""
-    seen, total = set(), 0
-    tensors = [p.to_local() if hasattr(p, "to_local") else p for p in net.parameters()]
-    tensors += [v.to_local() if hasattr(v, "to_local") else v for s in opt.state.values() for v in s.values()
-                if isinstance(v, torch.Tensor)]
-    tensors += list(net.buffers()) + [a for a in args if isinstance(a, torch.Tensor)]
-    for t in tensors:
-        st = t.untyped_storage()
-        if st.data_ptr() not in seen:
-            seen.add(st.data_ptr())
-            total += st.nbytes()
-    return total
 
 
 def run_gloo(model: str, inputs: str, units, world_size: int, *, model_kwargs: dict | None = None,

@@ -154,3 +154,44 @@ def build_optimizer(name: str, params):
     if name == "sgd_momentum":
         return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
     return torch.optim.SGD(params, lr=1e-2)
+
+
+def measure_fake_pg_peak(make_model, make_inputs, units, world_size: int, *, rank: int = 0, optimizer: str = "adam",
+                         steps: int = 3, **knobs) -> dict:
+    """Rank `rank` of `make_model()` sharded over `world_size` ranks of the fake process group, with real tensors
+    (the collectives move no data; every buffer is allocated as on a real run): {"peak_above_start": the last
+    step's forward+backward peak above what was allocated before it (the CPU allocator's counts, as
+    `gaswap.shard.gloo` meters a gloo rank), "resident_at_start": `resident_bytes` before that step}."""
+    from gaswap.run.peak_meter import PeakMeter
+
+    with fake_process_group(world_size, rank) as mesh:
+        torch.manual_seed(0)
+        model = apply_fsdp(make_model(), units, mesh, **knobs)
+        opt = build_optimizer(optimizer, model.parameters())
+        inputs = make_inputs()
+        for step in range(steps):
+            opt.zero_grad(set_to_none=True)
+            if step == steps - 1:
+                resident = resident_bytes(model, opt, inputs)
+                with PeakMeter("cpu") as meter:
+                    model(*inputs).sum().backward()
+            else:
+                model(*inputs).sum().backward()
+            opt.step()
+    return {"peak_above_start": meter.peak, "resident_at_start": resident}
+
+
+def resident_bytes(net, opt, args) -> int:
+    """Bytes allocated before a step: the sharded parameters' storages, the optimizer's state, the buffers and
+    the inputs (each storage once)."""
+    seen, total = set(), 0
+    tensors = [p.to_local() if hasattr(p, "to_local") else p for p in net.parameters()]
+    tensors += [v.to_local() if hasattr(v, "to_local") else v for s in opt.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor)]
+    tensors += list(net.buffers()) + [a for a in args if isinstance(a, torch.Tensor)]
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+    return total
