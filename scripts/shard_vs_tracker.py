@@ -26,8 +26,15 @@ import torch
 
 from gaswap import zoo
 from gaswap.plan.graph import Graph
-from gaswap.plan.sharding import (CATEGORIES, Link, ShardSpec, memory_report, rank_op_times, shard_step,
-                                  step_time)
+from gaswap.plan.sharding import (
+    CATEGORIES,
+    Link,
+    ShardSpec,
+    memory_report,
+    rank_op_times,
+    shard_step,
+    step_time,
+)
 from gaswap.shard import models
 from gaswap.shard.capture import capture_for_sharding
 from gaswap.shard.tracker import measure_fake_pg_peak, measure_fsdp_tracker
@@ -97,8 +104,8 @@ def compare(name, make_model, unit_class, make_inputs, worlds) -> None:
 
 
 def fake_vs_real(name, make_model, unit_class, make_inputs, W: int = 8) -> None:
-    """FSDPMemTracker's categories with fake tensors against real ones (the tracker as shipped)."""
-    _, (captured, units, _) = capture_case(make_model, unit_class, make_inputs)
+    """FSDPMemTracker's categories with fake tensors against real ones (hooks keeping no gradients)."""
+    _, (_, units, _) = capture_case(make_model, unit_class, make_inputs)
     fake = measure_fsdp_tracker(make_model, make_inputs, units, W, hold_grads=False)
     real = measure_fsdp_tracker(make_model, make_inputs, units, W, hold_grads=False, fake=False)
     diffs = {c: real.get(c, 0) - fake.get(c, 0) for c in (*CATEGORIES, "total") if real.get(c, 0) != fake.get(c, 0)}
@@ -122,7 +129,6 @@ def host_overhead(captured, units, params, op_time, copy_bw, W: int = 8, steps: 
     """FSDP2's host seconds per FSDP op (its Python around copies and collectives), from one process on the fake
     process group (no communication) at W ranks: the forward+backward CPU seconds (median) less the predicted
     ops and copies, over the number of FSDP ops."""
-    from gaswap.shard.capture import fsdp_units  # noqa: F401
     from gaswap.shard.tracker import apply_fsdp, build_optimizer, fake_process_group
 
     with fake_process_group(W) as mesh:

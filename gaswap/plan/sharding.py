@@ -566,7 +566,7 @@ class Link:
         return (world_size - 1) * latency + (world_size - 1) / world_size * nbytes / bandwidth
 
     @staticmethod
-    def fit(world_size: int, all_gather, reduce_scatter=None) -> "Link":
+    def fit(world_size: int, all_gather, reduce_scatter=None) -> Link:
         """The Link whose costs fit measured collectives on `world_size` ranks best (least squares of seconds
         against bytes, a + b n, per collective): `all_gather` and `reduce_scatter` are [(bytes, seconds)]."""
         lat, bw = _fit_ring(world_size, all_gather)

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from gaswap.run.measure import use_cpu
 from gaswap.run.peak_meter import PeakMeter
 from gaswap.shard.tracker import apply_fsdp, build_optimizer, resident_bytes
 
@@ -75,8 +76,6 @@ def _rank_main(rank: int, world_size: int, store_path: str, out_dir: str, model:
                inputs: str, units: list, optimizer: str, steps: int, metered: int, knobs: dict,
                collectives: list, repeats: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-
-    from gaswap.run.measure import use_cpu
 
     use_cpu(1)  # as ops are timed: one thread, glibc keeps freed memory (no page faults for reused buffers)
 
@@ -143,8 +142,8 @@ def _time_collectives(world_size: int, sizes, repeats: int) -> dict:
         shard = torch.ones(n // 4 // world_size)
         full = torch.ones(shard.numel() * world_size)
         for kind in ("all_gather", "reduce_scatter"):
-            call = ((lambda: dist.all_gather_single(full, shard)) if kind == "all_gather"
-                    else (lambda: dist.reduce_scatter_single(shard, full)))
+            call = ((lambda full=full, shard=shard: dist.all_gather_single(full, shard)) if kind == "all_gather"
+                    else (lambda full=full, shard=shard: dist.reduce_scatter_single(shard, full)))
             call()
             cpu, wall = [], []
             for _ in range(repeats):

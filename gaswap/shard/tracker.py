@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gaswap.run.peak_meter import PeakMeter
+
 # gaswap.plan.sharding's names for FSDPMemTracker's categories (`_FSDPRefType` values)
 TRACKER_CATEGORIES = {
     "Sharded Param": "sharded params", "Unsharded Param": "unsharded params", "Buffer": "buffers",
@@ -162,8 +164,6 @@ def measure_fake_pg_peak(make_model, make_inputs, units, world_size: int, *, ran
     (the collectives move no data; every buffer is allocated as on a real run): {"peak_above_start": the last
     step's forward+backward peak above what was allocated before it (the CPU allocator's counts, as
     `gaswap.shard.gloo` meters a gloo rank), "resident_at_start": `resident_bytes` before that step}."""
-    from gaswap.run.peak_meter import PeakMeter
-
     with fake_process_group(world_size, rank) as mesh:
         torch.manual_seed(0)
         model = apply_fsdp(make_model(), units, mesh, **knobs)
