@@ -552,3 +552,32 @@ def test_other_cpu_only_ops_are_refused_by_name():
     captured = type("C", (), {"gm": fx.GraphModule({}, g)})()
     with pytest.raises(CaptureError, match="scale_for_cpu.*CPU's dispatch"):
         capturing.Captured.gm_on(captured, "meta")
+
+
+class _SiluRelu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, x):
+        return torch.nn.functional.silu(self.drop(torch.relu_(self.fc(x))))
+
+
+def test_eager_capture_runs_what_loss_backward_runs():
+    """`eager`: silu's backward is eager's one silu_backward (torch.func.grad's create_graph runs sigmoid, sub,
+    mul...), relu_ stays in place, dropout(p=0) returns its input (no clone), and each autograd node's backward
+    ends with an autograd.release op reading what it held; the default capture is unchanged."""
+    model, x, t = _SiluRelu(), torch.randn(4, 8), torch.empty(())
+    eager = capturing.capture(model, (x,), t, "sum", eager=True).graph
+    default = capturing.capture(model, (x,), t, "sum").graph
+    targets = [op.target for op in eager.ops]
+    assert "aten.silu_backward.default" in targets and "aten.sigmoid.default" not in targets
+    assert "aten.relu_.default" in targets and "aten.clone.default" not in targets
+    default_targets = [op.target for op in default.ops]
+    assert "aten.silu_backward.default" not in default_targets and "autograd.release" not in default_targets
+    releases = [op for op in eager.ops if op.target == "autograd.release"]
+    silu_bw = next(op for op in eager.ops if op.target == "aten.silu_backward.default")
+    after = eager.ops[eager.ops.index(silu_bw) + 1]
+    assert after.target == "autograd.release" and set(after.inputs) == set(silu_bw.inputs) and not after.outputs
+    assert all(op.phase == "bwd" for op in releases)

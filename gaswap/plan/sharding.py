@@ -641,31 +641,70 @@ def memory_report(rank: RankGraph, *, tracker: bool = False, costs: Costs | None
 @dataclass(frozen=True)
 class Link:
     """A collective's cost on W ranks: `latency` s per step of the ring, `bandwidth` bytes/s per rank's link
-    (bus bandwidth); `all_gather(n, W)` for an output of n bytes, `reduce_scatter(n, W)` for an input of n."""
+    (bus bandwidth); `all_gather(n, W)` for an output of n bytes, `reduce_scatter(n, W)` for an input of n:
+    (W - 1) latency + (W - 1) / W n / bandwidth. The reduce-scatter has its own figures where given
+    (`reduce_scatter_latency`, `reduce_scatter_bandwidth`: gloo on a CPU adds the reduction and a copy of the
+    input), else the all-gather's. `fit` makes one from measured (bytes, seconds) pairs."""
 
     latency: float
     bandwidth: float
+    reduce_scatter_latency: float | None = None
+    reduce_scatter_bandwidth: float | None = None
 
     def all_gather(self, nbytes: int, world_size: int) -> float:
         return (world_size - 1) * self.latency + (world_size - 1) / world_size * nbytes / self.bandwidth
 
     def reduce_scatter(self, nbytes: int, world_size: int) -> float:
-        return self.all_gather(nbytes, world_size)
+        latency = self.latency if self.reduce_scatter_latency is None else self.reduce_scatter_latency
+        bandwidth = self.bandwidth if self.reduce_scatter_bandwidth is None else self.reduce_scatter_bandwidth
+        return (world_size - 1) * latency + (world_size - 1) / world_size * nbytes / bandwidth
+
+    @staticmethod
+    def fit(world_size: int, all_gather, reduce_scatter=None) -> Link:
+        """The Link whose costs fit measured collectives on `world_size` ranks best (least squares of seconds
+        against bytes, a + b n, per collective): `all_gather` and `reduce_scatter` are [(bytes, seconds)]."""
+        lat, bw = _fit_ring(world_size, all_gather)
+        if reduce_scatter is None:
+            return Link(lat, bw)
+        return Link(lat, bw, *_fit_ring(world_size, reduce_scatter))
 
 
-def rank_op_times(rank: RankGraph, op_time: dict, link: Link, *, copy_bandwidth: float = 10e9) -> dict:
+def _fit_ring(world_size: int, points) -> tuple[float, float]:
+    """(latency, bandwidth) of the ring model from [(bytes, seconds)]: a least-squares line a + b n, then
+    latency a / (W - 1) (never below 0) and bandwidth (W - 1) / W / b."""
+    n = len(points)
+    if n < 2 or len({b for b, _ in points}) < 2:
+        raise ValueError("a link fit needs collectives of at least two sizes")
+    mx = sum(b for b, _ in points) / n
+    my = sum(t for _, t in points) / n
+    slope = sum((b - mx) * (t - my) for b, t in points) / sum((b - mx) ** 2 for b, _ in points)
+    if slope <= 0:
+        raise ValueError(f"a link fit needs seconds growing with bytes; got slope {slope}")
+    intercept = my - slope * mx
+    return max(0.0, intercept) / (world_size - 1), (world_size - 1) / world_size / slope
+
+
+def rank_op_times(rank: RankGraph, op_time: dict, link: Link, *, copy_bandwidth: float = 10e9,
+                  host_overhead: float = 0.0) -> dict:
     """Seconds per op of the rank's graph: the single-device ops' from `op_time`, collectives from `link`,
-    FSDP's copies at `copy_bandwidth` (bytes/s, read and written), frees none."""
+    FSDP's copies at `copy_bandwidth` (bytes/s, read and written: the all-gather's copy-in moves this rank's
+    shards, 1 / W of its buffer, the copy-out and the reduce-scatter's copy-in the whole buffer), plus
+    `host_overhead` seconds for each of FSDP's ops (its Python around each copy and collective, which a
+    CPU pays on the compute thread), frees none."""
     W = rank.spec.world_size
     g = rank.graph
     out = {}
     for op in g.ops:
         if op.name in rank.collective_kind:
             n = rank.collective_bytes[op.name]
-            out[op.name] = getattr(link, rank.collective_kind[op.name])(n, W)
+            out[op.name] = getattr(link, rank.collective_kind[op.name])(n, W) + host_overhead
+        elif op.target in ("fsdp.free", "fsdp.end"):
+            out[op.name] = 0.0
         elif op.target.startswith("fsdp."):
             moved = sum(g.tensors[t].size for t in op.outputs)
-            out[op.name] = 2 * moved / copy_bandwidth if op.target != "fsdp.free" else 0.0
+            if op.target == "fsdp.all_gather_copy_in":
+                moved //= W
+            out[op.name] = 2 * moved / copy_bandwidth + host_overhead
         else:
             out[op.name] = op_time.get(op.name, 0.0)
     return out

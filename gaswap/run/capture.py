@@ -181,6 +181,7 @@ def capture(
     optimizer: str = DEFAULT_OPTIMIZER,
     counted=graph.COUNTABLE,
     autocast: str | None = None,
+    eager: bool = False,
 ) -> Captured:
     """Trace one training step of `model` (in its current train/eval mode) into a `Captured`.
 
@@ -199,6 +200,16 @@ def capture(
     as mixed-precision training does: parameters stay in their dtype and the casts are ops of the
     graph. The op lists are those of CPU autocast, which keeps softmax and layer norm in low precision
     where CUDA's computes them in float32.
+
+    `eager` traces the step as eager autograd runs `loss.backward()` (the sharded path: FSDP2 trains in eager
+    mode), not as gaswap's runtime replays it: the backward goes through `torch.autograd.grad` with grad mode
+    off, so it runs the kernels eager runs where a derivative formula depends on grad mode (F.silu's backward is
+    `silu_backward`, where `torch.func.grad`, which differentiates with create_graph, runs sigmoid, sub, mul...);
+    nothing is functionalized (in-place ops stay in place, as in eager); the Python dispatcher is off (eager runs
+    the C++ kernels: dropout with p=0 returns its input where the Python decomposition clones it); and each autograd node's backward ends
+    with an `autograd.release` op reading what the node held (its saved tensors and incoming gradients), which
+    eager frees when the node is done, not after their last reader. The graph module of an eager capture is for
+    reading only (it mutates its arguments); the shipped single-device path never uses it.
     """
     if loss not in LOSSES:
         raise ValueError(f"unknown loss {loss!r}: expected one of {LOSSES}")
@@ -208,8 +219,8 @@ def capture(
         raise ValueError(f"unknown autocast dtype {autocast!r}: expected one of {AUTOCAST} or None")
     start = time.perf_counter()
     inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-    gm, placeholders, constants = _trace(model, inputs, target, loss, autocast)
-    g = _build_graph(gm, placeholders, optimizer, counted)
+    gm, placeholders, constants = _trace(model, inputs, target, loss, autocast, eager)
+    g = _build_graph(gm, placeholders, optimizer, counted, release=eager)
     return Captured(g, gm, time.perf_counter() - start, placeholders, constants)
 
 
@@ -270,10 +281,13 @@ def loss_fn(name: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tens
     return output.sum()
 
 
-def _trace(model, inputs, target, loss, autocast):
-    """Trace the step on fake CPU tensors; return the GraphModule, its placeholders and its constants."""
+def _trace(model, inputs, target, loss, autocast, eager: bool = False):
+    """Trace the step on fake CPU tensors; return the GraphModule, its placeholders and its constants
+    (`eager`: see `capture`)."""
     mode = FakeTensorMode()
     params = {k: _fake(p, mode) for k, p in model.named_parameters() if p.requires_grad}
+    if eager:  # differentiated by the autograd engine itself: the leaves require grad before tracing
+        params = {k: p.requires_grad_() for k, p in params.items()}
     fixed = {k: _fake(p, mode) for k, p in model.named_parameters() if not p.requires_grad}
     fixed |= {k: _fake(b, mode) for k, b in model.named_buffers()}
     names, n_params, n_fixed = list(params), len(params), len(fixed)
@@ -305,9 +319,23 @@ def _trace(model, inputs, target, loss, autocast):
         grads, value = torch.func.grad_and_value(loss_of)(p, f, inputs, last)
         return (value, *(grads[k] for k in names))
 
-    traced = torch.func.functionalize(step, remove="mutations")
+    def eager_step(*flat):  # as `loss.backward()` runs it: grad mode off in the backward, no create_graph
+        p = dict(zip(names, flat[:n_params]))
+        f = dict(zip(fixed, flat[n_params:n_params + n_fixed]))
+        inputs, last = flat[n_params + n_fixed:-1], flat[-1]
+        with torch.enable_grad():
+            if loss == "external":
+                out = output_of(p, f, inputs)
+                grads = torch.autograd.grad(out, list(p.values()), last, allow_unused=True, materialize_grads=True)
+            else:
+                out = loss_of(p, f, inputs, last)
+                grads = torch.autograd.grad(out, list(p.values()), allow_unused=True, materialize_grads=True)
+        return (out.detach(), *grads)
+
+    traced = eager_step if eager else torch.func.functionalize(step, remove="mutations")
     try:
-        with _quiet_fake_tensor_log(), fx_traceback.preserve_node_meta(), enable_python_dispatcher(), layers.active():
+        dispatcher = nullcontext() if eager else enable_python_dispatcher()  # eager runs C++ kernels, not Python decompositions
+        with _quiet_fake_tensor_log(), fx_traceback.preserve_node_meta(), dispatcher, layers.active():
             last = _output_like(model, inputs, autocast, mode) if loss == "external" else target
             data = [_fake(x, mode) for x in (*inputs, last)]
             gm = make_fx(traced, tracing_mode="fake")(*params.values(), *fixed.values(), *data)
@@ -505,8 +533,9 @@ def _rename_placeholders(gm: fx.GraphModule, names: list[str]) -> tuple[fx.Graph
 
 # --- graph construction ----------------------------------------------------------------------------
 
-def _build_graph(gm: fx.GraphModule, placeholders, optimizer: str, counted) -> Graph:
-    """The storage-level Graph of a traced step (see the module docstring)."""
+def _build_graph(gm: fx.GraphModule, placeholders, optimizer: str, counted, release: bool = False) -> Graph:
+    """The storage-level Graph of a traced step (see the module docstring); `release`: each autograd node's
+    backward ends with an `autograd.release` op (see `capture`'s `eager`)."""
     nodes = list(gm.graph.nodes)
     output = nodes[-1].args[0]
     loss_node, grad_nodes = output[0], output[1:]
@@ -526,6 +555,8 @@ def _build_graph(gm: fx.GraphModule, placeholders, optimizer: str, counted) -> G
             op = make_op(node, storage, tensors, node in forward, layer_of.get(node, ""))
             if op is not None:
                 ops.append(op)
+    if release:
+        ops = _with_releases(nodes, ops, storage, tensors, layer_of, forward)
     for node in grad_nodes:
         name = storage[storage_key(node.meta["val"])]
         if tensors[name].producer is not None:
@@ -541,6 +572,46 @@ def _build_graph(gm: fx.GraphModule, placeholders, optimizer: str, counted) -> G
         counted=frozenset(counted),
         loss=storage[storage_key(loss_node.meta["val"])],
     )
+
+
+def _with_releases(nodes, ops, storage, tensors, layer_of, forward) -> list[Op]:
+    """`ops` with an `autograd.release` op after the last op each autograd node runs in the backward (the
+    nodes tagged with its `grad_fn`), reading the storages the node's ops read that the node did not make and
+    that an op made (its saved activations and its incoming gradients): eager autograd frees them when the
+    node has run (`release_variables`, and the node's inputs going out of scope), not after their last
+    reader inside the node."""
+    held: dict = {}  # grad_fn -> storages read, in order
+    group: dict = {}  # grad_fn -> names of its nodes
+    last: dict = {}  # grad_fn -> its last node
+    for node in nodes:
+        seq = node.meta.get("custom", {}).get("grad_fn") if node.op == "call_function" else None
+        if seq is None or node in forward:
+            continue
+        last[seq] = node
+        group.setdefault(seq, set()).add(node.name)
+        for a in node.all_input_nodes:
+            if isinstance(a.meta.get("val"), torch.Tensor):
+                held.setdefault(seq, {})[storage[storage_key(a.meta["val"])]] = None
+    after: dict = {}  # op name -> release op placed after it
+    names = {op.name for op in ops}
+    position = {node: k for k, node in enumerate(nodes)}
+    for seq, node in last.items():
+        reads = [t for t in held.get(seq, ()) if tensors[t].producer not in (None, *group[seq])]
+        if not reads:
+            continue
+        # after the last op of the node that is an Op of the graph (view-only nodes make none)
+        anchor = max((n for n in nodes[:position[node] + 1] if n.name in names
+                      and n.meta.get("custom", {}).get("grad_fn") == seq), key=position.get, default=None)
+        release = Op(f"release_{anchor.name if anchor is not None else node.name}", "autograd.release",
+                     tuple(reads), (), "bwd", layer_of.get(node, ""), recomputable=False, signature="autograd.release")
+        if anchor is None:  # a node that only views: after the last op before it
+            anchor = max((n for n in nodes[:position[node]] if n.name in names), key=position.get)
+        after.setdefault(anchor.name, []).append(release)
+    out = []
+    for op in ops:
+        out.append(op)
+        out += after.get(op.name, [])
+    return out
 
 
 def make_op(node: fx.Node, storage, tensors, forward: bool, layer: str) -> Op | None:

@@ -39,11 +39,14 @@ def param_specs(model: nn.Module, captured: Captured) -> list[ParamSpec]:
 
 
 def capture_for_sharding(model: nn.Module, inputs, target=None, loss: str = "sum", *, optimizer: str = "adam",
-                         unit_classes=(), autocast=None):
-    """(captured step, FSDP units, parameter specs) of `model` (any device, meta included: fake tensors)."""
+                         unit_classes=(), autocast=None, eager: bool = True):
+    """(captured step, FSDP units, parameter specs) of `model` (any device, meta included: fake tensors).
+    `eager` (the default): the step as eager autograd runs it, which FSDP2 does (`gaswap.run.capture.capture`'s
+    `eager`: eager's backward kernels, in-place ops in place, what an autograd node holds freed when it is done);
+    False: the functionalized step gaswap's single-device runtime replays."""
     if target is None:  # losses that take none ("sum") still get a scalar placeholder
         import torch
 
         target = torch.empty((), device="meta")
-    captured = capture(model, inputs, target, loss, optimizer=optimizer, autocast=autocast)
+    captured = capture(model, inputs, target, loss, optimizer=optimizer, autocast=autocast, eager=eager)
     return captured, fsdp_units(model, unit_classes), param_specs(model, captured)

@@ -1,5 +1,20 @@
 """Real FSDP2 training steps on the CPU: `world_size` processes (gloo backend), each rank metering its peak with
-the CPU allocator's counts (`gaswap.run.peak_meter.PeakMeter`) and timing its steps in CPU seconds."""
+the CPU allocator's counts (`gaswap.run.peak_meter.PeakMeter`) and timing its steps in CPU seconds.
+
+What gloo does to a rank's memory, and how the meter is kept honest (measured here, torch 2.13):
+
+- each collective allocates one buffer of its full size while it runs: the all-gather a flat output it copies
+  back from (on gloo's worker thread), the reduce-scatter a clone of its input (`c10d::_reduce_scatter_base_`
+  clones it on the calling thread); both go when the collective is done. Real memory that NCCL does not use:
+  `gloo_peak` adds it to the rank model's figure at each collective;
+- the profiler counts a free only on a thread it follows: when gloo's worker thread drops the last reference to
+  a buffer (it keeps the collective's work object, which holds its tensors, a moment after the caller goes on),
+  the free is never counted and the meter reads that buffer as allocated to the end of the block, a whole
+  buffer too high (by chance, on some ranks and steps). So the process group runs one worker thread, and on
+  metered steps each collective is followed by a fence (a one-element all-reduce on a tensor made before the
+  step, `_fenced`): the single worker starts the fence only after it has dropped the collective's work, so
+  the caller's reference is the last and the buffers are freed, and counted, on the calling thread.
+"""
 from __future__ import annotations
 
 import importlib
@@ -13,8 +28,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from gaswap.run.measure import use_cpu
 from gaswap.run.peak_meter import PeakMeter
-from gaswap.shard.tracker import apply_fsdp, build_optimizer
+from gaswap.shard.tracker import apply_fsdp, build_optimizer, resident_bytes
+
+COLLECTIVE_SIZES = (1 << 16, 1 << 20, 1 << 22, 1 << 24)  # bytes of the full (world-size) buffer, for the link fit
 
 
 def _resolve(path: str):
@@ -22,108 +40,146 @@ def _resolve(path: str):
     return getattr(importlib.import_module(module), name)
 
 
-def _settled(name: str):
-    """`dist.<name>` (the call FSDP2 makes for its collectives) that, once the collective is done, also waits (at
-    most 50 ms) until gloo's worker thread has dropped its references to the tensors, so that a buffer FSDP frees
-    goes when FSDP frees it; without this a rank may hold a freed buffer a moment longer, by chance."""
-    call = getattr(dist, name)
+def _fenced(call, fence: torch.Tensor):
+    """`call` (dist.all_gather_single / reduce_scatter_single, what FSDP2 issues) run synchronously, then a fence
+    (an all-reduce of `fence`, allocated before the step) through gloo's single worker thread: once the fence
+    has run, the worker no longer holds the collective's work, and the work and its buffers go here."""
 
-    def settled(*args, **kwargs):
-        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        before = [torch._C._storage_Use_Count(t.untyped_storage()._cdata) for t in tensors]
-        out = call(*args, **kwargs)
-        deadline = time.perf_counter() + 0.05
-        while time.perf_counter() < deadline and any(
-                torch._C._storage_Use_Count(t.untyped_storage()._cdata) > n for t, n in zip(tensors, before)):
-            time.sleep(0)
-        return out
+    def fenced(*args, async_op=False, **kwargs):
+        work = call(*args, async_op=True, **kwargs)
+        if async_op:  # FSDP2 waits later: leave it as it is
+            return work
+        work.wait()
+        dist.all_reduce(fence, async_op=True).wait()
+        del work
+        return None
 
-    return settled
+    return fenced
+
+
+def _one_worker(gloo_class):
+    """A `ProcessGroupGloo` that init_process_group makes as it makes gloo's (store, rank, size, timeout), with
+    one worker thread (gloo's default is 2), so that its work runs, and is let go of, in issue order."""
+
+    class OneWorker(gloo_class):
+        def __init__(self, store, rank, size, timeout):
+            options = gloo_class._Options()
+            options._timeout = timeout
+            options._threads = 1
+            options._devices = [gloo_class.create_default_device()]
+            super().__init__(store, rank, size, options)
+
+    return OneWorker
 
 
 def _rank_main(rank: int, world_size: int, store_path: str, out_dir: str, model: str, model_kwargs: dict,
                inputs: str, units: list, optimizer: str, steps: int, metered: int, knobs: dict,
-               collectives: list, settle: bool = False) -> None:
-    torch.set_num_threads(1)
-    if settle:
-        for name in ("all_gather_single", "reduce_scatter_single"):
-            setattr(dist, name, _settled(name))
+               collectives: list, repeats: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
+    use_cpu(1)  # as ops are timed: one thread, glibc keeps freed memory (no page faults for reused buffers)
+
     store = dist.FileStore(store_path, world_size)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, store=store)
+    c10d = dist.distributed_c10d
+    gloo_class = c10d.ProcessGroupGloo
+    c10d.ProcessGroupGloo = _one_worker(gloo_class)  # init_process_group ignores gloo's pg_options
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, store=store)
+    finally:
+        c10d.ProcessGroupGloo = gloo_class
+    backend = c10d._get_default_group()._get_backend(torch.device("cpu"))
+    if backend.options._threads != 1:
+        raise RuntimeError(f"gloo runs {backend.options._threads} worker threads, not 1: the fence needs one")
     try:
         mesh = init_device_mesh("cpu", (world_size,))
         torch.manual_seed(0)
         net = apply_fsdp(_resolve(model)(**model_kwargs), units, mesh, **knobs)
         opt = build_optimizer(optimizer, net.parameters())
         args = _resolve(inputs)()
-        peaks, cpu = [], []
+        fence = torch.zeros(1)
+        plain = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single")}
+        peaks, fwd_bwd, step_cpu, wall = [], [], [], []
         for step in range(steps):
             opt.zero_grad(set_to_none=True)
+            metering = step >= steps - metered
+            if metering:  # the last steps are metered (the profiler slows them): forward and backward
+                for name, call in plain.items():
+                    setattr(dist, name, _fenced(call, fence))
             dist.barrier()
-            started = time.process_time()
-            if step >= steps - metered:  # the last steps are metered (the profiler slows them): forward and backward
+            started, started_wall = time.process_time(), time.perf_counter()
+            if metering:
                 with PeakMeter("cpu") as meter:
                     net(*args).sum().backward()
                 peaks.append(meter.peak)
+                opt.step()
             else:
                 net(*args).sum().backward()
-            opt.step()
-            if 0 < step < steps - metered:
-                cpu.append(time.process_time() - started)
+                middle = time.process_time()
+                opt.step()
+                if step > 0:  # the first step warms up (and makes the optimizer's state)
+                    fwd_bwd.append(middle - started)
+                    step_cpu.append(time.process_time() - started)
+                    wall.append(time.perf_counter() - started_wall)
+        for name, call in plain.items():
+            setattr(dist, name, call)
         opt.zero_grad(set_to_none=True)
-        resident = _resident(net, opt, args)
-        times = {}
-        for n in collectives:  # seconds per collective of n bytes (float32), after one warm-up
-            shard = torch.empty(n // 4 // world_size)
-            full = torch.empty(shard.numel() * world_size)
-            for kind in ("all_gather", "reduce_scatter"):
-                call = ((lambda: dist.all_gather_into_tensor(full, shard)) if kind == "all_gather"
-                        else (lambda: dist.reduce_scatter_tensor(shard, full)))
-                call()
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(5):
-                    call()
-                times[f"{kind}:{n}"] = (time.perf_counter() - t0) / 5
+        resident = resident_bytes(net, opt, args)
+        times = _time_collectives(world_size, collectives, repeats)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
             {"rank": rank, "peak_above_start": min(peaks), "peaks_above_start": peaks, "resident_at_start": resident,
-             "cpu_step_s": statistics.median(cpu) if cpu else None, "collective_s": times}))
+             "fwd_bwd_cpu_s": fwd_bwd, "step_cpu_s": step_cpu, "step_wall_s": wall,
+             "cpu_step_s": statistics.median(step_cpu) if step_cpu else None, "collective_s": times}))
     finally:
         dist.destroy_process_group()
 
 
-def _resident(net, opt, args) -> int:
-    """Bytes allocated before a step: the sharded parameters' storages, the optimizer's state, the buffers and
-    the inputs (each storage once)."""
-    seen, total = set(), 0
-    tensors = [p.to_local() if hasattr(p, "to_local") else p for p in net.parameters()]
-    tensors += [v.to_local() if hasattr(v, "to_local") else v for s in opt.state.values() for v in s.values()
-                if isinstance(v, torch.Tensor)]
-    tensors += list(net.buffers()) + [a for a in args if isinstance(a, torch.Tensor)]
-    for t in tensors:
-        st = t.untyped_storage()
-        if st.data_ptr() not in seen:
-            seen.add(st.data_ptr())
-            total += st.nbytes()
-    return total
+def _time_collectives(world_size: int, sizes, repeats: int) -> dict:
+    """{"<kind>:<bytes>": {"cpu": [...], "wall": [...]}}: CPU seconds of this process (its threads, gloo's
+    worker included) and wall seconds per all-gather / reduce-scatter of float32 buffers of `bytes` (the
+    all-gather's output, the reduce-scatter's input), `repeats` times each after one warm-up."""
+    out = {}
+    for n in sizes:
+        shard = torch.ones(n // 4 // world_size)
+        full = torch.ones(shard.numel() * world_size)
+        for kind in ("all_gather", "reduce_scatter"):
+            call = ((lambda full=full, shard=shard: dist.all_gather_single(full, shard)) if kind == "all_gather"
+                    else (lambda full=full, shard=shard: dist.reduce_scatter_single(shard, full)))
+            call()
+            cpu, wall = [], []
+            for _ in range(repeats):
+                dist.barrier()
+                c0, w0 = time.process_time(), time.perf_counter()
+                call()
+                cpu.append(time.process_time() - c0)
+                wall.append(time.perf_counter() - w0)
+            out[f"{kind}:{n}"] = {"cpu": cpu, "wall": wall}
+    return out
 
 
 def run_gloo(model: str, inputs: str, units, world_size: int, *, model_kwargs: dict | None = None,
-             optimizer: str = "adam", steps: int = 7, metered: int = 3, knobs: dict | None = None, collectives=()) -> list[dict]:
+             optimizer: str = "adam", steps: int = 7, metered: int = 3, knobs: dict | None = None, collectives=(),
+             repeats: int = 5) -> list[dict]:
     """Train `steps` steps of `model` ("module:factory", called with `model_kwargs`) on `inputs` ("module:function"
-    returning the input tuple, the same on every rank) under fully_shard over `world_size` gloo processes; per rank
-    (rank order), with `settle` (gloo's late release waited for, see `_settled`): the forward+backward peak above what was allocated before it (the CPU allocator's counts) of
-    each of the last `metered` steps (`peaks_above_start`) and the lowest (`peak_above_start`: gloo's worker
-    thread drops its reference to a collective's tensors a moment after the caller goes on, so a buffer FSDP
-    frees may outlive its free on some ranks and some steps, a race that adds whole buffers), the bytes resident
-    before a step, the median CPU seconds of the middle steps (forward, backward,
-    optimizer step), and seconds per all-gather / reduce-scatter of each byte count in `collectives`."""
+    returning the input tuple, the same on every rank) under fully_shard over `world_size` gloo processes. Per
+    rank (rank order): the forward+backward peak above what was allocated before it (the CPU allocator's
+    counts, gloo's late frees fenced: see the module docstring) of each of the last `metered` steps
+    (`peaks_above_start`, and the lowest, `peak_above_start`), the bytes resident before a step, the CPU
+    seconds of forward+backward (`fwd_bwd_cpu_s`) and of the whole step with the optimizer's (`step_cpu_s`),
+    and its wall seconds, of each unmetered step after the first (`cpu_step_s`: the median), and the CPU and
+    wall seconds of `repeats` all-gathers / reduce-scatters of each byte count in `collectives`."""
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         torch.multiprocessing.spawn(_rank_main, args=(world_size, store, tmp, model, model_kwargs or {}, inputs,
                                                       list(units), optimizer, steps, metered, knobs or {},
-                                                      list(collectives)),
+                                                      list(collectives), repeats),
                                     nprocs=world_size, join=True)
         return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def gloo_peak(report, rank) -> int:
+    """A rank's peak on gloo: the rank model's (`report`, `gaswap.plan.sharding.memory_report(rank)`), or, if
+    higher, the bytes live at a collective plus the buffer gloo allocates while it runs (its full size: the
+    all-gather's output, the reduce-scatter's input; see the module docstring)."""
+    at = {name: total for name, total, _ in report.timeline}
+    during = [at[op] + n for op, n in rank.collective_bytes.items() if op in at]
+    return max([report.peak] + during)

@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gaswap.run.peak_meter import PeakMeter
+
 # gaswap.plan.sharding's names for FSDPMemTracker's categories (`_FSDPRefType` values)
 TRACKER_CATEGORIES = {
     "Sharded Param": "sharded params", "Unsharded Param": "unsharded params", "Buffer": "buffers",
@@ -56,17 +58,77 @@ def apply_fsdp(model: nn.Module, units, mesh, *, reshard_after_forward=None, for
     return model
 
 
+@contextlib.contextmanager
+def _module_hooks_keep_no_grads():
+    """FSDPMemTracker's ModTracker learns that a module's backward is done through
+    `register_multi_grad_hook(module inputs, fn)` (mode "all"), whose hooks keep each input's gradient in a
+    buffer until every input's gradient has come: the tracker then holds gradients that eager FSDP2, untracked,
+    frees at once (e.g. the gradient of zoo.gpt's tied head's input, kept until the embedding's gradient
+    completes at the end of the backward). Inside this block ModTracker gets the same hook that keeps None in
+    place of the gradients (its callbacks do not read them), so the tracker measures the run as it is without
+    it."""
+    import threading
+
+    from torch.distributed._tools import mod_tracker
+
+    original = mod_tracker.register_multi_grad_hook
+
+    def counting(tensors, fn, *, mode="all"):
+        if mode != "all":
+            return original(tensors, fn, mode=mode)
+        from torch.autograd.graph import _get_grad_fn_or_grad_acc
+
+        grad_fns = [_get_grad_fn_or_grad_acc(t) for t in tensors]
+        n = len(tensors)  # the hooks must not hold the tensors themselves
+        count: dict[int, int] = {}
+        expected: dict[int, int] = {}
+        lock = threading.Lock()
+
+        def hook(grad):
+            task = torch._C._current_graph_task_id()
+            with lock:
+                if task not in count:
+                    count[task] = 0
+                    expected[task] = sum(map(torch._C._will_engine_execute_node, grad_fns))
+                count[task] += 1
+                done = count[task] == expected[task]
+                if done:
+                    del count[task], expected[task]
+            if done:
+                fn([None] * n)
+
+        return _Handles([t.register_hook(hook) for t in tensors])
+
+    mod_tracker.register_multi_grad_hook = counting
+    try:
+        yield
+    finally:
+        mod_tracker.register_multi_grad_hook = original
+
+
+class _Handles:
+    def __init__(self, handles):
+        self.handles = handles
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
 def measure_fsdp_tracker(make_model, make_inputs, units, world_size: int, *, optimizer: str = "adam",
                          reshard_after_forward=None, forward_prefetch: int = 0, backward_prefetch: int = 1,
-                         fake: bool = True, steps: int = 2) -> dict:
+                         fake: bool = True, steps: int = 2, hold_grads: bool = True) -> dict:
     """FSDPMemTracker's peak snapshot of rank 0, {gaswap category: bytes} plus "total", for `steps` training
     steps (`model(*inputs).sum()`, backward, optimizer step, zero_grad; the peak of them all: the last, once the
     optimizer has its state) of `make_model()` sharded over `world_size` ranks of the fake process group.
-    `fake`: the model and inputs are made under FakeTensorMode (nothing allocated)."""
+    `fake`: the model and inputs are made under FakeTensorMode (nothing allocated). `hold_grads` False: the
+    tracker's module hooks keep no gradients (`_module_hooks_keep_no_grads`: the run as it is untracked); True,
+    the tracker as torch ships it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-    with fake_process_group(world_size) as mesh, (FakeTensorMode() if fake else contextlib.nullcontext()):
+    with fake_process_group(world_size) as mesh, (FakeTensorMode() if fake else contextlib.nullcontext()), \
+            (contextlib.nullcontext() if hold_grads else _module_hooks_keep_no_grads()):
         model = apply_fsdp(make_model(), units, mesh, reshard_after_forward=reshard_after_forward,
                            forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch)
         opt = build_optimizer(optimizer, model.parameters())
@@ -94,3 +156,42 @@ def build_optimizer(name: str, params):
     if name == "sgd_momentum":
         return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
     return torch.optim.SGD(params, lr=1e-2)
+
+
+def measure_fake_pg_peak(make_model, make_inputs, units, world_size: int, *, rank: int = 0, optimizer: str = "adam",
+                         steps: int = 3, **knobs) -> dict:
+    """Rank `rank` of `make_model()` sharded over `world_size` ranks of the fake process group, with real tensors
+    (the collectives move no data; every buffer is allocated as on a real run): {"peak_above_start": the last
+    step's forward+backward peak above what was allocated before it (the CPU allocator's counts, as
+    `gaswap.shard.gloo` meters a gloo rank), "resident_at_start": `resident_bytes` before that step}."""
+    with fake_process_group(world_size, rank) as mesh:
+        torch.manual_seed(0)
+        model = apply_fsdp(make_model(), units, mesh, **knobs)
+        opt = build_optimizer(optimizer, model.parameters())
+        inputs = make_inputs()
+        for step in range(steps):
+            opt.zero_grad(set_to_none=True)
+            if step == steps - 1:
+                resident = resident_bytes(model, opt, inputs)
+                with PeakMeter("cpu") as meter:
+                    model(*inputs).sum().backward()
+            else:
+                model(*inputs).sum().backward()
+            opt.step()
+    return {"peak_above_start": meter.peak, "resident_at_start": resident}
+
+
+def resident_bytes(net, opt, args) -> int:
+    """Bytes allocated before a step: the sharded parameters' storages, the optimizer's state, the buffers and
+    the inputs (each storage once)."""
+    seen, total = set(), 0
+    tensors = [p.to_local() if hasattr(p, "to_local") else p for p in net.parameters()]
+    tensors += [v.to_local() if hasattr(v, "to_local") else v for s in opt.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor)]
+    tensors += list(net.buffers()) + [a for a in args if isinstance(a, torch.Tensor)]
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+    return total
