@@ -129,19 +129,14 @@ def host_overhead(captured, units, params, op_time, copy_bw, W: int = 8, steps: 
     """FSDP2's host seconds per FSDP op (its Python around copies and collectives), from one process on the fake
     process group (no communication) at W ranks: the forward+backward CPU seconds (median) less the predicted
     ops and copies, over the number of FSDP ops."""
-    from gaswap.shard.tracker import apply_fsdp, build_optimizer, fake_process_group
+    from gaswap.run.training import make_optimizer, split_step
+    from gaswap.shard.tracker import apply_fsdp, fake_process_group
 
     with fake_process_group(W) as mesh:
         net = apply_fsdp(models.block_mlp(1024, 4), units, mesh)
-        opt = build_optimizer("adam", net.parameters())
-        (x,) = models.mlp_inputs()
-        ts = []
-        for _ in range(steps):
-            opt.zero_grad(set_to_none=True)
-            t0 = time.process_time()
-            net(x).sum().backward()
-            ts.append(time.process_time() - t0)
-            opt.step()
+        opt = make_optimizer("adam", net)
+        inputs = models.mlp_inputs()
+        ts = [split_step(net, opt, inputs).forward_backward_s for _ in range(steps)]
     rank = shard_step(captured.graph, params, ShardSpec(W, tuple(units), optimizer_scalar_bytes=4))
     base, _ = step_time(rank, rank_op_times(rank, op_time, Link(0.0, float("inf")), copy_bandwidth=copy_bw),
                         overlap=False)

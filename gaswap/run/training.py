@@ -71,6 +71,30 @@ def train_step(run, optimizer: torch.optim.Optimizer, inputs, target, loss: str,
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
+@dataclass(frozen=True)
+class SplitStep:
+    """A step as sharded runs read it: CPU seconds of the forward and backward, and of the whole step (the
+    optimizer's included); `peak`, the forward and backward's peak above its start (metered steps only)."""
+
+    forward_backward_s: float
+    step_s: float
+    peak: int | None = None
+
+
+def split_step(model, optimizer: torch.optim.Optimizer, inputs, *, loss: str = "sum", target=None,
+               device="cpu", metered: bool = False) -> SplitStep:
+    """One step of `model` (e.g. wrapped by `fully_shard`): forward, loss and backward (inside a `PeakMeter`
+    when `metered`), then the optimizer step and its zero_grad, each timed in CPU seconds."""
+    started = time.process_time()
+    meter = PeakMeter(device) if metered else nullcontext()
+    with meter:
+        loss_fn(loss, output_tensor(model(*inputs)), target).backward()
+    middle = time.process_time()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return SplitStep(middle - started, time.process_time() - started, meter.peak if metered else None)
+
+
 def warm_up(step, first=None, steps: int = WARM_UP_STEPS) -> float:
     """Run `step()` `steps` times, the first inside the context manager `first` if given (a recorder of
     inductor's programs); the wall seconds taken (the compile, for a compiled model)."""

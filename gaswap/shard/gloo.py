@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from gaswap.run.measure import use_cpu
-from gaswap.run.peak_meter import PeakMeter
-from gaswap.shard.tracker import apply_fsdp, build_optimizer, resident_bytes
+from gaswap.run.training import make_optimizer, split_step
+from gaswap.shard.tracker import apply_fsdp, resident_bytes
 
 COLLECTIVE_SIZES = (1 << 16, 1 << 20, 1 << 22, 1 << 24)  # bytes of the full (world-size) buffer, for the link fit
 
@@ -94,35 +94,27 @@ def _rank_main(rank: int, world_size: int, store_path: str, out_dir: str, model:
         mesh = init_device_mesh("cpu", (world_size,))
         torch.manual_seed(0)
         net = apply_fsdp(_resolve(model)(**model_kwargs), units, mesh, **knobs)
-        opt = build_optimizer(optimizer, net.parameters())
+        opt = make_optimizer(optimizer, net)
         args = _resolve(inputs)()
         fence = torch.zeros(1)
         plain = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single")}
         peaks, fwd_bwd, step_cpu, wall = [], [], [], []
         for step in range(steps):
-            opt.zero_grad(set_to_none=True)
             metering = step >= steps - metered
             if metering:  # the last steps are metered (the profiler slows them): forward and backward
                 for name, call in plain.items():
                     setattr(dist, name, _fenced(call, fence))
             dist.barrier()
-            started, started_wall = time.process_time(), time.perf_counter()
+            started_wall = time.perf_counter()
+            done = split_step(net, opt, args, metered=metering)
             if metering:
-                with PeakMeter("cpu") as meter:
-                    net(*args).sum().backward()
-                peaks.append(meter.peak)
-                opt.step()
-            else:
-                net(*args).sum().backward()
-                middle = time.process_time()
-                opt.step()
-                if step > 0:  # the first step warms up (and makes the optimizer's state)
-                    fwd_bwd.append(middle - started)
-                    step_cpu.append(time.process_time() - started)
-                    wall.append(time.perf_counter() - started_wall)
+                peaks.append(done.peak)
+            elif step > 0:  # the first step warms up (and makes the optimizer's state)
+                fwd_bwd.append(done.forward_backward_s)
+                step_cpu.append(done.step_s)
+                wall.append(time.perf_counter() - started_wall)
         for name, call in plain.items():
             setattr(dist, name, call)
-        opt.zero_grad(set_to_none=True)
         resident = resident_bytes(net, opt, args)
         times = _time_collectives(world_size, collectives, repeats)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gaswap.run.peak_meter import PeakMeter
+from gaswap.run.training import make_optimizer, split_step
 
 # gaswap.plan.sharding's names for FSDPMemTracker's categories (`_FSDPRefType` values)
 TRACKER_CATEGORIES = {
@@ -131,7 +131,7 @@ def measure_fsdp_tracker(make_model, make_inputs, units, world_size: int, *, opt
             (contextlib.nullcontext() if hold_grads else _module_hooks_keep_no_grads()):
         model = apply_fsdp(make_model(), units, mesh, reshard_after_forward=reshard_after_forward,
                            forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch)
-        opt = build_optimizer(optimizer, model.parameters())
+        opt = make_optimizer(optimizer, model)
         inputs = make_inputs()
         tracker = FSDPMemTracker(model, opt)
         tracker.track_inputs(tuple(inputs))
@@ -139,23 +139,12 @@ def measure_fsdp_tracker(make_model, make_inputs, units, world_size: int, *, opt
             for i in range(steps):
                 if i:
                     tracker.reset_mod_stats()
-                model(*inputs).sum().backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                split_step(model, opt, inputs)
         snap = tracker.get_tracker_snapshot("peak")
     (dev_snap,) = snap.values()
     out = {TRACKER_CATEGORIES[str(k.value)]: int(v) for k, v in dev_snap.items() if k != "Total"}
     out["total"] = int(dev_snap["Total"])
     return out
-
-
-def build_optimizer(name: str, params):
-    """The optimizer gaswap trains with under `name` (see `base.training_options`)."""
-    if name == "adam":
-        return torch.optim.Adam(params, lr=1e-3)
-    if name == "sgd_momentum":
-        return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
-    return torch.optim.SGD(params, lr=1e-2)
 
 
 def measure_fake_pg_peak(make_model, make_inputs, units, world_size: int, *, rank: int = 0, optimizer: str = "adam",
@@ -167,18 +156,13 @@ def measure_fake_pg_peak(make_model, make_inputs, units, world_size: int, *, ran
     with fake_process_group(world_size, rank) as mesh:
         torch.manual_seed(0)
         model = apply_fsdp(make_model(), units, mesh, **knobs)
-        opt = build_optimizer(optimizer, model.parameters())
+        opt = make_optimizer(optimizer, model)
         inputs = make_inputs()
         for step in range(steps):
-            opt.zero_grad(set_to_none=True)
             if step == steps - 1:
                 resident = resident_bytes(model, opt, inputs)
-                with PeakMeter("cpu") as meter:
-                    model(*inputs).sum().backward()
-            else:
-                model(*inputs).sum().backward()
-            opt.step()
-    return {"peak_above_start": meter.peak, "resident_at_start": resident}
+            last = split_step(model, opt, inputs, metered=step == steps - 1)
+    return {"peak_above_start": last.peak, "resident_at_start": resident}
 
 
 def resident_bytes(net, opt, args) -> int:
