@@ -14,6 +14,7 @@
    synchronous, `async_op=False`, and blocks the rank's thread); against the CPU seconds of forward+backward.
 
     PYTHONPATH=. python scripts/shard_vs_tracker.py [--models mlp,gpt,llama] [--worlds 8,64,256,1024] [--no-gloo]
+    PYTHONPATH=. python scripts/shard_vs_tracker.py --models "" (gloo only)
 """
 from __future__ import annotations
 
@@ -207,17 +208,18 @@ def gloo(steps: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="mlp,gpt,llama")
+    ap.add_argument("--models", default="mlp,gpt,llama", help="comma-separated; empty: gloo only")
     ap.add_argument("--worlds", default=",".join(map(str, WORLD_SIZES)))
     ap.add_argument("--no-gloo", action="store_true")
     ap.add_argument("--gloo-steps", type=int, default=12)
     args = ap.parse_args()
     all_cases = cases()
     worlds = [int(w) for w in args.worlds.split(",")]
-    names = args.models.split(",")
+    names = [n for n in args.models.split(",") if n]
     for name in names:
         compare(name, *all_cases[name], worlds)
-    print("\n## FSDPMemTracker with fake tensors against real tensors (untracked hooks)")
+    if names:
+        print("\n## FSDPMemTracker with fake tensors against real tensors (untracked hooks)")
     for name in names:
         fake_vs_real(name, *all_cases[name])
     if not args.no_gloo:
