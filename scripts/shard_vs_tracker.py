@@ -57,6 +57,9 @@ def cases():
         "mlp": (lambda: models.block_mlp(4096, 8), models.MLPBlock, lambda: (torch.randn(64, 4096),)),
         "gpt": (lambda: zoo.gpt(1000, 4, 256, 4, 64), gpt_block, lambda: (torch.randint(0, 1000, (4, 64)),)),
         "llama": (llama_fused, models.DecoderLayer, lambda: (torch.randint(0, 256, (2, 32)),)),
+        # Llama-3-8B's widths (dim 4096, ffn 14336, vocab 128256, GQA 32/8) at 4 layers, sequence 2,048
+        "llama8b_4l": (lambda: llama_fused(preset="8b", layers=4, seq=2048), models.DecoderLayer,
+                       lambda: (torch.randint(0, 128256, (1, 2048)),)),
     }
 
 
@@ -208,7 +211,7 @@ def gloo(steps: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="mlp,gpt,llama", help="comma-separated; empty: gloo only")
+    ap.add_argument("--models", default="mlp,gpt,llama", help="comma-separated (also: llama8b_4l); empty: gloo only")
     ap.add_argument("--worlds", default=",".join(map(str, WORLD_SIZES)))
     ap.add_argument("--no-gloo", action="store_true")
     ap.add_argument("--gloo-steps", type=int, default=12)
