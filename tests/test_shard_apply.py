@@ -2,7 +2,6 @@
 order SAC's policy_fn sees against the eager capture's, the op-name mapping, the refusals, and bitwise equality
 under the fake process group (real tensors, collectives no-ops). Slow: real gloo runs of 2 and 4 processes,
 bitwise equal to the same sharded model without the policy, and each rank's peak with and without it."""
-import copy
 import functools
 
 import pytest
@@ -10,6 +9,7 @@ import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from gaswap import zoo
+from gaswap.base.errors import Refusal
 from gaswap.plan.sharding import owned_forward
 from gaswap.run.training import make_optimizer, split_step
 from gaswap.shard.apply import PlanMismatch, checkpoint_policy, op_calls, read_plan, shard
@@ -98,10 +98,10 @@ def test_mismatches_are_refused_naming_what_differs(change, message):
         del plan[change["drop"]]
     else:
         plan |= change
-    with pytest.raises(PlanMismatch, match=None) as err:
+    with pytest.raises(PlanMismatch) as err:
         shard(zoo.llama(preset="tiny"), plan, _mesh_size(2))
     assert message in str(err.value) and "\n" not in str(err.value)
-    assert err.value.exit_code == 4 or err.value.exit_code  # a Refusal: gaswap's refused exit code
+    assert isinstance(err.value, Refusal)  # gaswap's "refused" exit code
 
 
 def test_another_model_is_refused_at_its_first_forward():
@@ -169,4 +169,4 @@ def test_gloo_bitwise_equal_without_the_policy_after_3_steps(world_size):
         ra, rb = a["recorded"], b["recorded"]
         _assert_bitwise(list(zip(ra["loss"], ra["grads"], ra["params"])),
                         list(zip(rb["loss"], rb["grads"], rb["params"])))
-        assert copy.copy(a["peak_above_start"]) < b["peak_above_start"]  # the policy frees activations
+        assert a["peak_above_start"] < b["peak_above_start"]  # the policy frees activations
