@@ -12,14 +12,20 @@ from gaswap import zoo
 from gaswap.base.errors import Refusal
 from gaswap.plan.sharding import owned_forward
 from gaswap.run.training import make_optimizer, split_step
-from gaswap.shard.apply import PlanMismatch, checkpoint_policy, op_calls, read_plan, shard
+from gaswap.shard.apply import (
+    PlanMismatch,
+    checkpoint_policy,
+    op_calls,
+    read_plan,
+    shard,
+)
 from gaswap.shard.capture import capture_for_sharding
 from gaswap.shard.tracker import fake_process_group
 
 SAVED = ("aten.mm", "aten._scaled_dot_product", "aten.bmm")  # torchtitan's save list, roughly: the rest recomputed
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _forward():
     """Per unit of the tiny Llama, its own forward ops [name, aten target] as the eager capture records them."""
     with torch.device("meta"):
@@ -44,7 +50,7 @@ def _plan(recompute="selective", world_size=2, raf_false=(), forward_prefetch=0,
 
 
 def test_the_eager_captures_op_order_per_block_is_the_order_sac_calls_the_policy_in():
-    units, forward = _forward()
+    _, forward = _forward()
     torch.manual_seed(0)
     model = zoo.llama(preset="tiny")
     seen = {u: [] for u in forward}
@@ -135,7 +141,7 @@ def _run_fake(plan, steps=3):
         out = []
         for _ in range(steps):
             grads = {}
-            done = split_step(model, opt, zoo.llama_inputs(), before_step=lambda m: grads.update(
+            done = split_step(model, opt, zoo.llama_inputs(), before_step=lambda m, grads=grads: grads.update(
                 {n: p.grad.to_local().clone() for n, p in m.named_parameters()}))
             out.append((done.loss, grads, {n: p.to_local().clone() for n, p in model.named_parameters()}))
         return out

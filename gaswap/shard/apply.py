@@ -34,7 +34,11 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from gaswap.base.errors import Refusal
 from gaswap.base.files import load_yaml
