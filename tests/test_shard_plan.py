@@ -30,6 +30,10 @@ def test_tiny_llama_searched_end_to_end(tmp_path, capsys):
     assert front and all(int(r["peak_bytes"]) <= summary["budget_bytes"] for r in front)
     best = yaml.safe_load((folder / "plan.yaml").read_text())
     assert best["predicted"]["peak_bytes"] == plans["best"]["peak_bytes"] and best["world_size"] == 2
+    from gaswap.shard.apply import checkpoint_policy  # the torch side reads the file the search wrote
+
+    policies = checkpoint_policy(folder / "plan.yaml")
+    assert set(policies) == {"layers.0", "layers.1"} and best["units"] == ["layers.0", "layers.1", ""]
 
 
 def _variant(tmp_path, **changes) -> Path:

@@ -113,7 +113,8 @@ def prepare(exp: config.Experiment) -> dict:
     costs = estimate(captured.graph, profile)
     problem = ShardProblem(captured.graph, params, spec, costs.op_time, link, 0,
                            profile.memory_bandwidth * profile.efficiency)
-    return {"problem": problem, "link": link_name, "profile": profile, "capture_s": capture_s, "units": units}
+    return {"problem": problem, "link": link_name, "profile": profile, "capture_s": capture_s, "units": units,
+            "torch": str(torch.__version__)}
 
 
 def memory(problem: ShardProblem, point: Point, optimizer: str) -> dict:
@@ -182,7 +183,7 @@ def command(args, exp: config.Experiment) -> int:
     files = {"summary.json": json.dumps(summary, indent=2) + "\n",
              "front.csv": front_csv(problem, result.front, keep)}
     if best is not None:
-        files["plan.yaml"] = yaml.safe_dump(plan(exp, problem, best), sort_keys=False)
+        files["plan.yaml"] = yaml.safe_dump(plan(exp, problem, best, prepared["torch"]), sort_keys=False)
     write_folder(exp, out, files, force=args.force)
     print(f"wrote {out}/ ({', '.join(files)})")
     if best is None:
@@ -223,9 +224,17 @@ def knobs(problem: ShardProblem, p: Point) -> dict:
             "forward_prefetch": p.knobs.forward_prefetch, "backward_prefetch": p.knobs.backward_prefetch}
 
 
-def plan(exp: config.Experiment, problem: ShardProblem, best: Point) -> dict:
-    return {"experiment": exp.name, "experiment_file": exp.path, "world_size": exp.distributed.world_size,
-            "predicted": {"peak_bytes": best.peak, "step_time_s": best.step_time}, **knobs(problem, best)}
+def plan(exp: config.Experiment, problem: ShardProblem, best: Point, torch_version: str) -> dict:
+    """plan.yaml: the knobs, plus what `gaswap.shard.apply` needs to apply them to a model: every unit's path
+    (root last), per block class its units and its own forward ops in order as [name, aten target] (the
+    recompute names are among them: the k-th call of a target in the block's forward), the torch version."""
+    out = {"experiment": exp.name, "experiment_file": exp.path, "world_size": exp.distributed.world_size,
+           "torch": torch_version, "units": list(problem.units) + [""],
+           "predicted": {"peak_bytes": best.peak, "step_time_s": best.step_time}, **knobs(problem, best)}
+    for entry, cls in zip(out["recompute"], problem.classes):
+        entry["unit_paths"] = list(cls)
+        entry["forward"] = [[problem.graph.ops[i].name, problem.graph.ops[i].target] for i in problem.owned[cls[0]]]
+    return out
 
 
 def front_csv(problem: ShardProblem, front: list, keep: Point) -> str:

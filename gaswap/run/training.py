@@ -79,20 +79,26 @@ class SplitStep:
     forward_backward_s: float
     step_s: float
     peak: int | None = None
+    loss: torch.Tensor | None = None
 
 
 def split_step(model, optimizer: torch.optim.Optimizer, inputs, *, loss: str = "sum", target=None,
-               device="cpu", metered: bool = False) -> SplitStep:
+               device="cpu", metered: bool = False, before_step=None) -> SplitStep:
     """One step of `model` (e.g. wrapped by `fully_shard`): forward, loss and backward (inside a `PeakMeter`
-    when `metered`), then the optimizer step and its zero_grad, each timed in CPU seconds."""
+    when `metered`), then `before_step(model)` if given (e.g. reading the gradients; timed with the step),
+    the optimizer step and its zero_grad, each timed in CPU seconds. `loss` of the result: the loss, detached."""
     started = time.process_time()
     meter = PeakMeter(device) if metered else nullcontext()
     with meter:
-        loss_fn(loss, output_tensor(model(*inputs)), target).backward()
+        value = loss_fn(loss, output_tensor(model(*inputs)), target)
+        value.backward()
     middle = time.process_time()
+    if before_step is not None:
+        before_step(model)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return SplitStep(middle - started, time.process_time() - started, meter.peak if metered else None)
+    return SplitStep(middle - started, time.process_time() - started, meter.peak if metered else None,
+                     value.detach())
 
 
 def warm_up(step, first=None, steps: int = WARM_UP_STEPS) -> float:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from gaswap.run.measure import use_cpu
 from gaswap.run.training import make_optimizer, split_step
+from gaswap.shard.apply import shard
 from gaswap.shard.tracker import apply_fsdp, resident_bytes
 
 COLLECTIVE_SIZES = (1 << 16, 1 << 20, 1 << 22, 1 << 24)  # bytes of the full (world-size) buffer, for the link fit
@@ -74,7 +75,7 @@ def _one_worker(gloo_class):
 
 def _rank_main(rank: int, world_size: int, store_path: str, out_dir: str, model: str, model_kwargs: dict,
                inputs: str, units: list, optimizer: str, steps: int, metered: int, knobs: dict,
-               collectives: list, repeats: int) -> None:
+               collectives: list, repeats: int, plan: dict | None = None, record: bool = False) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     use_cpu(1)  # as ops are timed: one thread, glibc keeps freed memory (no page faults for reused buffers)
@@ -93,12 +94,14 @@ def _rank_main(rank: int, world_size: int, store_path: str, out_dir: str, model:
     try:
         mesh = init_device_mesh("cpu", (world_size,))
         torch.manual_seed(0)
-        net = apply_fsdp(_resolve(model)(**model_kwargs), units, mesh, **knobs)
+        net = _resolve(model)(**model_kwargs)
+        net = shard(net, plan, mesh) if plan is not None else apply_fsdp(net, units, mesh, **knobs)
         opt = make_optimizer(optimizer, net)
         args = _resolve(inputs)()
         fence = torch.zeros(1)
         plain = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single")}
         peaks, fwd_bwd, step_cpu, wall = [], [], [], []
+        recorded = {"loss": [], "grads": [], "params": []}
         for step in range(steps):
             metering = step >= steps - metered
             if metering:  # the last steps are metered (the profiler slows them): forward and backward
@@ -106,7 +109,11 @@ def _rank_main(rank: int, world_size: int, store_path: str, out_dir: str, model:
                     setattr(dist, name, _fenced(call, fence))
             dist.barrier()
             started_wall = time.perf_counter()
-            done = split_step(net, opt, args, metered=metering)
+            done = split_step(net, opt, args, metered=metering,
+                              before_step=(lambda m: recorded["grads"].append(_local(m, "grad"))) if record else None)
+            if record:
+                recorded["loss"].append(done.loss)
+                recorded["params"].append(_local(net))
             if metering:
                 peaks.append(done.peak)
             elif step > 0:  # the first step warms up (and makes the optimizer's state)
@@ -115,6 +122,8 @@ def _rank_main(rank: int, world_size: int, store_path: str, out_dir: str, model:
                 wall.append(time.perf_counter() - started_wall)
         for name, call in plain.items():
             setattr(dist, name, call)
+        if record:
+            torch.save(recorded, Path(out_dir, f"rank{rank}.pt"))
         resident = resident_bytes(net, opt, args)
         times = _time_collectives(world_size, collectives, repeats)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
@@ -123,6 +132,15 @@ def _rank_main(rank: int, world_size: int, store_path: str, out_dir: str, model:
              "cpu_step_s": statistics.median(step_cpu) if step_cpu else None, "collective_s": times}))
     finally:
         dist.destroy_process_group()
+
+
+def _local(model, attr: str | None = None) -> dict:
+    """{name: this rank's shard of each parameter (or of its gradient, `attr` "grad"), cloned}."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p if attr is None else getattr(p, attr)
+        out[name] = None if t is None else (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+    return out
 
 
 def _time_collectives(world_size: int, sizes, repeats: int) -> dict:
@@ -150,7 +168,7 @@ def _time_collectives(world_size: int, sizes, repeats: int) -> dict:
 
 def run_gloo(model: str, inputs: str, units, world_size: int, *, model_kwargs: dict | None = None,
              optimizer: str = "adam", steps: int = 7, metered: int = 3, knobs: dict | None = None, collectives=(),
-             repeats: int = 5) -> list[dict]:
+             repeats: int = 5, plan: dict | None = None, record: bool = False) -> list[dict]:
     """Train `steps` steps of `model` ("module:factory", called with `model_kwargs`) on `inputs` ("module:function"
     returning the input tuple, the same on every rank) under fully_shard over `world_size` gloo processes. Per
     rank (rank order): the forward+backward peak above what was allocated before it (the CPU allocator's
@@ -158,14 +176,21 @@ def run_gloo(model: str, inputs: str, units, world_size: int, *, model_kwargs: d
     (`peaks_above_start`, and the lowest, `peak_above_start`), the bytes resident before a step, the CPU
     seconds of forward+backward (`fwd_bwd_cpu_s`) and of the whole step with the optimizer's (`step_cpu_s`),
     and its wall seconds, of each unmetered step after the first (`cpu_step_s`: the median), and the CPU and
-    wall seconds of `repeats` all-gathers / reduce-scatters of each byte count in `collectives`."""
+    wall seconds of `repeats` all-gathers / reduce-scatters of each byte count in `collectives`. `plan`: a sharded
+    plan's data applied by `gaswap.shard.apply.shard` in place of `knobs`; `record`: also, per step, the loss and
+    this rank's shards of the gradients (before the optimizer step) and of the parameters (after it), as
+    `recorded` {"loss": [...], "grads": [{name: tensor}], "params": [...]}."""
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         torch.multiprocessing.spawn(_rank_main, args=(world_size, store, tmp, model, model_kwargs or {}, inputs,
                                                       list(units), optimizer, steps, metered, knobs or {},
-                                                      list(collectives), repeats),
+                                                      list(collectives), repeats, plan, record),
                                     nprocs=world_size, join=True)
-        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world_size)]
+        out = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world_size)]
+        if record:
+            for r, result in enumerate(out):
+                result["recorded"] = torch.load(Path(tmp, f"rank{r}.pt"), weights_only=True)
+        return out
 
 
 def gloo_peak(report, rank) -> int:
