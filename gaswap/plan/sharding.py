@@ -326,6 +326,10 @@ class _Builder:
         self.done_pre_backward.add(u)
         self.unshard(u)
         self.wait_for_unshard(u, forward=False)
+        self.backward_prefetch(u)
+
+    def backward_prefetch(self, u: str) -> None:
+        """Unshard the unit(s) before `u` in post-forward order, as its pre-backward does."""
         k = self.spec.backward_prefetch
         if k == 1:  # FSDP2's default: the unit before this one in post-forward order
             if self.post_forward_indices.get(u):
@@ -350,8 +354,12 @@ class _Builder:
         if self.rs_states:
             self.free(self.rs_states, "reduce_scatter_state")
             self.rs_states = []
-        if not with_grad:
-            return
+        if with_grad:
+            self.reduce_scatter(u, with_grad)
+
+    def reduce_scatter(self, u: str, with_grad: list[ParamSpec]) -> None:
+        """The reduce-scatter input (the unsharded gradients copied in, in the reduce dtype), the collective and
+        the sharded gradients (a cast copy of its output when the reduce dtype is not the parameters')."""
         tag = _tag(u)
         reduce = self.spec.reduce_itemsize
         alloc = f"fsdp_rs_alloc.{tag}"
