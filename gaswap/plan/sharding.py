@@ -185,7 +185,11 @@ class _Builder:
         self.group: dict[str, list[ParamSpec]] = {}
         for p in params:
             self.group.setdefault(unit_of(p.path.rpartition(".")[0], self.units), []).append(p)
+        self.grouped = [u for u in self.units if u in self.group]
         self.grad_of = {p.grad: p for p in params if p.grad is not None}
+        self.outside = set(spec.outside)
+        self.seed = self.backward_seed()
+        self.forward_order: list[str] = []  # units by where their forward starts (set by `hook_events`)
         self.ops: list[Op] = []
         self.tensors: dict[str, Tensor] = {}
         self.stream: dict[str, str] = {}
@@ -322,6 +326,10 @@ class _Builder:
         self.done_pre_backward.add(u)
         self.unshard(u)
         self.wait_for_unshard(u, forward=False)
+        self.backward_prefetch(u)
+
+    def backward_prefetch(self, u: str) -> None:
+        """Unshard the unit(s) before `u` in post-forward order, as its pre-backward does."""
         k = self.spec.backward_prefetch
         if k == 1:  # FSDP2's default: the unit before this one in post-forward order
             if self.post_forward_indices.get(u):
@@ -346,8 +354,12 @@ class _Builder:
         if self.rs_states:
             self.free(self.rs_states, "reduce_scatter_state")
             self.rs_states = []
-        if not with_grad:
-            return
+        if with_grad:
+            self.reduce_scatter(u, with_grad)
+
+    def reduce_scatter(self, u: str, with_grad: list[ParamSpec]) -> None:
+        """The reduce-scatter input (the unsharded gradients copied in, in the reduce dtype), the collective and
+        the sharded gradients (a cast copy of its output when the reduce dtype is not the parameters')."""
         tag = _tag(u)
         reduce = self.spec.reduce_itemsize
         alloc = f"fsdp_rs_alloc.{tag}"
@@ -372,7 +384,7 @@ class _Builder:
         self.rs_states.append(rs_in)
 
     # --- activation checkpointing ---
-    def recompute_plan(self, fwd, bwd, within) -> tuple[dict, dict]:
+    def recompute_plan(self) -> tuple[dict, dict]:
         """Where the recomputed forward ops go and what the backward reads instead: ({backward op index: the
         clones run before it}, {backward op index: {tensor: its recomputed copy}}), from `spec.recompute`.
 
@@ -383,49 +395,66 @@ class _Builder:
         recompute reads the re-gathered parameters). The unit's backward ops read the copies, so the forward's
         outputs go after their last forward reader and the copies after their last backward one. A backward
         op outside the unit still reads the forward's tensor (a checkpointed module's outputs are saved)."""
-        g, clones_at, redirect = self.g, {}, {}
+        clones_at, redirect = {}, {}
         if not self.spec.recompute:
             return clones_at, redirect
-        owned = owned_forward(g, self.units, self.spec.outside)
-        backward: dict[str, list[int]] = {}  # unit -> its backward ops (those of units inside it included)
-        for i in bwd:
-            parts = g.ops[i].layer.split(".")
-            for k in range(1, len(parts) + 1):
-                backward.setdefault(".".join(parts[:k]), []).append(i)
+        owned = owned_forward(self.g, self.units, self.spec.outside)
+        backward = self.backward_by_module()
         for u, chosen in self.spec.recompute.items():
-            if u == ROOT or u not in self.units:
-                raise ShardError(f"recompute: {u or 'the root'!r} is not a unit that can be checkpointed "
-                                 f"(units: {', '.join(x for x in self.units if x)})")
-            own = owned.get(u, [])
-            positions = range(len(own)) if chosen == "full" else chosen
-            if any(not 0 <= p < len(own) for p in positions):
-                raise ShardError(f"recompute: unit {u!r} has {len(own)} forward ops, not positions {chosen}")
-            ops = {own[p] for p in positions}
-            back = [i for i in backward.get(u, ()) if within(g.ops[i].layer, u, i)]
+            ops = self.recomputed_ops(u, chosen, owned.get(u, []))
+            back = [i for i in backward.get(u, ()) if self.within(self.g.ops[i].layer, u, i)]
             if not ops or not back:
                 continue
-            made = {t: i for i in ops for t in g.ops[i].outputs}
-            needed = {t for i in back for t in g.ops[i].inputs if t in made}
-            run = []
-            for i in sorted(ops, reverse=True):
-                if needed.intersection(g.ops[i].outputs):
-                    run.append(i)
-                    needed.update(t for t in g.ops[i].inputs if t in made)
-            copy = {t: f"{t}.rc" for i in run for t in g.ops[i].outputs}
-            clones = []
-            for i in sorted(run):
-                op = g.ops[i]
-                clones.append(replace(op, name=f"{op.name}.rc", inputs=tuple(copy.get(t, t) for t in op.inputs),
-                                      outputs=tuple(copy[t] for t in op.outputs), phase="bwd"))
-                self.recomputed[f"{op.name}.rc"] = op.name
-            self.copy_of.update({v: k for k, v in copy.items()})
+            clones, copy = self.clone_for_backward(ops, back)
             clones_at.setdefault(back[0], []).extend(clones)
             for i in back:
-                if copy.keys() & set(g.ops[i].inputs):
+                if copy.keys() & set(self.g.ops[i].inputs):
                     redirect.setdefault(i, {}).update(copy)
         return clones_at, redirect
 
-    def step_op(self, op: Op, owner, category: str) -> None:
+    def backward_by_module(self) -> dict[str, list[int]]:
+        """{module path: its backward ops, those of modules inside it included}, in order."""
+        backward: dict[str, list[int]] = {}
+        for i, op in enumerate(self.g.ops):
+            if op.phase != "bwd":
+                continue
+            parts = op.layer.split(".")
+            for k in range(1, len(parts) + 1):
+                backward.setdefault(".".join(parts[:k]), []).append(i)
+        return backward
+
+    def recomputed_ops(self, u: str, chosen, own: list[int]) -> set[int]:
+        """The forward ops of unit `u` that `chosen` ("full" or positions among `own`, its own forward ops) names."""
+        if u == ROOT or u not in self.units:
+            raise ShardError(f"recompute: {u or 'the root'!r} is not a unit that can be checkpointed "
+                             f"(units: {', '.join(x for x in self.units if x)})")
+        positions = range(len(own)) if chosen == "full" else chosen
+        if any(not 0 <= p < len(own) for p in positions):
+            raise ShardError(f"recompute: unit {u!r} has {len(own)} forward ops, not positions {chosen}")
+        return {own[p] for p in positions}
+
+    def clone_for_backward(self, ops: set[int], back: list[int]) -> tuple[list[Op], dict[str, str]]:
+        """The clones of those of `ops` whose outputs the backward ops `back` read (and of those these need), in
+        forward order, reading each other's copies, and {forward tensor: its copy}."""
+        g = self.g
+        made = {t: i for i in ops for t in g.ops[i].outputs}
+        needed = {t for i in back for t in g.ops[i].inputs if t in made}
+        run = []
+        for i in sorted(ops, reverse=True):
+            if needed.intersection(g.ops[i].outputs):
+                run.append(i)
+                needed.update(t for t in g.ops[i].inputs if t in made)
+        copy = {t: f"{t}.rc" for i in run for t in g.ops[i].outputs}
+        clones = []
+        for i in sorted(run):
+            op = g.ops[i]
+            clones.append(replace(op, name=f"{op.name}.rc", inputs=tuple(copy.get(t, t) for t in op.inputs),
+                                  outputs=tuple(copy[t] for t in op.outputs), phase="bwd"))
+            self.recomputed[f"{op.name}.rc"] = op.name
+        self.copy_of.update({v: k for k, v in copy.items()})
+        return clones, copy
+
+    def step_op(self, op: Op, category: str) -> None:
         """Emit one op of the single-device step (or a recomputed copy): parameters read as the unit's unsharded
         ones, outputs categorised (gradients of sharded parameters are unsharded gradients)."""
         inputs = []
@@ -433,7 +462,7 @@ class _Builder:
             if t in self.params:
                 if t not in self.current:
                     raise ShardError(f"op {op.name} ({op.layer or 'root'}) reads parameter {self.params[t].path} "
-                                     f"while its unit {owner(self.params[t].path) or 'root'!r} is sharded")
+                                     f"while its unit {self.owner(self.params[t].path) or 'root'!r} is sharded")
                 inputs.append(self.current[t])
             else:
                 inputs.append(t)
@@ -448,53 +477,59 @@ class _Builder:
         self.emit(op.name, op.target, inputs, op.outputs, layer=op.layer)
         self.ops[-1] = replace(op, inputs=tuple(dict.fromkeys(inputs)))
 
-    # --- the walk ---
-    def build(self) -> RankGraph:
-        g, spec, units = self.g, self.spec, self.units
-        for name, t in g.tensors.items():  # residents (sharded parameters replace the parameters)
-            if t.kind == "param" and name in self.params:
-                p = self.params[name]
-                self.tensor(f"{name}.shard", self.shard_bytes(p, self.sharded_itemsize(p)), "param", None,
-                            "sharded params")
-            elif t.producer is None:
-                cat = "inputs" if t.kind in ("input", "grad_output") else "buffers"
-                self.tensor(name, t.size, t.kind, None, cat)
-        outside = set(spec.outside)
-
-        def owner(layer: str):
-            return None if layer in outside or layer.split(".")[0] in outside else unit_of(layer, units)
-
-        # the seed of the backward (the loss's gradient, `ones_like`, untagged): made by `backward()` before
-        # autograd's engine runs and held by it to the end of the backward
+    # --- where the hooks fire ---
+    def backward_seed(self) -> set[int]:
+        """The seed of the backward (the loss's gradient, `ones_like`, untagged): made by `backward()` before
+        autograd's engine runs and held by it to the end of the backward."""
         seed = set()
-        for i, op in enumerate(g.ops):
+        for i, op in enumerate(self.g.ops):
             if op.phase == "bwd":
                 if op.layer != "":
                     break
                 seed.add(i)
+        return seed
 
-        def within(layer: str, u: str, i: int = -1) -> bool:
-            if layer in outside or layer.split(".")[0] in outside or i in seed:
-                return False
-            return u == ROOT or layer == u or layer.startswith(u + ".")
+    def is_outside(self, layer: str) -> bool:
+        return layer in self.outside or layer.split(".")[0] in self.outside
 
-        depth = {u: (-1 if u == ROOT else u.count(".")) for u in units}
-        grouped = [u for u in units if u in self.group]
-        fwd = [i for i, op in enumerate(g.ops) if op.phase == "fwd"]
-        bwd = [i for i, op in enumerate(g.ops) if op.phase == "bwd"]
-        before: dict[int, list] = {}
-        after: dict[int, list] = {}
-        deferred = []
-        forward_spans = {}
-        members: dict[str, list[int]] = {ROOT: list(range(len(g.ops)))}  # module path -> ops inside it, in order
-        for i, op in enumerate(g.ops):
+    def owner(self, layer: str):
+        """The unit owning a module path (None: outside the model)."""
+        return None if self.is_outside(layer) else unit_of(layer, self.units)
+
+    def within(self, layer: str, u: str, i: int = -1) -> bool:
+        """Whether op `i` of module `layer` is one of unit `u`'s (the loss and the backward's seed are no unit's)."""
+        if self.is_outside(layer) or i in self.seed:
+            return False
+        return u == ROOT or layer == u or layer.startswith(u + ".")
+
+    def members(self) -> dict[str, list[int]]:
+        """{module path: the ops inside it, in order} ("" holds them all)."""
+        members: dict[str, list[int]] = {ROOT: list(range(len(self.g.ops)))}
+        for i, op in enumerate(self.g.ops):
             parts = op.layer.split(".") if op.layer else []
             for k in range(1, len(parts) + 1):
                 members.setdefault(".".join(parts[:k]), []).append(i)
-        for u in grouped + ([] if ROOT in grouped else [ROOT]):
+        return members
+
+    def reads_outside(self, forward: list[int]) -> bool:
+        """Whether the forward ops `forward` read an activation made outside them: the unit's inputs need a
+        gradient, so its post-backward runs after its last backward op (else in the final callback)."""
+        g = self.g
+        inside = {t for i in forward for t in g.ops[i].outputs}
+        return any(g.tensors[t].producer is not None and t not in inside and g.tensors[t].kind == "activation"
+                   for i in forward for t in g.ops[i].inputs)
+
+    def hook_events(self) -> tuple[dict, dict, list[str]]:
+        """({op index: the hooks run before it}, {op index: the hooks run after it}, the units whose post-backward
+        waits for the final callback); sets `forward_order`, the units by where their forward starts."""
+        g, depth = self.g, {u: (-1 if u == ROOT else u.count(".")) for u in self.units}
+        before: dict[int, list] = {}
+        after: dict[int, list] = {}
+        deferred, forward_spans, members = [], {}, self.members()
+        for u in self.grouped + ([] if ROOT in self.grouped else [ROOT]):
             ops_in = members.get(u, ())
-            f = [i for i in ops_in if g.ops[i].phase == "fwd" and within(g.ops[i].layer, u)]
-            b = [i for i in ops_in if g.ops[i].phase == "bwd" and within(g.ops[i].layer, u, i)] \
+            f = [i for i in ops_in if g.ops[i].phase == "fwd" and self.within(g.ops[i].layer, u)]
+            b = [i for i in ops_in if g.ops[i].phase == "bwd" and self.within(g.ops[i].layer, u, i)] \
                 if u in self.group else []
             if f:  # the root's post-forward frees the last all-gather output, whether it has parameters or not
                 forward_spans[u] = (f[0], f[-1])
@@ -502,65 +537,95 @@ class _Builder:
                 after.setdefault(f[-1], []).append(("post_forward", u))
             if b:
                 before.setdefault(b[0], []).append(("pre_backward", u))
-                inside = {t for i in f for t in g.ops[i].outputs}
-                reads_outside = any(g.tensors[t].producer is not None and t not in inside
-                                    and g.tensors[t].kind == "activation"
-                                    for i in f for t in g.ops[i].inputs)
-                if reads_outside:
+                if self.reads_outside(f):
                     after.setdefault(b[-1], []).append(("post_backward", u))
                 else:
                     deferred.append(u)
-        forward_order = sorted(forward_spans, key=lambda u: (forward_spans[u][0], depth[u]))
+        self.forward_order = sorted(forward_spans, key=lambda u: (forward_spans[u][0], depth[u]))
         for events in before.values():
             events.sort(key=lambda e: depth[e[1]])  # outer units first
         for events in after.values():
             events.sort(key=lambda e: -depth[e[1]])  # inner units first
+        return before, after, deferred
 
-        def run(events):
-            for kind, u in events:
-                if kind == "pre_forward":
-                    self.pre_forward(u, forward_order)
-                elif kind == "post_forward":
-                    self.post_forward(u)
-                elif kind == "pre_backward":
-                    self.pre_backward(u)
-                else:
-                    self.post_backward(u)
+    def run_hooks(self, events) -> None:
+        for kind, u in events:
+            if kind == "pre_forward":
+                self.pre_forward(u, self.forward_order)
+            elif kind == "post_forward":
+                self.post_forward(u)
+            elif kind == "pre_backward":
+                self.pre_backward(u)
+            else:
+                self.post_backward(u)
 
-        clones_at, redirect = self.recompute_plan(fwd, bwd, within)
-        for i, op in enumerate(g.ops):
+    # --- the walk ---
+    def build(self) -> RankGraph:
+        self.add_residents()
+        before, after, deferred = self.hook_events()
+        clones_at, redirect = self.recompute_plan()
+        for i, op in enumerate(self.g.ops):
             self.phase = op.phase
-            run(before.get(i, ()))
+            self.run_hooks(before.get(i, ()))
             for clone in clones_at.get(i, ()):
-                self.step_op(clone, owner, "activations")
+                self.step_op(clone, "activations")
             if i in redirect:
                 op = replace(op, inputs=tuple(redirect[i].get(t, t) for t in op.inputs))
-            self.step_op(op, owner, "activations" if op.phase == "fwd" or i in seed else "temporaries")
-            run(after.get(i, ()))
+            self.step_op(op, "activations" if op.phase == "fwd" or i in self.seed else "temporaries")
+            self.run_hooks(after.get(i, ()))
+        self.final_callback(deferred)
+        self.drop_unread_inputs()
+        return self.rank_graph()
+
+    def add_residents(self) -> None:
+        """The tensors no op makes: the sharded parameters (in place of the parameters), inputs and buffers."""
+        for name, t in self.g.tensors.items():
+            if t.kind == "param" and name in self.params:
+                p = self.params[name]
+                self.tensor(f"{name}.shard", self.shard_bytes(p, self.sharded_itemsize(p)), "param", None,
+                            "sharded params")
+            elif t.producer is None:
+                cat = "inputs" if t.kind in ("input", "grad_output") else "buffers"
+                self.tensor(name, t.size, t.kind, None, cat)
+
+    def final_callback(self, deferred: list[str]) -> None:
+        """FSDP2's final callback at the end of the backward: the deferred post-backwards (root first, as
+        `all_states`), then the last reduce-scatter input, any prefetched all-gather never waited for and the
+        backward's seed go."""
         self.phase = "bwd"
-        order = [u for u in units if u == ROOT] + [u for u in units if u != ROOT]  # all_states: root first
+        order = [u for u in self.units if u == ROOT] + [u for u in self.units if u != ROOT]
         for u in order:
             if u in deferred:
                 self.post_backward(u)
-        held = [t for i in sorted(seed) for t in g.ops[i].outputs]
+        held = [t for i in sorted(self.seed) for t in self.g.ops[i].outputs]
         self.free(self.rs_states + list(self.pending.values()) + held, "final")
         self.rs_states, self.pending = [], {}
         if self.pending_relabel:
             self.emit(self.fresh("fsdp_end"), "fsdp.end", (), ())
-        # tensors nobody reads any more that nothing produces (the target of a loss that takes none) are dropped
+
+    def drop_unread_inputs(self) -> None:
+        """Tensors nobody reads any more that nothing produces (the target of a loss that takes none) are dropped."""
         read = {t for op in self.ops for t in op.inputs}
         for name in [n for n, t in self.tensors.items() if t.producer is None and n not in read
                      and t.kind == "input"]:
             del self.tensors[name]
-        resident = dict(g.resident)
-        param_bytes = sum(t.size for t in g.tensors.values() if t.kind == "param")
+
+    def resident(self) -> dict:
+        """The graph's resident bytes with the optimizer's state scaled to this rank's local shards (plus its
+        scalars per parameter)."""
+        resident = dict(self.g.resident)
+        param_bytes = sum(t.size for t in self.g.tensors.values() if t.kind == "param")
         ratio = resident.get("optimizer_state", 0) / param_bytes if param_bytes else 0.0
-        local = sum(local_shard_numel(p.shape, self.W, spec.rank) * self.sharded_itemsize(p)
+        local = sum(local_shard_numel(p.shape, self.W, self.spec.rank) * self.sharded_itemsize(p)
                     for p in self.params.values())
-        resident["optimizer_state"] = round(ratio * local) + spec.optimizer_scalar_bytes * len(self.params)
-        graph = Graph(tuple(self.ops), self.tensors, resident, g.counted, g.loss)
-        units_out = {u: tuple(p.tensor for p in self.group[u]) for u in grouped}
-        return RankGraph(graph, spec, self.stream, self.category, self.tracker,
+        resident["optimizer_state"] = round(ratio * local) + self.spec.optimizer_scalar_bytes * len(self.params)
+        return resident
+
+    def rank_graph(self) -> RankGraph:
+        g = self.g
+        graph = Graph(tuple(self.ops), self.tensors, self.resident(), g.counted, g.loss)
+        units_out = {u: tuple(p.tensor for p in self.group[u]) for u in self.grouped}
+        return RankGraph(graph, self.spec, self.stream, self.category, self.tracker,
                          {t: tuple(v) for t, v in self.relabel.items()}, units_out, self.collective_bytes,
                          self.collective_kind, self.recomputed)
 
