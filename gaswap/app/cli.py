@@ -102,6 +102,17 @@ def main(argv=None) -> int:
     p.add_argument("--results", default="results", help="folder of result folders (default: results)")
     p.add_argument("--cache", default=None, help="cost cache folder (default: $GASWAP_CACHE or ~/.cache/gaswap)")
     p.set_defaults(run=compare)
+    p = add_parser("shard-compare", help="a sharded run's checkpointing head to head: no AC, full AC, torchtitan's "
+                                         "SAC and per-layer AC, gaswap; per rank at W = 8, 64, 256")
+    p.add_argument("experiment", help="experiment YAML file with `distributed:`, e.g. experiments/llama3_8b_fsdp8.yaml")
+    p.add_argument("--results", default="results", help="folder of result folders (default: results)")
+    p.add_argument("--world-sizes", default=None, help="comma-separated world sizes (default: 8,64,256)")
+    p.add_argument("--gloo", action="store_true",
+                   help="also apply each method's plan and run it under gloo at the experiment's world size (small "
+                        "models only)")
+    p.add_argument("--no-reserved", action="store_true", help="skip the allocator model's reserved peak")
+    p.add_argument("--force", action="store_true", help="replace a results folder made by another experiment")
+    p.set_defaults(run=shard_compare)
     p = add_parser("memory", help="GPU memory of policies: live, allocator allocated/reserved, arena plan")
     p.add_argument("experiments", nargs="+", help="experiment files, e.g. experiments/alexnet_4gb.yaml")
     p.add_argument("--results", default="results", help="folder of result folders with shipped policies")
@@ -455,3 +466,12 @@ def compare(args) -> int:
     from gaswap.app import compare as head_to_head
 
     return head_to_head.command(args)
+
+
+def shard_compare(args) -> int:
+    """A sharded run's checkpointing methods head to head, per rank, predicted (and measured under gloo)."""
+    exp = config.load_experiment(args.experiment)  # a bad file is refused before torch is imported
+    # imported when this verb runs: the others, and --help, load neither torch nor these modules
+    from gaswap.app import shard_compare as head_to_head
+
+    return head_to_head.command(args, exp)

@@ -1,0 +1,294 @@
+"""`gaswap shard-compare EXPERIMENT`: one rank of a sharded run, gaswap's plans against the checkpointing choices
+people use today, each expressed as a gaswap plan (`Knobs`) and evaluated by the same `ShardProblem` (the
+simulator's per-rank peak, `sharding.step_time`'s predicted step time), at world sizes 8, 64 and 256:
+
+- no AC; full AC on every block (torchtitan `mode: full`, plain `checkpoint` per block);
+- torchtitan's per-op selective AC as its code does it (torchtitan/distributed/activation_checkpoint.py,
+  `SelectiveAC`, at TORCHTITAN_COMMIT): the outputs of torch's compute-intensive ops (mm, addmm, bmm, SDPA
+  variants, ...) and of `aten.max.default` / `linear` / `topk` saved, the rest recomputed, and of the mm / linear
+  calls of a block every second one (the 2nd, 4th, ...) recomputed too;
+- torchtitan's per-layer AC every 2 layers (`selective_ac_option: "2"`, `_apply_layer_sac` before torchtitan
+  removed it in 114151ad4): full AC on the 2nd, 4th, ... block, the others kept;
+- gaswap's search (`shard_search.search`), once per peer's per-rank peak used as the budget and once below the
+  lowest of them; at each budget, the fastest plan the searches at that world size evaluated under it.
+
+torch's `sac_milp` (torch.distributed._tools.sac_ilp) is not run: see SAC_MILP.
+
+With `--gloo` (a small model only), each method's plan at the experiment's world size is also applied with
+`gaswap.shard.apply.shard` and run under gloo (`gaswap.shard.gloo.run_gloo`): each rank's measured peak and CPU
+time per step, against the peak predicted for that run (its loss is `sum`, the model's own dtype).
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+from gaswap.app import results
+from gaswap.app.shard_plan import memory, prepare, write_folder
+from gaswap.base import config
+from gaswap.base.config import format_size
+from gaswap.plan.shard_search import Knobs, Point, ShardProblem, link_for, peak_bytes, search
+from gaswap.plan.sharding import memory_report, shard_step
+
+WORLD_SIZES = (8, 64, 256)
+TORCHTITAN_COMMIT = "b5bcd76c66d0acb1a08b176d9639425bc55e0b2a"
+# torchtitan's `_get_default_save_ops()`: torch 2.13's `get_default_op_list().compute_intensive_ops` and its own
+# additions; gaswap's op targets are `str(func)`
+TORCHTITAN_SAVED = frozenset({
+    "aten._efficient_attention_forward.default", "aten._flash_attention_forward.default",
+    "aten._scaled_dot_product_efficient_attention.default", "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_mm.default", "aten.addmm.default", "aten.bmm.default", "aten.convolution.default",
+    "aten.convolution_backward.default", "aten.mm.default", "aten.upsample_bilinear2d.default",
+    "aten._scaled_dot_product_cudnn_attention.default", "aten._scaled_dot_product_attention_math.default",
+    "aten._scaled_dot_product_fused_attention_overrideable.default", "aten.max.default", "aten.linear.default",
+    "aten.topk.default"})
+TORCHTITAN_MM = ("aten.mm.default", "aten.linear.default")  # counted: every second one recomputed
+PEERS = ("no AC", "full AC", "torchtitan SAC", "torchtitan AC every 2")
+SAC_MILP = ("skipped: torch.distributed._tools.sac_ilp imports `pulp` (not installed here), and its input is "
+            "MemTracker + RuntimeEstimator + SACEstimator statistics of a real (or fake-mode) run per module, "
+            "which this verb does not collect yet")
+
+
+def method_knobs(problem: ShardProblem, method: str) -> Knobs:
+    """A peer's checkpointing as gaswap knobs, with the experiment's reshard and prefetch settings."""
+    base = problem.decode(problem.seed("keep_all"))
+    recompute = {}
+    if method == "full AC":
+        recompute = {u: "full" for u in problem.units if u in problem.owned}
+    elif method == "torchtitan AC every 2":
+        recompute = {u: "full" for i, u in enumerate(problem.units) if (i + 1) % 2 == 0 and u in problem.owned}
+    elif method == "torchtitan SAC":
+        for cls, sel in zip(problem.classes, problem.selectable):
+            ops = [problem.graph.ops[i] for i in problem.owned[cls[0]]]
+            chosen, mm = [], 0
+            for p, op in enumerate(ops):
+                if op.target in TORCHTITAN_MM:
+                    mm += 1
+                saved = op.target in TORCHTITAN_SAVED and not (op.target in TORCHTITAN_MM and mm % 2 == 0)
+                if not saved and p in sel:
+                    chosen.append(p)
+            for u in cls:
+                if chosen:
+                    recompute[u] = tuple(chosen)
+    elif method != "no AC":
+        raise ValueError(f"unknown method {method!r}: one of {', '.join(PEERS)}")
+    return dataclasses.replace(base, recompute=recompute)
+
+
+def evaluate(problem: ShardProblem, knobs: Knobs) -> Point:
+    """`knobs` through the problem's rank graph, simulator and step time (per-unit choices need no genes)."""
+    rank = problem.rank(knobs)
+    return Point(peak_bytes(rank), problem.time(rank), knobs, ())
+
+
+def method_plan(problem: ShardProblem, knobs: Knobs, torch_version: str, name: str) -> dict:
+    """The plan dict `gaswap.shard.apply.shard` reads for `knobs`: per block class, one entry per group of its
+    units with the same recompute choice (per-layer AC splits a class in two)."""
+    entries = []
+    for cls in problem.classes:
+        ops = problem.owned[cls[0]]
+        forward = [[problem.graph.ops[i].name, problem.graph.ops[i].target] for i in ops]
+        groups: dict = {}
+        for u in cls:
+            groups.setdefault(knobs.recompute.get(u, ()), []).append(u)
+        for chosen, units in groups.items():
+            entries.append({"units": f"{units[0]} .. {units[-1]} ({len(units)})" if len(units) > 1 else units[0],
+                            "recompute": "full" if chosen == "full" else
+                            [problem.graph.ops[ops[i]].name for i in chosen] or "none",
+                            "unit_paths": list(units), "forward": forward})
+    return {"method": name, "world_size": problem.spec.world_size, "torch": torch_version,
+            "units": list(problem.units) + [""], "recompute": entries,
+            "reshard_after_forward_false": [u for u in problem.units if not knobs.reshard.get(u, True)],
+            "forward_prefetch": knobs.forward_prefetch, "backward_prefetch": knobs.backward_prefetch}
+
+
+def at_world_size(problem: ShardProblem, world_size: int, profile, link_name: str | None) -> ShardProblem:
+    _, link = link_for(profile, world_size, link_name)
+    return ShardProblem(problem.graph, problem.params, dataclasses.replace(problem.spec, world_size=world_size),
+                        problem.op_time, link, 0, problem.copy_bandwidth)
+
+
+def compare(problem: ShardProblem, exp: config.Experiment, *, reserved: bool = True) -> list[dict]:
+    """Rows for one world size: each peer, then gaswap at each peer's peak as the budget and below the lowest."""
+    rows, peers = [], {}
+    for name in PEERS:
+        p = evaluate(problem, method_knobs(problem, name))
+        peers[name] = p
+        rows.append(_row(problem, exp, name, p, None, reserved))
+    budgets = sorted({p.peak for p in peers.values()}, reverse=True)
+    below = min(budgets) - 1
+    seconds = 0.0
+    for budget in budgets + [below]:
+        problem.budget = budget
+        result = search(problem, random.Random(exp.seed), population=exp.ga.population,
+                        generations=exp.ga.generations, cx_prob=exp.ga.cx_prob, mut_prob=exp.ga.mut_prob,
+                        max_seconds=exp.ga.max_seconds)
+        seconds += result.seconds
+    evaluated = list(problem.cache.values())
+    for budget in budgets + [below]:
+        under = [p for p in evaluated if p.peak <= budget]
+        best = min(under, key=lambda p: (p.step_time, p.peak)) if under else None
+        label = ("below every peer" if budget == below else
+                 "at " + " / ".join(n for n, p in peers.items() if p.peak == budget) + "'s peak")
+        rows.append(_row(problem, exp, f"gaswap ({label})", best, budget, reserved))
+    for r in rows:
+        r["search_cpu_s"] = seconds
+        r["plans_evaluated"] = len(evaluated)
+    return rows
+
+
+def _row(problem, exp, name, p: Point | None, budget, reserved: bool) -> dict:
+    row = {"world_size": problem.spec.world_size, "method": name, "budget_bytes": budget,
+           "peak_bytes": p.peak if p else None, "reserved_bytes": None, "step_time_s": p.step_time if p else None,
+           "recompute": _describe(problem, p.knobs) if p else "nothing fits",
+           "reshard_after_forward_false": sum(not p.knobs.reshard.get(u, True) for u in problem.units) if p else None,
+           "prefetch": f"{p.knobs.forward_prefetch}/{p.knobs.backward_prefetch}" if p else None}
+    if p and reserved:
+        row["reserved_bytes"] = memory(problem, p, exp.optimizer)["reserved_bytes"]
+    return row
+
+
+def _describe(problem: ShardProblem, knobs: Knobs) -> str:
+    full = sum(knobs.recompute.get(u) == "full" for u in problem.units)
+    partial = [len(c) for u, c in knobs.recompute.items() if c != "full"]
+    parts = []
+    if full:
+        parts.append(f"{full} blocks full")
+    if partial:
+        parts.append(f"{len(partial)} blocks {min(partial)}-{max(partial)} ops")
+    return ", ".join(parts) or "none"
+
+
+def verdicts(rows: list[dict]) -> list[str]:
+    """Per world size: at each peer's peak, gaswap's time against the best peer's that fits there; below the
+    lowest peer, whether gaswap fits."""
+    out = []
+    for w in dict.fromkeys(r["world_size"] for r in rows):
+        mine = [r for r in rows if r["world_size"] == w]
+        peers = [r for r in mine if not r["method"].startswith("gaswap")]
+        ours = [r for r in mine if r["method"].startswith("gaswap")]
+        wins = 0
+        for g in ours[:-1]:
+            fitting = [r for r in peers if r["peak_bytes"] <= g["budget_bytes"]]
+            best = min(fitting, key=lambda r: r["step_time_s"])
+            ok = g["step_time_s"] is not None and g["step_time_s"] <= best["step_time_s"]
+            wins += ok
+        below = ours[-1]
+        out.append(f"W={w}: at {wins} of {len(ours) - 1} peer budgets gaswap's step time is at or below the best "
+                   f"fitting peer's; below every peer's peak ({format_size(below['budget_bytes'])}): "
+                   + (f"gaswap fits at {format_size(below['peak_bytes'])}, {below['step_time_s'] * 1e3:.1f} ms"
+                      if below["peak_bytes"] is not None else "gaswap finds no plan either"))
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| W | method | budget | peak (live) | reserved | step time | recompute | RAF false | prefetch f/b |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        size = lambda n: format_size(n) if n is not None else "-"  # noqa: E731
+        t = f"{r['step_time_s'] * 1e3:.2f} ms" if r["step_time_s"] is not None else "-"
+        lines.append(f"| {r['world_size']} | {r['method']} | {size(r['budget_bytes'])} | {size(r['peak_bytes'])} | "
+                     f"{size(r['reserved_bytes'])} | {t} | {r['recompute']} | "
+                     f"{r['reshard_after_forward_false'] if r['reshard_after_forward_false'] is not None else '-'} | "
+                     f"{r['prefetch'] or '-'} |")
+    return "\n".join(lines)
+
+
+def to_csv(rows: list[dict]) -> str:
+    out = io.StringIO()
+    w = csv.DictWriter(out, fieldnames=list(rows[0]), lineterminator="\n")
+    w.writeheader()
+    w.writerows(rows)
+    return out.getvalue()
+
+
+def gloo_rows(exp: config.Experiment, problem: ShardProblem, torch_version: str, steps: int = 6) -> list[dict]:
+    """Each peer and gaswap's plan at each peer's peak, applied and run under gloo at the experiment's world
+    size: per rank, measured peak above the step's start (CPU allocator) and forward+backward CPU seconds
+    (median), against the peak predicted for the run (loss `sum`, the gloo run's)."""
+    # imported when --gloo asks for it: torch and processes
+    from gaswap.shard.gloo import gloo_peak, run_gloo
+
+    ranked = prepare(dataclasses.replace(exp, loss="sum", target=None))["problem"]  # what run_gloo trains
+    rows = []
+    plans = {name: method_knobs(ranked, name) for name in PEERS}
+    budgets = sorted({evaluate(ranked, k).peak for k in plans.values()}, reverse=True)
+    for budget in budgets:
+        ranked.budget = budget
+        search(ranked, random.Random(exp.seed), population=exp.ga.population, generations=exp.ga.generations)
+    for budget in budgets:
+        under = [p for p in ranked.cache.values() if p.peak <= budget]
+        plans[f"gaswap (budget {format_size(budget)})"] = min(under, key=lambda p: (p.step_time, p.peak)).knobs
+    for name, knobs in plans.items():
+        plan = method_plan(ranked, knobs, torch_version, name)
+        started = time.time()
+        runs = run_gloo(exp.model.factory, "gaswap.zoo:llama_inputs", plan["units"],
+                        ranked.spec.world_size, model_kwargs=dict(exp.model.kwargs or {}), steps=steps, metered=2,
+                        plan=plan)
+        for r in runs:
+            rank = shard_step(ranked.graph, ranked.params, dataclasses.replace(knobs.spec(ranked.spec), rank=r["rank"]))
+            predicted = gloo_peak(memory_report(rank), rank) - rank.graph.resident_bytes()
+            rows.append({"method": name, "rank": r["rank"], "predicted_peak_bytes": predicted,
+                         "measured_peaks_bytes": r["peaks_above_start"],
+                         "fwd_bwd_cpu_s": statistics.median(r["fwd_bwd_cpu_s"]),
+                         "step_cpu_s": r["cpu_step_s"], "predicted_h100_step_s": ranked.time(rank),
+                         "run_s": time.time() - started})
+    return rows
+
+
+def gloo_table(rows: list[dict]) -> str:
+    lines = ["| method | rank | peak predicted | peak measured (metered steps) | fwd+bwd CPU (median) | "
+             "step CPU with Adam (median) |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        measured = ", ".join(str(n) for n in r["measured_peaks_bytes"])
+        exact = "equal" if all(n == r["predicted_peak_bytes"] for n in r["measured_peaks_bytes"]) else "differ"
+        lines.append(f"| {r['method']} | {r['rank']} | {r['predicted_peak_bytes']} B | {measured} B ({exact}) | "
+                     f"{r['fwd_bwd_cpu_s'] * 1e3:.1f} ms | {r['step_cpu_s'] * 1e3:.1f} ms |")
+    return "\n".join(lines)
+
+
+def command(args, exp: config.Experiment) -> int:
+    """Compare, print, write results/<experiment>/shard_compare.md and .csv (and shard_compare_gloo.csv)."""
+    if exp.distributed is None:
+        raise config.ConfigError(f"{exp.path}: shard-compare needs a `distributed:` key")
+    worlds = [int(w) for w in args.world_sizes.split(",")] if args.world_sizes else list(WORLD_SIZES)
+    started = time.process_time()
+    prepared = prepare(exp)
+    rows = []
+    for w in worlds:
+        rows += compare(at_world_size(prepared["problem"], w, prepared["profile"], exp.distributed.link), exp,
+                        reserved=not args.no_reserved)
+    lines = [f"# gaswap shard-compare {exp.name}", "",
+             f"`gaswap shard-compare {exp.path}`: {exp.model.factory} {exp.model.kwargs}, batch {exp.batch_size} "
+             f"per rank, FSDP2 units {exp.distributed.units}; per rank, predicted by gaswap's simulator (fake process "
+             f"group: one rank's graph), costs {prepared['profile'].name}; every method expressed as gaswap knobs and "
+             f"evaluated by the same ShardProblem. torchtitan read at {TORCHTITAN_COMMIT[:10]}. torch sac_milp: "
+             f"{SAC_MILP}.", "", table(rows), "", *[f"- {v}" for v in verdicts(rows)], ""]
+    files = {"shard_compare.csv": to_csv(rows)}
+    if args.gloo:
+        grows = gloo_rows(exp, prepared["problem"], prepared["torch"])
+        lines += [f"## Measured under gloo, {exp.distributed.world_size} processes on the CPU", "",
+                  "Each method's plan applied with gaswap.shard.apply and run with run_gloo (loss `sum`, the model's "
+                  "dtype); peak above the step's start by the CPU allocator's counts, predicted for the same run. "
+                  "The step time predicted here is from the H100 profile and is not comparable to CPU time; no CPU "
+                  "step-time prediction is made by this verb.", "", gloo_table(grows), ""]
+        files["shard_compare_gloo.csv"] = to_csv([r | {"measured_peaks_bytes": ";".join(map(str, r["measured_peaks_bytes"]))}
+                                                  for r in grows])
+    lines.append(f"total {time.process_time() - started:.1f} CPU s (this process)")
+    text = "\n".join(lines) + "\n"
+    files["shard_compare.md"] = text
+    print(text)
+    out = results.folder_of(args.results, exp.name)
+    keep = {p.name: p.read_text() for p in out.glob("*") if p.is_file() and p.name not in files} if out.exists() \
+        else {}
+    if "summary.json" not in keep:  # whose folder it is, for the next verb that writes there
+        files["summary.json"] = json.dumps({"experiment": exp.name, "experiment_file": exp.path}, indent=2) + "\n"
+    write_folder(exp, out, keep | files, force=args.force)
+    print(f"wrote {out}/ ({', '.join(files)})")
+    return 0

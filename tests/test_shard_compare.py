@@ -1,0 +1,48 @@
+"""`gaswap shard-compare` (gaswap.app.shard_compare): peers as gaswap knobs and plans, the verb on the tiny Llama."""
+import csv
+from pathlib import Path
+
+import pytest
+
+from gaswap.app import shard_compare
+from gaswap.app.cli import main
+from gaswap.base import config
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "experiments" / "llama_tiny_fsdp_gloo.yaml"
+
+
+@pytest.fixture(scope="module")
+def problem():
+    return shard_compare.prepare(config.load_experiment(str(TINY)))["problem"]
+
+
+def test_methods_become_knobs_and_plans(problem):
+    units = problem.units
+    assert shard_compare.method_knobs(problem, "no AC").recompute == {}
+    assert shard_compare.method_knobs(problem, "full AC").recompute == {u: "full" for u in units}
+    every2 = shard_compare.method_knobs(problem, "torchtitan AC every 2")
+    assert every2.recompute == {units[1]: "full"}  # torchtitan counts from 1: the 2nd, 4th, ... block
+    sac = shard_compare.method_knobs(problem, "torchtitan SAC")
+    ops = [problem.graph.ops[i] for i in problem.owned[units[0]]]
+    chosen = sac.recompute[units[0]]
+    mms = [p for p, op in enumerate(ops) if op.target == "aten.mm.default"]
+    assert [p in chosen for p in mms] == [k % 2 == 1 for k in range(len(mms))]  # every second mm recomputed
+    assert all(p in chosen for p, op in enumerate(ops) if op.recomputable and op.target.startswith("aten.mul."))
+    assert not any(ops[p].target.startswith("aten._scaled_dot_product") for p in chosen)
+    plan = shard_compare.method_plan(problem, every2, "2.13", "torchtitan AC every 2")
+    assert [(e["unit_paths"], e["recompute"]) for e in plan["recompute"]] == [([units[0]], "none"),
+                                                                              ([units[1]], "full")]
+    names = shard_compare.method_plan(problem, sac, "2.13", "sac")["recompute"][0]["recompute"]
+    assert names == [ops[p].name for p in chosen]
+
+
+def test_verb_on_the_tiny_llama(tmp_path, capsys):
+    assert main(["shard-compare", str(TINY), "--results", str(tmp_path), "--world-sizes", "8",
+                 "--no-reserved"]) == 0
+    out = capsys.readouterr().out
+    assert "torchtitan SAC" in out and "gaswap (below every peer)" in out and "W=8:" in out
+    rows = list(csv.DictReader((tmp_path / "llama_tiny_fsdp_gloo" / "shard_compare.csv").open()))
+    assert [r["method"] for r in rows[:4]] == list(shard_compare.PEERS)
+    for r in rows[4:]:  # gaswap's plan at each budget is under it
+        assert r["peak_bytes"] == "" or int(r["peak_bytes"]) <= int(r["budget_bytes"])
