@@ -27,28 +27,15 @@ import json
 import random
 import statistics
 import time
-from pathlib import Path
 
 from gaswap.app import results
 from gaswap.app.shard_plan import memory, prepare, write_folder
 from gaswap.base import config
 from gaswap.base.config import format_size
-from gaswap.plan.shard_search import Knobs, Point, ShardProblem, link_for, peak_bytes, search
+from gaswap.plan.shard_search import TORCHTITAN_COMMIT, Knobs, Point, ShardProblem, link_for, peak_bytes, search
 from gaswap.plan.sharding import memory_report, shard_step
 
 WORLD_SIZES = (8, 64, 256)
-TORCHTITAN_COMMIT = "b5bcd76c66d0acb1a08b176d9639425bc55e0b2a"
-# torchtitan's `_get_default_save_ops()`: torch 2.13's `get_default_op_list().compute_intensive_ops` and its own
-# additions; gaswap's op targets are `str(func)`
-TORCHTITAN_SAVED = frozenset({
-    "aten._efficient_attention_forward.default", "aten._flash_attention_forward.default",
-    "aten._scaled_dot_product_efficient_attention.default", "aten._scaled_dot_product_flash_attention.default",
-    "aten._scaled_mm.default", "aten.addmm.default", "aten.bmm.default", "aten.convolution.default",
-    "aten.convolution_backward.default", "aten.mm.default", "aten.upsample_bilinear2d.default",
-    "aten._scaled_dot_product_cudnn_attention.default", "aten._scaled_dot_product_attention_math.default",
-    "aten._scaled_dot_product_fused_attention_overrideable.default", "aten.max.default", "aten.linear.default",
-    "aten.topk.default"})
-TORCHTITAN_MM = ("aten.mm.default", "aten.linear.default")  # counted: every second one recomputed
 PEERS = ("no AC", "full AC", "torchtitan SAC", "torchtitan AC every 2")
 SAC_MILP = ("skipped: torch.distributed._tools.sac_ilp imports `pulp` (not installed here), and its input is "
             "MemTracker + RuntimeEstimator + SACEstimator statistics of a real (or fake-mode) run per module, "
@@ -64,18 +51,7 @@ def method_knobs(problem: ShardProblem, method: str) -> Knobs:
     elif method == "torchtitan AC every 2":
         recompute = {u: "full" for i, u in enumerate(problem.units) if (i + 1) % 2 == 0 and u in problem.owned}
     elif method == "torchtitan SAC":
-        for cls, sel in zip(problem.classes, problem.selectable):
-            ops = [problem.graph.ops[i] for i in problem.owned[cls[0]]]
-            chosen, mm = [], 0
-            for p, op in enumerate(ops):
-                if op.target in TORCHTITAN_MM:
-                    mm += 1
-                saved = op.target in TORCHTITAN_SAVED and not (op.target in TORCHTITAN_MM and mm % 2 == 0)
-                if not saved and p in sel:
-                    chosen.append(p)
-            for u in cls:
-                if chosen:
-                    recompute[u] = tuple(chosen)
+        return problem.decode(problem.seed("selective_ac"))
     elif method != "no AC":
         raise ValueError(f"unknown method {method!r}: one of {', '.join(PEERS)}")
     return dataclasses.replace(base, recompute=recompute)
@@ -136,7 +112,11 @@ def compare(problem: ShardProblem, exp: config.Experiment, *, reserved: bool = T
         best = min(under, key=lambda p: (p.step_time, p.peak)) if under else None
         label = ("below every peer" if budget == below else
                  "at " + " / ".join(n for n, p in peers.items() if p.peak == budget) + "'s peak")
-        rows.append(_row(problem, exp, f"gaswap ({label})", best, budget, reserved))
+        row = _row(problem, exp, f"gaswap ({label})", best, budget, reserved)
+        same = [n for n, q in peers.items() if best is not None and q.knobs == best.knobs]
+        if same:  # the search was seeded with the peers' plans: say when its pick is one of them
+            row["recompute"] += f" (= {same[0]}'s plan)"
+        rows.append(row)
     for r in rows:
         r["search_cpu_s"] = seconds
         r["plans_evaluated"] = len(evaluated)

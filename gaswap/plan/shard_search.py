@@ -22,13 +22,46 @@ from deap import base, tools
 from gaswap.plan.costs import Costs, HardwareProfile
 from gaswap.plan.encoding import Action
 from gaswap.plan.graph import Graph
-from gaswap.plan.sharding import (OUTSIDE, ROOT, Link, ParamSpec, RankGraph, ShardError, ShardSpec, owned_forward,
-                                  rank_op_times, shard_step, step_time)
+from gaswap.plan.sharding import (
+    OUTSIDE,
+    ROOT,
+    Link,
+    ParamSpec,
+    RankGraph,
+    ShardError,
+    ShardSpec,
+    owned_forward,
+    rank_op_times,
+    shard_step,
+    step_time,
+)
 from gaswap.plan.simulator import Simulator
 
 MODES = ("keep", "full", "selective")
 MAX_PREFETCH = 2
-SAVED_BY_TORCHTITAN = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten._scaled_dot_product")  # op targets saved
+# torchtitan's per-op selective AC (torchtitan/distributed/activation_checkpoint.py at TORCHTITAN_COMMIT): it saves
+# the outputs of `_get_default_save_ops()` (torch's compute-intensive ops and its own additions; gaswap's op
+# targets are `str(func)`), except every second mm / linear of a block, and recomputes the rest
+TORCHTITAN_COMMIT = "b5bcd76c66d0acb1a08b176d9639425bc55e0b2a"
+TORCHTITAN_SAVED = frozenset({
+    "aten._efficient_attention_forward.default", "aten._flash_attention_forward.default",
+    "aten._scaled_dot_product_efficient_attention.default", "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_mm.default", "aten.addmm.default", "aten.bmm.default", "aten.convolution.default",
+    "aten.convolution_backward.default", "aten.mm.default", "aten.upsample_bilinear2d.default",
+    "aten._scaled_dot_product_cudnn_attention.default", "aten._scaled_dot_product_attention_math.default",
+    "aten._scaled_dot_product_fused_attention_overrideable.default", "aten.max.default", "aten.linear.default",
+    "aten.topk.default"})
+TORCHTITAN_MM = ("aten.mm.default", "aten.linear.default")  # counted: every second one recomputed
+
+
+def torchtitan_saves(targets) -> list[bool]:
+    """Per op of a block's forward (its aten targets in order), whether torchtitan's per-op selective AC saves
+    its output."""
+    out, mm = [], 0
+    for target in targets:
+        mm += target in TORCHTITAN_MM
+        out.append(target in TORCHTITAN_SAVED and not (target in TORCHTITAN_MM and mm % 2 == 0))
+    return out
 
 
 def link_for(profile: HardwareProfile, world_size: int, name: str | None = None) -> tuple[str, Link]:
@@ -135,12 +168,12 @@ class ShardProblem:
 
     def seed(self, name: str) -> tuple:
         """Genes of a seed, with the spec's reshard and prefetch knobs: "keep_all", "full_ac" or "selective_ac"
-        (torchtitan's op-level policy: matmul and attention outputs saved, the rest recomputed)."""
+        (torchtitan's per-op selective AC, `torchtitan_saves`)."""
         genes = []
         for cls, sel in zip(self.classes, self.selectable):
             if name == "selective_ac":
-                targets = [self.graph.ops[self.owned[cls[0]][p]].target for p in sel]
-                genes += [2] + [int(not t.startswith(SAVED_BY_TORCHTITAN)) for t in targets]
+                saves = torchtitan_saves([self.graph.ops[i].target for i in self.owned[cls[0]]])
+                genes += [2] + [int(not saves[p]) for p in sel]
             else:
                 genes += [1 if name == "full_ac" else 0] + [0] * len(sel)
         reshard = [int(self.spec.reshards(u)) for u in self.units]
