@@ -169,3 +169,50 @@ def test_link_costs_and_errors():
     g, params = toy()
     with pytest.raises(ShardError, match="at least 2"):
         shard_step(g, params, ShardSpec(1, ("a", "b")))
+
+
+# integer reshard_after_forward, W = 4 and k = 2: the trace of TRACE[4] with each unit's post-forward slice
+RESHARD_TO_2 = [
+    ("fsdp_ag_alloc.a.1", 412), ("fsdp_all_gather.a.1", 412), ("fsdp_ag_copy_out.a.1", 556), ("fa", 620),
+    ("fsdp_post_forward_slice.a.1", 692), ("fsdp_free.reshard.a.2", 692), ("fsdp_ag_alloc.b.1", 676),
+    ("fsdp_all_gather.b.1", 676), ("fsdp_free.all_gather_state.3", 676), ("fsdp_ag_copy_out.b.1", 660),
+    ("fb", 724), ("fsdp_post_forward_slice.b.4", 788), ("fsdp_free.reshard.b.5", 788),
+    ("fsdp_free.all_gather_state.6", 660), ("loss", 596), ("seed", 596), ("fsdp_ag_alloc.b.2", 724),
+    ("fsdp_all_gather.b.2", 724), ("fsdp_ag_copy_out.b.2", 852), ("fsdp_free.post_forward.b.7", 724),
+    ("fsdp_ag_alloc.a.2", 804), ("fsdp_all_gather.a.2", 804), ("bb", 996), ("fsdp_free.reshard.b.8", 932),
+    ("fsdp_rs_alloc.b", 932), ("fsdp_reduce_scatter.b", 836), ("fsdp_ag_copy_out.a.2", 980),
+    ("fsdp_free.post_forward.a.9", 836), ("ba_", 904), ("fsdp_free.reshard.a.10", 840),
+    ("fsdp_free.reduce_scatter_state.11", 696), ("fsdp_rs_alloc.a", 712), ("fsdp_reduce_scatter.a", 608),
+    ("fsdp_free.final.12", 608)]
+
+
+def test_integer_reshard_after_forward_keeps_a_slice_and_gathers_within_k_ranks():
+    """W = 4, reshard_after_forward = 2 (FSDPParam.to_sharded_post_forward): after a's forward each rank clones a
+    1/2 slice of a's unsharded parameters (144 / 2 = 72 bytes) before they go, b's 128 / 2 = 64; from the loss on
+    the rank holds 136 bytes more than with True (TRACE[4]); the backward all-gather copies the slice in (its
+    output the same 4 x 36 = 2 x 72 bytes), runs over 2 ranks, and the slice goes after the copy-out
+    (FSDPParam.to_unsharded). The peak (at bb) is 72 above True's: a's slice is still held there."""
+    g, params = toy()
+    rank = shard_step(g, params, ShardSpec(4, ("a", "b"), reshard_after_forward=2))
+    rep = memory_report(rank)
+    assert totals(rep) == RESHARD_TO_2
+    assert rep.peak == 996 == max(t for _, t in TRACE[4]) + 72
+    assert rank.graph.tensors["wa.post_forward.1"].size == 64 and rank.graph.tensors["ba.post_forward.1"].size == 8
+    assert rank.category["wa.post_forward.1"] == "sharded params"
+    assert rank.tracker_category["wa.post_forward.1"] == "activations"  # cloned in the forward
+    assert rank.ranks("fsdp_all_gather.a.2") == 2 and rank.ranks("fsdp_all_gather.a.1") == 4
+    link = Link(1e-3, 1e9)
+    from gaswap.plan.sharding import rank_op_times
+    times = rank_op_times(rank, {}, link)
+    assert times["fsdp_all_gather.a.2"] == pytest.approx(link.all_gather(144, 2))
+    assert times["fsdp_all_gather.a.1"] == pytest.approx(link.all_gather(144, 4))
+    # per unit: only b resharded to 2, a as True
+    mixed = memory_report(shard_step(g, params, ShardSpec(4, ("a", "b"), reshard_after_forward={"a": True, "b": 2})))
+    assert dict(totals(mixed))["loss"] == 460 + 64
+
+
+@pytest.mark.parametrize("k", [0, 3, 5])
+def test_integer_reshard_after_forward_must_divide_the_world_size(k):
+    g, params = toy()
+    with pytest.raises(ShardError, match="must divide the world size 4"):
+        shard_step(g, params, ShardSpec(4, ("a", "b"), reshard_after_forward=k))

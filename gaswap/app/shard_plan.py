@@ -105,7 +105,9 @@ def prepare(exp: config.Experiment) -> dict:
     except CaptureError as err:
         raise CaptureError(f"{exp.path}: {err}") from None
     capture_s = time.process_time() - started
-    spec = ShardSpec(d.world_size, tuple(units), reshard_after_forward=None if d.reshard_after_forward else False,
+    raf = d.reshard_after_forward
+    spec = ShardSpec(d.world_size, tuple(units),
+                     reshard_after_forward=None if raf is True else False if raf is False else {u: raf for u in units if u},
                      forward_prefetch=d.prefetch.forward, backward_prefetch=d.prefetch.backward,
                      sharded_itemsize=sharded.pop() if mp.param_dtype else None,
                      reduce_itemsize=ITEMSIZE[mp.reduce_dtype] if mp.reduce_dtype else None,
@@ -220,7 +222,9 @@ def knobs(problem: ShardProblem, p: Point) -> dict:
                           "recompute": "full" if chosen == "full" else
                           [problem.graph.ops[ops[i]].name for i in chosen] or "none"})
     return {"recompute": per_class,
-            "reshard_after_forward_false": [u for u in problem.units if not p.knobs.reshard.get(u, True)],
+            "reshard_after_forward_false": [u for u in problem.units if p.knobs.reshard.get(u, True) is False],
+            "reshard_after_forward_groups": {u: k for u in problem.units
+                                             if not isinstance(k := p.knobs.reshard.get(u, True), bool)},
             "forward_prefetch": p.knobs.forward_prefetch, "backward_prefetch": p.knobs.backward_prefetch}
 
 

@@ -3,7 +3,8 @@ peak, step time) under a per-rank budget. No torch here.
 
 Genes (`ShardProblem.decode`): per class of identical units (`unit_classes`: their own forward ops match one by
 one), a mode (0 keep, 1 full AC, 2 selective) and one bit per recomputable forward op of the class (recomputed
-when selective); per non-root unit, `reshard_after_forward`; the forward and backward prefetch depths. Identical
+when selective); per non-root unit, `reshard_after_forward` (0 False, 1 True, 2.. an int: the world size's
+divisors from 2 to 8, `reshard_groups`); the forward and backward prefetch depths. Identical
 units share one recompute choice. An evaluation builds the rank's graph (`sharding.shard_step`), its peak from
 the simulator (every activation kept, the graph's order: the recompute is in the graph) and its step time from
 `sharding.step_time` (ops from the single-device costs, recomputed ops as their originals, collectives from a
@@ -28,6 +29,7 @@ from gaswap.plan.simulator import Simulator
 
 MODES = ("keep", "full", "selective")
 MAX_PREFETCH = 2
+MAX_RESHARD_GROUP = 8  # the largest integer reshard_after_forward a gene takes (ranks within one node)
 SAVED_BY_TORCHTITAN = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten._scaled_dot_product")  # op targets saved
 
 
@@ -63,8 +65,8 @@ def unit_classes(graph: Graph, units, outside=OUTSIDE) -> list[tuple[str, ...]]:
 
 @dataclass(frozen=True)
 class Knobs:
-    """One point of the search space: {unit: "full" or positions} recomputed, {unit: bool} resharded after
-    the forward, prefetch depths."""
+    """One point of the search space: {unit: "full" or positions} recomputed, {unit: bool or int} resharded after
+    the forward (an int: to that many ranks), prefetch depths."""
 
     recompute: dict
     reshard: dict
@@ -105,6 +107,7 @@ class ShardProblem:
     selectable: list = field(init=False)  # per class: the positions a selective gene may recompute
     units: list = field(init=False)  # non-root units, in the spec's order
     owned: dict = field(init=False)  # unit -> its own forward ops
+    reshard_groups: tuple = field(init=False)  # the integer reshard_after_forward values a gene takes
     cache: dict = field(init=False, default_factory=dict)
 
     def __post_init__(self):
@@ -115,6 +118,8 @@ class ShardProblem:
                            for c in self.classes]
         self.units = [u for u in units if u != ROOT]
         self.owned = owned
+        W = self.spec.world_size
+        self.reshard_groups = tuple(k for k in range(2, min(MAX_RESHARD_GROUP, W - 1) + 1) if W % k == 0)
 
     # --- genes ---
     def length(self) -> int:
@@ -129,7 +134,7 @@ class ShardProblem:
             for u in cls:
                 if chosen:
                     recompute[u] = chosen
-        reshard = {u: bool(b) for u, b in zip(self.units, genes[k:k + len(self.units)])} | {ROOT: False}
+        reshard = {u: self.reshard_value(b) for u, b in zip(self.units, genes[k:k + len(self.units)])} | {ROOT: False}
         k += len(self.units)
         return Knobs(recompute, reshard, genes[k], genes[k + 1])
 
@@ -143,7 +148,7 @@ class ShardProblem:
                 genes += [2] + [int(not t.startswith(SAVED_BY_TORCHTITAN)) for t in targets]
             else:
                 genes += [1 if name == "full_ac" else 0] + [0] * len(sel)
-        reshard = [int(self.spec.reshards(u)) for u in self.units]
+        reshard = [self.reshard_gene(u) for u in self.units]
         prefetch = [min(self.spec.forward_prefetch, MAX_PREFETCH), min(self.spec.backward_prefetch, MAX_PREFETCH)]
         return tuple(genes + reshard + prefetch)
 
@@ -152,7 +157,18 @@ class ShardProblem:
         out = []
         for sel in self.selectable:
             out += [len(MODES) - 1] + [1] * len(sel)
-        return out + [1] * len(self.units) + [MAX_PREFETCH, MAX_PREFETCH]
+        return out + [1 + len(self.reshard_groups)] * len(self.units) + [MAX_PREFETCH, MAX_PREFETCH]
+
+    def reshard_value(self, gene: int):
+        """A reshard gene's `reshard_after_forward`: 0 False, 1 True, 2.. `reshard_groups`."""
+        return bool(gene) if gene < 2 else self.reshard_groups[gene - 2]
+
+    def reshard_gene(self, unit: str) -> int:
+        """The spec's `reshard_after_forward` of `unit` as a gene (an int not among `reshard_groups`: True)."""
+        k = self.spec.post_forward_group(unit)
+        if k in self.reshard_groups:
+            return 2 + self.reshard_groups.index(k)
+        return int(self.spec.reshards(unit))
 
     # --- evaluation ---
     def rank(self, knobs: Knobs) -> RankGraph:

@@ -107,6 +107,16 @@ class ShardSpec:
             return bool(r.get(unit, unit != ROOT))
         return unit != ROOT if r is None else bool(r)
 
+    def post_forward_group(self, unit: str) -> int | None:
+        """The ranks `unit` reshards to after its forward when `reshard_after_forward` is an int k (FSDP2's
+        `_get_post_forward_mesh_info`: each rank keeps a 1/k slice of the unsharded parameters and the backward
+        all-gather runs within k ranks); None for True / False (and for 1 and W, which FSDP2 turns into them)."""
+        r = self.reshard_after_forward
+        r = r.get(unit, unit != ROOT) if isinstance(r, dict) else r
+        if isinstance(r, bool) or not isinstance(r, int) or r in (1, self.world_size):
+            return None
+        return r
+
 
 def padded_shard_numel(shape, world_size: int) -> int:
     """Elements of one rank's padded shard: ceil(dim0 / W) rows (FSDP2's `_get_dim0_padded_size` / W)."""
@@ -137,6 +147,11 @@ class RankGraph:
     collective_bytes: dict = field(default_factory=dict)
     collective_kind: dict = field(default_factory=dict)
     recomputed: dict = field(default_factory=dict)  # recomputed op -> the forward op it repeats
+    group_size: dict = field(default_factory=dict)  # all-gather op / copy-in -> its ranks, where not W
+
+    def ranks(self, op: str) -> int:
+        """The ranks a collective (or an all-gather's copy-in) runs over."""
+        return self.group_size.get(op, self.spec.world_size)
 
 
 def unit_of(path: str, units) -> str:
@@ -179,6 +194,12 @@ class _Builder:
         self.g, self.spec, self.W = graph, spec, spec.world_size
         self.units = tuple(dict.fromkeys([u for u in spec.units if u != ROOT] + [ROOT]))
         self.params = {p.tensor: p for p in params}
+        for u in self.units:
+            k = spec.reshard_after_forward.get(u) if isinstance(spec.reshard_after_forward, dict) \
+                else spec.reshard_after_forward
+            if not isinstance(k, bool) and isinstance(k, int) and not (1 <= k <= self.W and self.W % k == 0):
+                raise ShardError(f"reshard_after_forward {k} ({u or 'root'}): an int must divide the world size "
+                                 f"{self.W}")
         for p in params:
             if p.tensor not in graph.tensors or graph.tensors[p.tensor].kind != "param":
                 raise ShardError(f"parameter {p.path}: {p.tensor!r} is not a parameter tensor of the graph")
@@ -212,6 +233,8 @@ class _Builder:
         self.done_pre_backward: set[str] = set()
         self.done_post_backward: set[str] = set()
         self.recomputed: dict[str, str] = {}  # recomputed op -> the forward op it repeats
+        self.slices: dict[str, list[str]] = {}  # unit -> its post-forward slices (int reshard_after_forward)
+        self.group_size: dict[str, int] = {}
         self.copy_of: dict[str, str] = {}  # recomputed tensor -> the forward's
 
     # --- sizes ---
@@ -257,24 +280,32 @@ class _Builder:
         ps = self.group[u]
         k = self.version[u] = self.version.get(u, 0) + 1
         tag = f"{_tag(u)}.{k}"
-        shards = [f"{p.tensor}.shard" for p in ps]
+        shards = self.slices.get(u) or [f"{p.tensor}.shard" for p in ps]
         inputs = list(shards)
         cast = None
         if self.spec.sharded_itemsize and any(self.sharded_itemsize(p) != p.itemsize for p in ps):
             cast_op = f"fsdp_ag_cast.{tag}"
-            cast = self.tensor(f"ag_cast.{tag}", sum(self.shard_bytes(p) for p in ps), "activation", cast_op,
+            cast = self.tensor(f"ag_cast.{tag}", self.ag_input_bytes(u), "activation", cast_op,
                                "all-gather buffers", self.temp())
             self.emit(cast_op, "fsdp.all_gather_cast", shards, (cast,), layer=u)
             inputs = [cast]
         alloc = f"fsdp_ag_alloc.{tag}"
-        nbytes = self.W * sum(self.shard_bytes(p) for p in ps)
+        nbytes = self.W * sum(self.shard_bytes(p) for p in ps)  # k x the post-forward slices: the same
         buf = self.tensor(f"ag_out.{tag}", nbytes, "activation", alloc, "all-gather buffers", self.temp())
         self.emit(alloc, "fsdp.all_gather_copy_in", inputs, (buf,), layer=u)
         op = self.emit(f"fsdp_all_gather.{tag}", "fsdp.all_gather", [buf] + ([cast] if cast else []), (),
                        stream=ALL_GATHER, layer=u)
         self.relabel.setdefault(buf, []).append((op, "all-gather buffers"))
         self.collective_bytes[op], self.collective_kind[op] = nbytes, "all_gather"
+        if u in self.slices:
+            self.group_size[alloc] = self.group_size[op] = self.spec.post_forward_group(u)
         self.pending[u] = buf
+
+    def ag_input_bytes(self, u: str) -> int:
+        """Bytes of this rank's all-gather input: its shards, or its post-forward slices."""
+        if u in self.slices:
+            return sum(self.tensors[t].size for t in self.slices[u])
+        return sum(self.shard_bytes(p) for p in self.group[u])
 
     def wait_for_unshard(self, u: str, forward: bool) -> None:
         if u not in self.pending:
@@ -293,6 +324,8 @@ class _Builder:
             outs.append(name)
         self.emit(copy, "fsdp.all_gather_copy_out", [buf], outs, layer=u)
         self.unsharded.add(u)
+        if u in self.slices:  # FSDPParam.to_unsharded drops the post-forward slices after the copy-out
+            self.free(self.slices.pop(u), f"post_forward.{_tag(u)}")
         if forward:
             self.ag_state = buf  # freed at the next unit's wait, or the root's post-forward
 
@@ -300,8 +333,20 @@ class _Builder:
         if forward and not self.spec.reshards(u):
             return
         if u in self.unsharded:
+            if forward and self.spec.post_forward_group(u):
+                self.keep_post_forward_slices(u, self.spec.post_forward_group(u))
             self.free([self.current.pop(p.tensor) for p in self.group[u]], f"reshard.{_tag(u)}")
             self.unsharded.discard(u)
+
+    def keep_post_forward_slices(self, u: str, k: int) -> None:
+        """Integer `reshard_after_forward` k (FSDPParam.to_sharded_post_forward): each unsharded parameter's
+        1/k slice, this rank's among k, is cloned (a forward allocation: the tracker's activations) and kept for
+        the backward all-gather over k ranks."""
+        op = self.fresh(f"fsdp_post_forward_slice.{_tag(u)}")
+        outs = [self.tensor(f"{p.tensor}.post_forward.{op.rpartition('.')[2]}", self.W * self.shard_bytes(p) // k,
+                            "activation", op, "sharded params", "activations") for p in self.group[u]]
+        self.emit(op, "fsdp.post_forward_slice", [self.current[p.tensor] for p in self.group[u]], outs, layer=u)
+        self.slices[u] = outs
 
     def pre_forward(self, u: str, forward_order: list[str]) -> None:
         self.unshard(u)
@@ -598,8 +643,9 @@ class _Builder:
             if u in deferred:
                 self.post_backward(u)
         held = [t for i in sorted(self.seed) for t in self.g.ops[i].outputs]
-        self.free(self.rs_states + list(self.pending.values()) + held, "final")
-        self.rs_states, self.pending = [], {}
+        slices = [t for ts in self.slices.values() for t in ts]  # units whose backward never ran
+        self.free(self.rs_states + list(self.pending.values()) + held + slices, "final")
+        self.rs_states, self.pending, self.slices = [], {}, {}
         if self.pending_relabel:
             self.emit(self.fresh("fsdp_end"), "fsdp.end", (), ())
 
@@ -627,7 +673,7 @@ class _Builder:
         units_out = {u: tuple(p.tensor for p in self.group[u]) for u in self.grouped}
         return RankGraph(graph, self.spec, self.stream, self.category, self.tracker,
                          {t: tuple(v) for t, v in self.relabel.items()}, units_out, self.collective_bytes,
-                         self.collective_kind, self.recomputed)
+                         self.collective_kind, self.recomputed, self.group_size)
 
 
 def shard_step(graph: Graph, params: list[ParamSpec], spec: ShardSpec) -> RankGraph:
@@ -756,19 +802,18 @@ def rank_op_times(rank: RankGraph, op_time: dict, link: Link, *, copy_bandwidth:
     shards, 1 / W of its buffer, the copy-out and the reduce-scatter's copy-in the whole buffer), plus
     `host_overhead` seconds for each of FSDP's ops (its Python around each copy and collective, which a
     CPU pays on the compute thread), frees none."""
-    W = rank.spec.world_size
     g = rank.graph
     out = {}
     for op in g.ops:
         if op.name in rank.collective_kind:
             n = rank.collective_bytes[op.name]
-            out[op.name] = getattr(link, rank.collective_kind[op.name])(n, W) + host_overhead
+            out[op.name] = getattr(link, rank.collective_kind[op.name])(n, rank.ranks(op.name)) + host_overhead
         elif op.target in ("fsdp.free", "fsdp.end"):
             out[op.name] = 0.0
         elif op.target.startswith("fsdp."):
             moved = sum(g.tensors[t].size for t in op.outputs)
             if op.target == "fsdp.all_gather_copy_in":
-                moved //= W
+                moved //= rank.ranks(op.name)
             out[op.name] = 2 * moved / copy_bandwidth + host_overhead
         else:
             out[op.name] = op_time.get(op.name, 0.0)

@@ -59,6 +59,27 @@ def apply_fsdp(model: nn.Module, units, mesh, *, reshard_after_forward=None, for
 
 
 @contextlib.contextmanager
+def _post_forward_mesh_outside_fake_mode():
+    """An integer `reshard_after_forward` makes `fully_shard` build the post-forward device mesh from the mesh's
+    rank tensor (`_get_post_forward_mesh_info`); under FakeTensorMode that real int tensor is refused. Inside this
+    block the mesh is built with the fake mode set aside (it holds ranks, no model data)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.fsdp._fully_shard import _fully_shard
+
+    original = _fully_shard._get_post_forward_mesh_info
+
+    def outside(*args, **kwargs):
+        with unset_fake_temporarily():
+            return original(*args, **kwargs)
+
+    _fully_shard._get_post_forward_mesh_info = outside
+    try:
+        yield
+    finally:
+        _fully_shard._get_post_forward_mesh_info = original
+
+
+@contextlib.contextmanager
 def _module_hooks_keep_no_grads():
     """FSDPMemTracker's ModTracker learns that a module's backward is done through
     `register_multi_grad_hook(module inputs, fn)` (mode "all"), whose hooks keep each input's gradient in a
@@ -129,8 +150,9 @@ def measure_fsdp_tracker(make_model, make_inputs, units, world_size: int, *, opt
 
     with fake_process_group(world_size) as mesh, (FakeTensorMode() if fake else contextlib.nullcontext()), \
             (contextlib.nullcontext() if hold_grads else _module_hooks_keep_no_grads()):
-        model = apply_fsdp(make_model(), units, mesh, reshard_after_forward=reshard_after_forward,
-                           forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch)
+        with _post_forward_mesh_outside_fake_mode():
+            model = apply_fsdp(make_model(), units, mesh, reshard_after_forward=reshard_after_forward,
+                               forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch)
         opt = make_optimizer(optimizer, model)
         inputs = make_inputs()
         tracker = FSDPMemTracker(model, opt)
