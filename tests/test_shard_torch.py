@@ -116,3 +116,18 @@ def test_integer_reshard_after_forward_equals_fsdp_mem_tracker(name, world_size,
     assert report.peak == tracker["total"]
     for cat in CATEGORIES:
         assert report.at_peak.get(cat, 0) == tracker.get(cat, 0), cat
+
+
+@pytest.mark.parametrize("name, mesh", [("gpt", (2, 4)), ("gpt", (8, 8)), ("llama", (4, 2)), ("mlp", (2, 4))])
+def test_hsdp_equals_fsdp_mem_tracker_on_a_2d_mesh(name, mesh):
+    """HSDP: fully_shard over init_device_mesh("cpu", (replicate, shard)) under the fake process group."""
+    from gaswap.shard.tracker import measure_fsdp_tracker
+
+    make_model, make_inputs, captured, units, params = _case(name)
+    world = mesh[0] * mesh[1]
+    spec = ShardSpec(world, tuple(units), replicate=mesh[0], optimizer_scalar_bytes=4)
+    report = memory_report(shard_step(captured.graph, params, spec), tracker=True)
+    tracker = measure_fsdp_tracker(make_model, make_inputs, units, world, hold_grads=False, mesh_shape=mesh)
+    assert report.peak == tracker["total"]
+    for cat in CATEGORIES:
+        assert report.at_peak.get(cat, 0) == tracker.get(cat, 0), cat

@@ -216,3 +216,30 @@ def test_integer_reshard_after_forward_must_divide_the_world_size(k):
     g, params = toy()
     with pytest.raises(ShardError, match="must divide the world size 4"):
         shard_step(g, params, ShardSpec(4, ("a", "b"), reshard_after_forward=k))
+
+
+def test_hsdp_shards_over_the_shard_dimension_and_all_reduces_across_replicas():
+    """A (2, 2) mesh of 4 ranks: parameters sharded over 2 (TRACE[2], the same bytes), each reduce-scatter's
+    output all-reduced in place across the 2 replicas (stream "all_reduce", no bytes of its own in fp32), costed on
+    the replicas' link with 2 ranks; with a reduce dtype other than the parameters' the all-reduced buffer is
+    held to the end of the backward (FSDPParamGroup._all_reduce_state)."""
+    g, params = toy()
+    rank = shard_step(g, params, ShardSpec(4, ("a", "b"), replicate=2))
+    rep = memory_report(rank)
+    assert [t for n, t in totals(rep) if not n.startswith("fsdp_all_reduce")] == [t for _, t in TRACE[2]]
+    ar = [op.name for op in rank.graph.ops if op.target == "fsdp.all_reduce"]
+    assert ar == ["fsdp_all_reduce.b", "fsdp_all_reduce.a"] and rank.stream[ar[0]] == "all_reduce"
+    assert rank.graph.ops[[op.name for op in rank.graph.ops].index(ar[0])].inputs == ("grad_shard.b",)
+    from gaswap.plan.sharding import rank_op_times
+    slow = Link(1e-3, 1e8)
+    times = rank_op_times(rank, {}, Link(1e-6, 1e10), replica_link=slow)
+    assert times["fsdp_all_reduce.b"] == pytest.approx(2 * slow.all_gather(64, 2))
+    assert times["fsdp_reduce_scatter.b"] == pytest.approx(Link(1e-6, 1e10).reduce_scatter(128, 2))
+    # fp16 reduce of fp32 shards: the raw reduce-scatter output (2 bytes / element) is held to the final callback
+    mixed = shard_step(g, params, ShardSpec(4, ("a", "b"), replicate=2, reduce_itemsize=2))
+    final = next(op for op in mixed.graph.ops if op.name.startswith("fsdp_free.final"))
+    assert {"rs_out.a", "rs_out.b"} <= set(final.inputs)
+    flat = shard_step(g, params, ShardSpec(2, ("a", "b"), reduce_itemsize=2))
+    assert memory_report(mixed).peak >= memory_report(flat).peak
+    with pytest.raises(ShardError, match="HSDP mesh"):
+        shard_step(g, params, ShardSpec(4, ("a", "b"), replicate=3))

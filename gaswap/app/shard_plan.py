@@ -85,7 +85,8 @@ def prepare(exp: config.Experiment) -> dict:
     d = exp.distributed
     try:
         profile = load_profile(exp.costs.profile)
-        link_name, link = link_for(profile, d.world_size, d.link)
+        link_name, link = link_for(profile, d.mesh[1] if d.mesh else d.world_size, d.link)
+        replica_link = link_for(profile, d.world_size)[1] if d.mesh else None  # the all-reduce crosses nodes
     except (ValueError, ShardError) as err:
         raise config.ConfigError(f"{exp.path}: costs.profile / distributed.link: {err}") from None
     started = time.process_time()
@@ -111,10 +112,11 @@ def prepare(exp: config.Experiment) -> dict:
                      forward_prefetch=d.prefetch.forward, backward_prefetch=d.prefetch.backward,
                      sharded_itemsize=sharded.pop() if mp.param_dtype else None,
                      reduce_itemsize=ITEMSIZE[mp.reduce_dtype] if mp.reduce_dtype else None,
-                     optimizer_scalar_bytes=4 if exp.optimizer == "adam" else 0)
+                     optimizer_scalar_bytes=4 if exp.optimizer == "adam" else 0,
+                     replicate=d.mesh[0] if d.mesh else 1)
     costs = estimate(captured.graph, profile)
     problem = ShardProblem(captured.graph, params, spec, costs.op_time, link, 0,
-                           profile.memory_bandwidth * profile.efficiency)
+                           profile.memory_bandwidth * profile.efficiency, replica_link)
     return {"problem": problem, "link": link_name, "profile": profile, "capture_s": capture_s, "units": units,
             "torch": str(torch.__version__)}
 

@@ -243,10 +243,15 @@ def _distributed(where, raw):
         where["units"].fail(f"only used by strategy 'fsdp', not {spec.strategy!r}")
     if spec.strategy == "fsdp" and not spec.units:
         where["units"].fail("name the modules to shard, e.g. [DecoderLayer] (class names or path patterns)")
+    if spec.mesh is not None and (len(spec.mesh) != 2 or spec.mesh[0] * spec.mesh[1] != spec.world_size
+                                  or spec.mesh[1] < 2):
+        where["mesh"].fail(f"must be [replicate, shard] with replicate x shard = world_size {spec.world_size} and "
+                           f"shard at least 2, got {list(spec.mesh)}")
+    shard = spec.mesh[1] if spec.mesh else spec.world_size
     k = spec.reshard_after_forward
-    if not isinstance(k, bool) and (k >= spec.world_size or spec.world_size % k):
-        where["reshard_after_forward"].fail(f"an integer must divide world_size {spec.world_size} and be below "
-                                            f"it, got {k}")
+    if not isinstance(k, bool) and (k >= shard or shard % k):
+        where["reshard_after_forward"].fail(f"an integer must divide the shard size {shard} and be below it, "
+                                            f"got {k}")
     return spec
 
 
@@ -405,6 +410,9 @@ class DistributedSpec:
                                             "for non-root units); an integer k (2 <= k < world_size, dividing it): "
                                             "keep a 1/k slice after the forward and all-gather within k ranks",
                                             True)
+    mesh: tuple[int, ...] | None = key(_optional(_list(_integer(1, "a positive integer"), nonempty=True)),
+                                       "HSDP: a 2-D mesh [replicate, shard] (product world_size): parameters "
+                                       "sharded over `shard` ranks, gradients all-reduced across `replicate`", None)
     prefetch: Prefetch = key(_record(Prefetch), "units prefetched ahead", factory=Prefetch, record=Prefetch)
     mixed_precision: MixedPrecision = key(_record(MixedPrecision), "parameter and reduce dtypes",
                                           factory=MixedPrecision, record=MixedPrecision)

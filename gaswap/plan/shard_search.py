@@ -103,6 +103,7 @@ class ShardProblem:
     link: Link
     budget: int
     copy_bandwidth: float
+    replica_link: Link | None = None  # HSDP: the link the all-reduce across replicas runs over
     classes: list = field(init=False)
     selectable: list = field(init=False)  # per class: the positions a selective gene may recompute
     units: list = field(init=False)  # non-root units, in the spec's order
@@ -118,7 +119,7 @@ class ShardProblem:
                            for c in self.classes]
         self.units = [u for u in units if u != ROOT]
         self.owned = owned
-        W = self.spec.world_size
+        W = self.spec.shard_size
         self.reshard_groups = tuple(k for k in range(2, min(MAX_RESHARD_GROUP, W - 1) + 1) if W % k == 0)
 
     # --- genes ---
@@ -186,7 +187,8 @@ class ShardProblem:
     def time(self, rank: RankGraph) -> float:
         times = dict(self.op_time)
         times.update({c: self.op_time.get(o, 0.0) for c, o in rank.recomputed.items()})
-        return step_time(rank, rank_op_times(rank, times, self.link, copy_bandwidth=self.copy_bandwidth))[0]
+        return step_time(rank, rank_op_times(rank, times, self.link, copy_bandwidth=self.copy_bandwidth,
+                                                replica_link=self.replica_link))[0]
 
 
 def peak_bytes(rank: RankGraph) -> int:

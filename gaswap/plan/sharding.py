@@ -55,8 +55,8 @@ from gaswap.plan.graph import Graph, Op, Tensor
 from gaswap.plan.simulator import Simulator
 
 ROOT = ""
-COMPUTE, ALL_GATHER, REDUCE_SCATTER = "compute", "all_gather", "reduce_scatter"
-STREAMS = (COMPUTE, ALL_GATHER, REDUCE_SCATTER)
+COMPUTE, ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = "compute", "all_gather", "reduce_scatter", "all_reduce"
+STREAMS = (COMPUTE, ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
 CATEGORIES = ("sharded params", "unsharded params", "sharded grads", "unsharded grads", "optimizer state",
               "all-gather buffers", "reduce-scatter buffers", "activations", "temporaries", "inputs", "buffers")
 OUTSIDE = ("loss",)  # layers of ops outside the model (the loss): no unit's forward or backward
@@ -100,6 +100,13 @@ class ShardSpec:
     optimizer_scalar_bytes: int = 0
     outside: tuple[str, ...] = OUTSIDE
     recompute: dict | None = None
+    replicate: int = 1
+
+    @property
+    def shard_size(self) -> int:
+        """The ranks a parameter is sharded over: `world_size`, or its shard dimension under HSDP (a 2-D mesh of
+        `replicate` x shard_size ranks)."""
+        return self.world_size // self.replicate
 
     def reshards(self, unit: str) -> bool:
         r = self.reshard_after_forward
@@ -113,7 +120,7 @@ class ShardSpec:
         all-gather runs within k ranks); None for True / False (and for 1 and W, which FSDP2 turns into them)."""
         r = self.reshard_after_forward
         r = r.get(unit, unit != ROOT) if isinstance(r, dict) else r
-        if isinstance(r, bool) or not isinstance(r, int) or r in (1, self.world_size):
+        if isinstance(r, bool) or not isinstance(r, int) or r in (1, self.shard_size):
             return None
         return r
 
@@ -151,7 +158,7 @@ class RankGraph:
 
     def ranks(self, op: str) -> int:
         """The ranks a collective (or an all-gather's copy-in) runs over."""
-        return self.group_size.get(op, self.spec.world_size)
+        return self.group_size.get(op, self.spec.shard_size)
 
 
 def unit_of(path: str, units) -> str:
@@ -191,7 +198,10 @@ class _Builder:
     def __init__(self, graph: Graph, params: list[ParamSpec], spec: ShardSpec):
         if spec.world_size < 2:
             raise ShardError(f"world size {spec.world_size}: sharding needs at least 2 ranks")
-        self.g, self.spec, self.W = graph, spec, spec.world_size
+        if spec.replicate < 1 or spec.world_size % spec.replicate or spec.shard_size < 2:
+            raise ShardError(f"HSDP mesh: {spec.replicate} replicas do not split {spec.world_size} ranks into shard "
+                             f"groups of at least 2")
+        self.g, self.spec, self.W = graph, spec, spec.shard_size
         self.units = tuple(dict.fromkeys([u for u in spec.units if u != ROOT] + [ROOT]))
         self.params = {p.tensor: p for p in params}
         for u in self.units:
@@ -235,6 +245,7 @@ class _Builder:
         self.recomputed: dict[str, str] = {}  # recomputed op -> the forward op it repeats
         self.slices: dict[str, list[str]] = {}  # unit -> its post-forward slices (int reshard_after_forward)
         self.group_size: dict[str, int] = {}
+        self.ar_states: list[str] = []  # HSDP: all-reduced buffers in the reduce dtype, held to the end
         self.copy_of: dict[str, str] = {}  # recomputed tensor -> the forward's
 
     # --- sizes ---
@@ -417,9 +428,11 @@ class _Builder:
         if out_bytes == grad_bytes:
             out = self.tensor(f"grad_shard.{tag}", out_bytes, "grad", rs, "sharded grads", "temporaries")
             self.emit(rs, "fsdp.reduce_scatter", [rs_in], (out,), stream=REDUCE_SCATTER, layer=u)
+            self.all_reduce(u, out, hold=False)
         else:
             raw = self.tensor(f"rs_out.{tag}", out_bytes, "activation", rs, "reduce-scatter buffers", "temporaries")
             self.emit(rs, "fsdp.reduce_scatter", [rs_in], (raw,), stream=REDUCE_SCATTER, layer=u)
+            self.all_reduce(u, raw, hold=True)
             cast = f"fsdp_grad_cast.{tag}"
             out = self.tensor(f"grad_shard.{tag}", grad_bytes, "grad", cast, "sharded grads", "temporaries")
             self.emit(cast, "fsdp.grad_cast", [raw], (out,), layer=u)
@@ -427,6 +440,18 @@ class _Builder:
         self.collective_bytes[rs], self.collective_kind[rs] = nbytes, "reduce_scatter"
         self.pending_relabel.append((out, "sharded grads"))
         self.rs_states.append(rs_in)
+
+    def all_reduce(self, u: str, reduced: str, hold: bool) -> None:
+        """HSDP (`foreach_reduce` with an all-reduce group): the reduce-scatter's output is all-reduced in place
+        across the replicas (stream "all_reduce"); in the reduce dtype (`hold`: not the parameters') it is kept
+        to the end of the backward (`FSDPParamGroup._all_reduce_state`, dropped in `finalize_backward`)."""
+        if self.spec.replicate == 1:
+            return
+        op = self.emit(f"fsdp_all_reduce.{_tag(u)}", "fsdp.all_reduce", [reduced], (), stream=ALL_REDUCE, layer=u)
+        self.collective_bytes[op], self.collective_kind[op] = self.tensors[reduced].size, "all_reduce"
+        self.group_size[op] = self.spec.replicate
+        if hold:
+            self.ar_states.append(reduced)
 
     # --- activation checkpointing ---
     def recompute_plan(self) -> tuple[dict, dict]:
@@ -644,7 +669,7 @@ class _Builder:
                 self.post_backward(u)
         held = [t for i in sorted(self.seed) for t in self.g.ops[i].outputs]
         slices = [t for ts in self.slices.values() for t in ts]  # units whose backward never ran
-        self.free(self.rs_states + list(self.pending.values()) + held + slices, "final")
+        self.free(self.rs_states + list(self.pending.values()) + held + slices + self.ar_states, "final")
         self.rs_states, self.pending, self.slices = [], {}, {}
         if self.pending_relabel:
             self.emit(self.fresh("fsdp_end"), "fsdp.end", (), ())
@@ -662,7 +687,7 @@ class _Builder:
         resident = dict(self.g.resident)
         param_bytes = sum(t.size for t in self.g.tensors.values() if t.kind == "param")
         ratio = resident.get("optimizer_state", 0) / param_bytes if param_bytes else 0.0
-        local = sum(local_shard_numel(p.shape, self.W, self.spec.rank) * self.sharded_itemsize(p)
+        local = sum(local_shard_numel(p.shape, self.W, self.spec.rank % self.W) * self.sharded_itemsize(p)
                     for p in self.params.values())
         resident["optimizer_state"] = round(ratio * local) + self.spec.optimizer_scalar_bytes * len(self.params)
         return resident
@@ -765,6 +790,10 @@ class Link:
     def all_gather(self, nbytes: int, world_size: int) -> float:
         return (world_size - 1) * self.latency + (world_size - 1) / world_size * nbytes / self.bandwidth
 
+    def all_reduce(self, nbytes: int, world_size: int) -> float:
+        """A ring all-reduce of n bytes: a reduce-scatter then an all-gather, 2 (W - 1) steps."""
+        return 2 * self.all_gather(nbytes, world_size)
+
     def reduce_scatter(self, nbytes: int, world_size: int) -> float:
         latency = self.latency if self.reduce_scatter_latency is None else self.reduce_scatter_latency
         bandwidth = self.bandwidth if self.reduce_scatter_bandwidth is None else self.reduce_scatter_bandwidth
@@ -796,7 +825,7 @@ def _fit_ring(world_size: int, points) -> tuple[float, float]:
 
 
 def rank_op_times(rank: RankGraph, op_time: dict, link: Link, *, copy_bandwidth: float = 10e9,
-                  host_overhead: float = 0.0) -> dict:
+                  host_overhead: float = 0.0, replica_link: Link | None = None) -> dict:
     """Seconds per op of the rank's graph: the single-device ops' from `op_time`, collectives from `link`,
     FSDP's copies at `copy_bandwidth` (bytes/s, read and written: the all-gather's copy-in moves this rank's
     shards, 1 / W of its buffer, the copy-out and the reduce-scatter's copy-in the whole buffer), plus
@@ -807,7 +836,9 @@ def rank_op_times(rank: RankGraph, op_time: dict, link: Link, *, copy_bandwidth:
     for op in g.ops:
         if op.name in rank.collective_kind:
             n = rank.collective_bytes[op.name]
-            out[op.name] = getattr(link, rank.collective_kind[op.name])(n, rank.ranks(op.name)) + host_overhead
+            kind = rank.collective_kind[op.name]
+            over = replica_link or link if kind == "all_reduce" else link  # HSDP: across the replicas' link
+            out[op.name] = getattr(over, kind)(n, rank.ranks(op.name)) + host_overhead
         elif op.target in ("fsdp.free", "fsdp.end"):
             out[op.name] = 0.0
         elif op.target.startswith("fsdp."):
