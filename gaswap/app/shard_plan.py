@@ -48,8 +48,6 @@ def refuse_unsupported(exp: config.Experiment) -> None:
     if d.strategy != "fsdp":
         raise config.ConfigError(f"{where}.strategy: {d.strategy!r} is not modelled yet; only 'fsdp' (FSDP2's "
                                  f"fully_shard, ZeRO-3) is planned")
-    if d.offload:
-        raise config.ConfigError(f"{where}.offload: CPU offload (CPUOffloadPolicy) is not modelled yet")
     if exp.autocast and d.mixed_precision.param_dtype:
         raise config.ConfigError(f"{where}.mixed_precision: autocast together with FSDP's param_dtype is not "
                                  f"modelled; use one of them")
@@ -113,10 +111,11 @@ def prepare(exp: config.Experiment) -> dict:
                      sharded_itemsize=sharded.pop() if mp.param_dtype else None,
                      reduce_itemsize=ITEMSIZE[mp.reduce_dtype] if mp.reduce_dtype else None,
                      optimizer_scalar_bytes=4 if exp.optimizer == "adam" else 0,
-                     replicate=d.mesh[0] if d.mesh else 1)
+                     replicate=d.mesh[0] if d.mesh else 1, offload=d.offload)
     costs = estimate(captured.graph, profile)
     problem = ShardProblem(captured.graph, params, spec, costs.op_time, link, 0,
-                           profile.memory_bandwidth * profile.efficiency, replica_link)
+                           profile.memory_bandwidth * profile.efficiency, replica_link,
+                           costs if d.offload else None)
     return {"problem": problem, "link": link_name, "profile": profile, "capture_s": capture_s, "units": units,
             "torch": str(torch.__version__)}
 

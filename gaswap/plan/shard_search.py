@@ -104,6 +104,7 @@ class ShardProblem:
     budget: int
     copy_bandwidth: float
     replica_link: Link | None = None  # HSDP: the link the all-reduce across replicas runs over
+    host_link: Costs | None = None  # CPU offload: the host<->device copies (`Costs.copy_time`)
     classes: list = field(init=False)
     selectable: list = field(init=False)  # per class: the positions a selective gene may recompute
     units: list = field(init=False)  # non-root units, in the spec's order
@@ -188,7 +189,7 @@ class ShardProblem:
         times = dict(self.op_time)
         times.update({c: self.op_time.get(o, 0.0) for c, o in rank.recomputed.items()})
         return step_time(rank, rank_op_times(rank, times, self.link, copy_bandwidth=self.copy_bandwidth,
-                                                replica_link=self.replica_link))[0]
+                                                replica_link=self.replica_link, host_link=self.host_link))[0]
 
 
 def peak_bytes(rank: RankGraph) -> int:

@@ -101,6 +101,7 @@ class ShardSpec:
     outside: tuple[str, ...] = OUTSIDE
     recompute: dict | None = None
     replicate: int = 1
+    offload: bool = False
 
     @property
     def shard_size(self) -> int:
@@ -155,6 +156,8 @@ class RankGraph:
     collective_kind: dict = field(default_factory=dict)
     recomputed: dict = field(default_factory=dict)  # recomputed op -> the forward op it repeats
     group_size: dict = field(default_factory=dict)  # all-gather op / copy-in -> its ranks, where not W
+    host_copies: dict = field(default_factory=dict)  # offload: copy op -> ("h2d" or "d2h", bytes moved)
+    host_bytes: dict = field(default_factory=dict)  # offload: {category: bytes held on the host, not the device}
 
     def ranks(self, op: str) -> int:
         """The ranks a collective (or an all-gather's copy-in) runs over."""
@@ -245,6 +248,8 @@ class _Builder:
         self.recomputed: dict[str, str] = {}  # recomputed op -> the forward op it repeats
         self.slices: dict[str, list[str]] = {}  # unit -> its post-forward slices (int reshard_after_forward)
         self.group_size: dict[str, int] = {}
+        self.host_copies: dict[str, tuple[str, int]] = {}
+        self.host_bytes: dict[str, int] = {}
         self.ar_states: list[str] = []  # HSDP: all-reduced buffers in the reduce dtype, held to the end
         self.copy_of: dict[str, str] = {}  # recomputed tensor -> the forward's
 
@@ -291,7 +296,7 @@ class _Builder:
         ps = self.group[u]
         k = self.version[u] = self.version.get(u, 0) + 1
         tag = f"{_tag(u)}.{k}"
-        shards = self.slices.get(u) or [f"{p.tensor}.shard" for p in ps]
+        shards = self.slices.get(u) or self.host_to_device(u, tag) or [f"{p.tensor}.shard" for p in ps]
         inputs = list(shards)
         cast = None
         if self.spec.sharded_itemsize and any(self.sharded_itemsize(p) != p.itemsize for p in ps):
@@ -311,6 +316,19 @@ class _Builder:
         if u in self.slices:
             self.group_size[alloc] = self.group_size[op] = self.spec.post_forward_group(u)
         self.pending[u] = buf
+
+    def host_to_device(self, u: str, tag: str) -> list[str]:
+        """CPU offload (`FSDPParam.all_gather_inputs`: `_sharded_param_data.to(device)`): the unit's shards copied
+        host->device (in their own dtype) before the all-gather's copy-in, which is their last reader ([] without
+        offload)."""
+        if not self.spec.offload:
+            return []
+        op = f"fsdp_h2d.{tag}"
+        nbytes = sum(self.shard_bytes(p, self.sharded_itemsize(p)) for p in self.group[u])
+        out = self.tensor(f"h2d.{tag}", nbytes, "activation", op, "all-gather buffers", self.temp())
+        self.emit(op, "fsdp.h2d", [f"{p.tensor}.shard" for p in self.group[u]], (out,), layer=u)
+        self.host_copies[op] = ("h2d", nbytes)
+        return [out]
 
     def ag_input_bytes(self, u: str) -> int:
         """Bytes of this rank's all-gather input: its shards, or its post-forward slices."""
@@ -438,8 +456,23 @@ class _Builder:
             self.emit(cast, "fsdp.grad_cast", [raw], (out,), layer=u)
         self.relabel.setdefault(rs_in, []).append((rs, "reduce-scatter buffers"))
         self.collective_bytes[rs], self.collective_kind[rs] = nbytes, "reduce_scatter"
+        out = self.device_to_host(u, out)
         self.pending_relabel.append((out, "sharded grads"))
         self.rs_states.append(rs_in)
+
+    def device_to_host(self, u: str, grad: str) -> str:
+        """CPU offload (`foreach_reduce`: `new_sharded_grad.to("cpu")`): the sharded gradients copied to the host,
+        where they stay (no device bytes); the device copy goes after it. Without offload: `grad` as it is."""
+        if not self.spec.offload:
+            return grad
+        op = f"fsdp_d2h.{_tag(u)}"
+        nbytes = self.tensors[grad].size
+        host = self.tensor(f"grad_shard_host.{_tag(u)}", 0, "grad", op, "sharded grads", "temporaries")
+        self.emit(op, "fsdp.d2h", [grad], (host,), layer=u)
+        self.host_copies[op] = ("d2h", nbytes)
+        self.host_bytes["sharded grads"] = self.host_bytes.get("sharded grads", 0) + nbytes
+        self.tensors[grad] = replace(self.tensors[grad], kind="activation")  # a device buffer now, not the grad
+        return host
 
     def all_reduce(self, u: str, reduced: str, hold: bool) -> None:
         """HSDP (`foreach_reduce` with an all-reduce group): the reduce-scatter's output is all-reduced in place
@@ -652,8 +685,11 @@ class _Builder:
         for name, t in self.g.tensors.items():
             if t.kind == "param" and name in self.params:
                 p = self.params[name]
-                self.tensor(f"{name}.shard", self.shard_bytes(p, self.sharded_itemsize(p)), "param", None,
-                            "sharded params")
+                nbytes = self.shard_bytes(p, self.sharded_itemsize(p))
+                if self.spec.offload:  # CPUOffloadPolicy: the shard lives on the host (no device bytes)
+                    self.host_bytes["sharded params"] = self.host_bytes.get("sharded params", 0) + nbytes
+                    nbytes = 0
+                self.tensor(f"{name}.shard", nbytes, "param", None, "sharded params")
             elif t.producer is None:
                 cat = "inputs" if t.kind in ("input", "grad_output") else "buffers"
                 self.tensor(name, t.size, t.kind, None, cat)
@@ -690,6 +726,9 @@ class _Builder:
         local = sum(local_shard_numel(p.shape, self.W, self.spec.rank % self.W) * self.sharded_itemsize(p)
                     for p in self.params.values())
         resident["optimizer_state"] = round(ratio * local) + self.spec.optimizer_scalar_bytes * len(self.params)
+        if self.spec.offload:  # on the host with the shards
+            self.host_bytes["optimizer state"] = resident["optimizer_state"]
+            resident["optimizer_state"] = 0
         return resident
 
     def rank_graph(self) -> RankGraph:
@@ -698,7 +737,8 @@ class _Builder:
         units_out = {u: tuple(p.tensor for p in self.group[u]) for u in self.grouped}
         return RankGraph(graph, self.spec, self.stream, self.category, self.tracker,
                          {t: tuple(v) for t, v in self.relabel.items()}, units_out, self.collective_bytes,
-                         self.collective_kind, self.recomputed, self.group_size)
+                         self.collective_kind, self.recomputed, self.group_size, self.host_copies,
+                         self.host_bytes)
 
 
 def shard_step(graph: Graph, params: list[ParamSpec], spec: ShardSpec) -> RankGraph:
@@ -825,7 +865,7 @@ def _fit_ring(world_size: int, points) -> tuple[float, float]:
 
 
 def rank_op_times(rank: RankGraph, op_time: dict, link: Link, *, copy_bandwidth: float = 10e9,
-                  host_overhead: float = 0.0, replica_link: Link | None = None) -> dict:
+                  host_overhead: float = 0.0, replica_link: Link | None = None, host_link=None) -> dict:
     """Seconds per op of the rank's graph: the single-device ops' from `op_time`, collectives from `link`,
     FSDP's copies at `copy_bandwidth` (bytes/s, read and written: the all-gather's copy-in moves this rank's
     shards, 1 / W of its buffer, the copy-out and the reduce-scatter's copy-in the whole buffer), plus
@@ -839,6 +879,9 @@ def rank_op_times(rank: RankGraph, op_time: dict, link: Link, *, copy_bandwidth:
             kind = rank.collective_kind[op.name]
             over = replica_link or link if kind == "all_reduce" else link  # HSDP: across the replicas' link
             out[op.name] = getattr(over, kind)(n, rank.ranks(op.name)) + host_overhead
+        elif op.name in rank.host_copies:  # CPU offload: `host_link.copy_time(bytes, direction)` (a HardwareProfile)
+            direction, n = rank.host_copies[op.name]
+            out[op.name] = (host_link.copy_time(n, direction) if host_link else 2 * n / copy_bandwidth) + host_overhead
         elif op.target in ("fsdp.free", "fsdp.end"):
             out[op.name] = 0.0
         elif op.target.startswith("fsdp."):
