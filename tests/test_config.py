@@ -149,8 +149,19 @@ MALFORMED = [
      "distributed.prefetch: unknown key 'forwrd' (did you mean 'forward'?)"),
     ({"distributed": {"world_size": 8, "units": ["Block"], "mixed_precision": {"param_dtype": "int8"}}},
      "distributed.mixed_precision.param_dtype: must be one of float32, float16, bfloat16, got 'int8'"),
-    ({"distributed": {"world_size": 8, "units": ["Block"], "reshard_after_forward": 2}},
-     "distributed.reshard_after_forward: must be true or false"),
+    ({"distributed": {"world_size": 8, "units": ["Block"], "mesh": [2, 2]}},
+     "distributed.mesh: must be [replicate, shard] with replicate x shard = world_size 8"),
+    ({"distributed": {"world_size": 8, "units": ["Block"], "mesh": [2, 2, 2]}}, "distributed.mesh: must be"),
+    ({"distributed": {"world_size": 8, "units": ["Block"], "mesh": [2, 4], "reshard_after_forward": 4}},
+     "distributed.reshard_after_forward: an integer must divide the shard size 4"),
+    ({"distributed": {"world_size": 8, "units": ["Block"], "reshard_after_forward": 1}},
+     "distributed.reshard_after_forward: must be true, false or an integer of at least 2"),
+    ({"distributed": {"world_size": 8, "units": ["Block"], "reshard_after_forward": "2"}},
+     "distributed.reshard_after_forward: must be true, false or an integer"),
+    ({"distributed": {"world_size": 8, "units": ["Block"], "reshard_after_forward": 3}},
+     "distributed.reshard_after_forward: an integer must divide the shard size 8 and be below it, got 3"),
+    ({"distributed": {"world_size": 8, "units": ["Block"], "reshard_after_forward": 8}},
+     "distributed.reshard_after_forward: an integer must divide the shard size 8 and be below it, got 8"),
 ]
 
 
@@ -311,3 +322,8 @@ def test_distributed_defaults_follow_fsdp2(tmp_path):
     assert (spec.prefetch.forward, spec.prefetch.backward) == (0, 1)
     assert (spec.mixed_precision.param_dtype, spec.mixed_precision.reduce_dtype) == (None, None)
     assert load_patched(tmp_path, {}).distributed is None
+    spec = load_patched(tmp_path, {"distributed": {"world_size": 64, "units": ["Block"],
+                                                   "reshard_after_forward": 8}}).distributed
+    assert spec.reshard_after_forward == 8
+    spec = load_patched(tmp_path, {"distributed": {"world_size": 64, "units": ["Block"], "mesh": [8, 8]}}).distributed
+    assert spec.mesh == (8, 8)

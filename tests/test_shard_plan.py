@@ -47,7 +47,7 @@ def _variant(tmp_path, **changes) -> Path:
 @pytest.mark.parametrize("changes, message", [
     ({"units": ["Decoder"]}, "distributed.units: 'Decoder' matches no module of gaswap.zoo:llama"),
     ({"strategy": "zero2", "units": []}, "'zero2' is not modelled yet; only 'fsdp'"),
-    ({"offload": True}, "CPU offload (CPUOffloadPolicy) is not modelled yet"),
+    ({"world_size": 4, "mesh": [2, 4]}, "distributed.mesh: must be [replicate, shard] with replicate x shard"),
 ])
 def test_refusals_are_one_line_exit_2_and_write_nothing(tmp_path, capsys, changes, message):
     path = _variant(tmp_path, **changes)

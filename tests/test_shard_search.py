@@ -97,3 +97,21 @@ def test_search_front_is_under_the_budget_and_non_dominated():
     assert result.best == min(result.front, key=lambda q: q.step_time)
     again = search(problem(p.budget), random.Random(0), population=8, generations=4)
     assert [(q.peak, q.step_time) for q in again.front] == [(q.peak, q.step_time) for q in result.front]
+
+
+def test_reshard_genes_take_the_world_sizes_divisors_up_to_8():
+    g, params = toy()
+    p = ShardProblem(g, params, ShardSpec(16, UNITS, reshard_after_forward={u: 4 for u in UNITS}),
+                     {op.name: 1e-3 for op in g.ops}, Link(1e-5, 1e9), 10**9, 1e10)
+    assert p.reshard_groups == (2, 4, 8)
+    n = len(p.units)
+    assert p.bounds()[-2 - n:-2] == [4] * n  # 0 False, 1 True, 2 / 4 / 8
+    seed = p.seed("keep_all")
+    assert seed[-2 - n:-2] == (3,) * n and p.decode(seed).reshard == {**{u: 4 for u in UNITS}, "": False}
+    genes = list(seed)
+    genes[-2 - n:-2] = [0, 1, 4]
+    knobs = p.decode(genes)
+    assert [knobs.reshard[u] for u in UNITS] == [False, True, 8]
+    rank = p.rank(knobs)
+    assert rank.ranks(next(op.name for op in rank.graph.ops if op.name.startswith(f"fsdp_all_gather.{UNITS[2].replace('.', '_')}.2"))) == 8
+    assert problem().reshard_groups == ()  # W = 2: no integer between 2 and W - 1

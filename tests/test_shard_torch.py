@@ -100,3 +100,34 @@ def test_gloo_peak_and_resident_per_rank_equal_the_prediction_and_the_fake_proce
                                     rank=r["rank"])
         assert fake == {"peak_above_start": predicted, "resident_at_start": start}
         assert r["fwd_bwd_cpu_s"] and statistics.median(r["fwd_bwd_cpu_s"]) > 0
+
+
+@pytest.mark.parametrize("name, world_size, k", [("gpt", 8, 2), ("gpt", 8, 4), ("llama", 8, 2), ("llama", 64, 8)])
+def test_integer_reshard_after_forward_equals_fsdp_mem_tracker(name, world_size, k):
+    """reshard_after_forward=k on every unit (the root too): the post-forward slices (FSDPParam's
+    `_sharded_post_forward_param_data`, the tracker's activations) and the backward all-gather over k ranks."""
+    from gaswap.shard.tracker import measure_fsdp_tracker
+
+    make_model, make_inputs, captured, units, params = _case(name)
+    spec = ShardSpec(world_size, tuple(units), reshard_after_forward=k, optimizer_scalar_bytes=4)
+    report = memory_report(shard_step(captured.graph, params, spec), tracker=True)
+    tracker = measure_fsdp_tracker(make_model, make_inputs, units, world_size, reshard_after_forward=k,
+                                   hold_grads=False)
+    assert report.peak == tracker["total"]
+    for cat in CATEGORIES:
+        assert report.at_peak.get(cat, 0) == tracker.get(cat, 0), cat
+
+
+@pytest.mark.parametrize("name, mesh", [("gpt", (2, 4)), ("gpt", (8, 8)), ("llama", (4, 2)), ("mlp", (2, 4))])
+def test_hsdp_equals_fsdp_mem_tracker_on_a_2d_mesh(name, mesh):
+    """HSDP: fully_shard over init_device_mesh("cpu", (replicate, shard)) under the fake process group."""
+    from gaswap.shard.tracker import measure_fsdp_tracker
+
+    make_model, make_inputs, captured, units, params = _case(name)
+    world = mesh[0] * mesh[1]
+    spec = ShardSpec(world, tuple(units), replicate=mesh[0], optimizer_scalar_bytes=4)
+    report = memory_report(shard_step(captured.graph, params, spec), tracker=True)
+    tracker = measure_fsdp_tracker(make_model, make_inputs, units, world, hold_grads=False, mesh_shape=mesh)
+    assert report.peak == tracker["total"]
+    for cat in CATEGORIES:
+        assert report.at_peak.get(cat, 0) == tracker.get(cat, 0), cat

@@ -169,3 +169,114 @@ def test_link_costs_and_errors():
     g, params = toy()
     with pytest.raises(ShardError, match="at least 2"):
         shard_step(g, params, ShardSpec(1, ("a", "b")))
+
+
+# integer reshard_after_forward, W = 4 and k = 2: the trace of TRACE[4] with each unit's post-forward slice
+RESHARD_TO_2 = [
+    ("fsdp_ag_alloc.a.1", 412), ("fsdp_all_gather.a.1", 412), ("fsdp_ag_copy_out.a.1", 556), ("fa", 620),
+    ("fsdp_post_forward_slice.a.1", 692), ("fsdp_free.reshard.a.2", 692), ("fsdp_ag_alloc.b.1", 676),
+    ("fsdp_all_gather.b.1", 676), ("fsdp_free.all_gather_state.3", 676), ("fsdp_ag_copy_out.b.1", 660),
+    ("fb", 724), ("fsdp_post_forward_slice.b.4", 788), ("fsdp_free.reshard.b.5", 788),
+    ("fsdp_free.all_gather_state.6", 660), ("loss", 596), ("seed", 596), ("fsdp_ag_alloc.b.2", 724),
+    ("fsdp_all_gather.b.2", 724), ("fsdp_ag_copy_out.b.2", 852), ("fsdp_free.post_forward.b.7", 724),
+    ("fsdp_ag_alloc.a.2", 804), ("fsdp_all_gather.a.2", 804), ("bb", 996), ("fsdp_free.reshard.b.8", 932),
+    ("fsdp_rs_alloc.b", 932), ("fsdp_reduce_scatter.b", 836), ("fsdp_ag_copy_out.a.2", 980),
+    ("fsdp_free.post_forward.a.9", 836), ("ba_", 904), ("fsdp_free.reshard.a.10", 840),
+    ("fsdp_free.reduce_scatter_state.11", 696), ("fsdp_rs_alloc.a", 712), ("fsdp_reduce_scatter.a", 608),
+    ("fsdp_free.final.12", 608)]
+
+
+def test_integer_reshard_after_forward_keeps_a_slice_and_gathers_within_k_ranks():
+    """W = 4, reshard_after_forward = 2 (FSDPParam.to_sharded_post_forward): after a's forward each rank clones a
+    1/2 slice of a's unsharded parameters (144 / 2 = 72 bytes) before they go, b's 128 / 2 = 64; from the loss on
+    the rank holds 136 bytes more than with True (TRACE[4]); the backward all-gather copies the slice in (its
+    output the same 4 x 36 = 2 x 72 bytes), runs over 2 ranks, and the slice goes after the copy-out
+    (FSDPParam.to_unsharded). The peak (at bb) is 72 above True's: a's slice is still held there."""
+    g, params = toy()
+    rank = shard_step(g, params, ShardSpec(4, ("a", "b"), reshard_after_forward=2))
+    rep = memory_report(rank)
+    assert totals(rep) == RESHARD_TO_2
+    assert rep.peak == 996 == max(t for _, t in TRACE[4]) + 72
+    assert rank.graph.tensors["wa.post_forward.1"].size == 64 and rank.graph.tensors["ba.post_forward.1"].size == 8
+    assert rank.category["wa.post_forward.1"] == "sharded params"
+    assert rank.tracker_category["wa.post_forward.1"] == "activations"  # cloned in the forward
+    assert rank.ranks("fsdp_all_gather.a.2") == 2 and rank.ranks("fsdp_all_gather.a.1") == 4
+    link = Link(1e-3, 1e9)
+    from gaswap.plan.sharding import rank_op_times
+    times = rank_op_times(rank, {}, link)
+    assert times["fsdp_all_gather.a.2"] == pytest.approx(link.all_gather(144, 2))
+    assert times["fsdp_all_gather.a.1"] == pytest.approx(link.all_gather(144, 4))
+    # per unit: only b resharded to 2, a as True
+    mixed = memory_report(shard_step(g, params, ShardSpec(4, ("a", "b"), reshard_after_forward={"a": True, "b": 2})))
+    assert dict(totals(mixed))["loss"] == 460 + 64
+
+
+@pytest.mark.parametrize("k", [0, 3, 5])
+def test_integer_reshard_after_forward_must_divide_the_world_size(k):
+    g, params = toy()
+    with pytest.raises(ShardError, match="must divide the world size 4"):
+        shard_step(g, params, ShardSpec(4, ("a", "b"), reshard_after_forward=k))
+
+
+def test_hsdp_shards_over_the_shard_dimension_and_all_reduces_across_replicas():
+    """A (2, 2) mesh of 4 ranks: parameters sharded over 2 (TRACE[2], the same bytes), each reduce-scatter's
+    output all-reduced in place across the 2 replicas (stream "all_reduce", no bytes of its own in fp32), costed on
+    the replicas' link with 2 ranks; with a reduce dtype other than the parameters' the all-reduced buffer is
+    held to the end of the backward (FSDPParamGroup._all_reduce_state)."""
+    g, params = toy()
+    rank = shard_step(g, params, ShardSpec(4, ("a", "b"), replicate=2))
+    rep = memory_report(rank)
+    assert [t for n, t in totals(rep) if not n.startswith("fsdp_all_reduce")] == [t for _, t in TRACE[2]]
+    ar = [op.name for op in rank.graph.ops if op.target == "fsdp.all_reduce"]
+    assert ar == ["fsdp_all_reduce.b", "fsdp_all_reduce.a"] and rank.stream[ar[0]] == "all_reduce"
+    assert rank.graph.ops[[op.name for op in rank.graph.ops].index(ar[0])].inputs == ("grad_shard.b",)
+    from gaswap.plan.sharding import rank_op_times
+    slow = Link(1e-3, 1e8)
+    times = rank_op_times(rank, {}, Link(1e-6, 1e10), replica_link=slow)
+    assert times["fsdp_all_reduce.b"] == pytest.approx(2 * slow.all_gather(64, 2))
+    assert times["fsdp_reduce_scatter.b"] == pytest.approx(Link(1e-6, 1e10).reduce_scatter(128, 2))
+    # fp16 reduce of fp32 shards: the raw reduce-scatter output (2 bytes / element) is held to the final callback
+    mixed = shard_step(g, params, ShardSpec(4, ("a", "b"), replicate=2, reduce_itemsize=2))
+    final = next(op for op in mixed.graph.ops if op.name.startswith("fsdp_free.final"))
+    assert {"rs_out.a", "rs_out.b"} <= set(final.inputs)
+    flat = shard_step(g, params, ShardSpec(2, ("a", "b"), reduce_itemsize=2))
+    assert memory_report(mixed).peak >= memory_report(flat).peak
+    with pytest.raises(ShardError, match="HSDP mesh"):
+        shard_step(g, params, ShardSpec(4, ("a", "b"), replicate=3))
+
+
+OFFLOAD_TRACE = [
+    ("fsdp_h2d.a.1", 136), ("fsdp_ag_alloc.a.1", 280), ("fsdp_all_gather.a.1", 208), ("fsdp_ag_copy_out.a.1", 352),
+    ("fa", 416), ("fsdp_free.reshard.a.1", 416), ("fsdp_h2d.b.1", 336), ("fsdp_ag_alloc.b.1", 464),
+    ("fsdp_all_gather.b.1", 400), ("fsdp_free.all_gather_state.2", 400), ("fsdp_ag_copy_out.b.1", 384), ("fb", 448),
+    ("fsdp_free.reshard.b.3", 448), ("fsdp_free.all_gather_state.4", 320), ("loss", 256), ("seed", 256),
+    ("fsdp_h2d.b.2", 320), ("fsdp_ag_alloc.b.2", 448), ("fsdp_all_gather.b.2", 384), ("fsdp_ag_copy_out.b.2", 512),
+    ("fsdp_h2d.a.2", 456), ("fsdp_ag_alloc.a.2", 600), ("fsdp_all_gather.a.2", 528), ("bb", 720),
+    ("fsdp_free.reshard.b.5", 656), ("fsdp_rs_alloc.b", 656), ("fsdp_reduce_scatter.b", 592), ("fsdp_d2h.b", 592),
+    ("fsdp_ag_copy_out.a.2", 672), ("ba_", 668), ("fsdp_free.reshard.a.6", 604),
+    ("fsdp_free.reduce_scatter_state.7", 460), ("fsdp_rs_alloc.a", 476), ("fsdp_reduce_scatter.a", 408),
+    ("fsdp_d2h.a", 408), ("fsdp_free.final.8", 336)]
+
+
+def test_cpu_offload_device_bytes_by_hand():
+    """W = 2 with CPUOffloadPolicy, worked by hand: the device holds only x (64) at the start (shards 136 and
+    Adam's 272 on the host); each all-gather first copies the unit's shards host->device (a: 72, b: 64), which go
+    after the copy-in, before the collective; each reduce-scatter's output (the sharded gradients, b: 64) is
+    copied device->host and goes after the copy (its host copy has no device bytes). At bb (now the peak) the
+    device holds TRACE[2]'s bytes less the shards and the optimizer state: 1128 - 136 - 272 = 720; at a's
+    backward copy-out (TRACE[2]'s peak, 1144) b's sharded gradients (64) are on the host too: 672. FSDPMemTracker cannot tell host from device
+    on a CPU-only machine, so this is checked by hand, not against it."""
+    g, params = toy()
+    rank = shard_step(g, params, ShardSpec(2, ("a", "b"), offload=True))
+    rep = memory_report(rank)
+    assert totals(rep) == OFFLOAD_TRACE
+    assert rep.peak == 720 == dict(TRACE[2])["bb"] - 136 - 272
+    assert dict(totals(rep))["fsdp_ag_copy_out.a.2"] == max(t for _, t in TRACE[2]) - 136 - 272 - 64
+    assert rank.host_bytes == {"sharded params": 136, "sharded grads": 136, "optimizer state": 272}
+    assert rank.host_copies["fsdp_h2d.a.1"] == ("h2d", 72) and rank.host_copies["fsdp_d2h.b"] == ("d2h", 64)
+    from gaswap.plan.costs import Costs
+    from gaswap.plan.sharding import rank_op_times
+    pcie = Costs({}, 1e9, 2e9, "gpu", "test", copy_latency=1e-6)
+    times = rank_op_times(rank, {}, Link(1e-6, 1e10), host_link=pcie)
+    assert times["fsdp_h2d.a.1"] == pytest.approx(1e-6 + 72 / 2e9)
+    assert times["fsdp_d2h.b"] == pytest.approx(1e-6 + 64 / 1e9)

@@ -48,8 +48,6 @@ def refuse_unsupported(exp: config.Experiment) -> None:
     if d.strategy != "fsdp":
         raise config.ConfigError(f"{where}.strategy: {d.strategy!r} is not modelled yet; only 'fsdp' (FSDP2's "
                                  f"fully_shard, ZeRO-3) is planned")
-    if d.offload:
-        raise config.ConfigError(f"{where}.offload: CPU offload (CPUOffloadPolicy) is not modelled yet")
     if exp.autocast and d.mixed_precision.param_dtype:
         raise config.ConfigError(f"{where}.mixed_precision: autocast together with FSDP's param_dtype is not "
                                  f"modelled; use one of them")
@@ -85,7 +83,8 @@ def prepare(exp: config.Experiment) -> dict:
     d = exp.distributed
     try:
         profile = load_profile(exp.costs.profile)
-        link_name, link = link_for(profile, d.world_size, d.link)
+        link_name, link = link_for(profile, d.mesh[1] if d.mesh else d.world_size, d.link)
+        replica_link = link_for(profile, d.world_size)[1] if d.mesh else None  # the all-reduce crosses nodes
     except (ValueError, ShardError) as err:
         raise config.ConfigError(f"{exp.path}: costs.profile / distributed.link: {err}") from None
     started = time.process_time()
@@ -105,14 +104,18 @@ def prepare(exp: config.Experiment) -> dict:
     except CaptureError as err:
         raise CaptureError(f"{exp.path}: {err}") from None
     capture_s = time.process_time() - started
-    spec = ShardSpec(d.world_size, tuple(units), reshard_after_forward=None if d.reshard_after_forward else False,
+    raf = d.reshard_after_forward
+    spec = ShardSpec(d.world_size, tuple(units),
+                     reshard_after_forward=None if raf is True else False if raf is False else {u: raf for u in units if u},
                      forward_prefetch=d.prefetch.forward, backward_prefetch=d.prefetch.backward,
                      sharded_itemsize=sharded.pop() if mp.param_dtype else None,
                      reduce_itemsize=ITEMSIZE[mp.reduce_dtype] if mp.reduce_dtype else None,
-                     optimizer_scalar_bytes=4 if exp.optimizer == "adam" else 0)
+                     optimizer_scalar_bytes=4 if exp.optimizer == "adam" else 0,
+                     replicate=d.mesh[0] if d.mesh else 1, offload=d.offload)
     costs = estimate(captured.graph, profile)
     problem = ShardProblem(captured.graph, params, spec, costs.op_time, link, 0,
-                           profile.memory_bandwidth * profile.efficiency)
+                           profile.memory_bandwidth * profile.efficiency, replica_link,
+                           costs if d.offload else None)
     return {"problem": problem, "link": link_name, "profile": profile, "capture_s": capture_s, "units": units,
             "torch": str(torch.__version__)}
 
@@ -220,7 +223,9 @@ def knobs(problem: ShardProblem, p: Point) -> dict:
                           "recompute": "full" if chosen == "full" else
                           [problem.graph.ops[ops[i]].name for i in chosen] or "none"})
     return {"recompute": per_class,
-            "reshard_after_forward_false": [u for u in problem.units if not p.knobs.reshard.get(u, True)],
+            "reshard_after_forward_false": [u for u in problem.units if p.knobs.reshard.get(u, True) is False],
+            "reshard_after_forward_groups": {u: k for u in problem.units
+                                             if not isinstance(k := p.knobs.reshard.get(u, True), bool)},
             "forward_prefetch": p.knobs.forward_prefetch, "backward_prefetch": p.knobs.backward_prefetch}
 
 

@@ -195,6 +195,12 @@ def _boolean(where, value):
     return value
 
 
+def _boolean_or_group(where, value):
+    if isinstance(value, bool) or (isinstance(value, int) and value >= 2):
+        return value
+    where.fail(f"must be true, false or an integer of at least 2 (the ranks to reshard to), got {_show(value)}")
+
+
 def _string(where, value):
     if not isinstance(value, str) or not value:
         where.fail(f"must be a non-empty string, got {_show(value)}")
@@ -237,6 +243,15 @@ def _distributed(where, raw):
         where["units"].fail(f"only used by strategy 'fsdp', not {spec.strategy!r}")
     if spec.strategy == "fsdp" and not spec.units:
         where["units"].fail("name the modules to shard, e.g. [DecoderLayer] (class names or path patterns)")
+    if spec.mesh is not None and (len(spec.mesh) != 2 or spec.mesh[0] * spec.mesh[1] != spec.world_size
+                                  or spec.mesh[1] < 2):
+        where["mesh"].fail(f"must be [replicate, shard] with replicate x shard = world_size {spec.world_size} and "
+                           f"shard at least 2, got {list(spec.mesh)}")
+    shard = spec.mesh[1] if spec.mesh else spec.world_size
+    k = spec.reshard_after_forward
+    if not isinstance(k, bool) and (k >= shard or shard % k):
+        where["reshard_after_forward"].fail(f"an integer must divide the shard size {shard} and be below it, "
+                                            f"got {k}")
     return spec
 
 
@@ -390,9 +405,14 @@ class DistributedSpec:
                         "fsdp")
     units: tuple[str, ...] = key(_list(_string, unique=True), "modules `fully_shard` is applied to: class names "
                                  "(`DecoderLayer`) or path patterns (`layers.*`); the root is always a unit", ())
-    reshard_after_forward: bool = key(_boolean, "free each unit's unsharded parameters after its forward and "
-                                      "all-gather them again for its backward (FSDP2's default for non-root units)",
-                                      True)
+    reshard_after_forward: bool | int = key(_boolean_or_group, "free each unit's unsharded parameters after its "
+                                            "forward and all-gather them again for its backward (FSDP2's default "
+                                            "for non-root units); an integer k (2 <= k < world_size, dividing it): "
+                                            "keep a 1/k slice after the forward and all-gather within k ranks",
+                                            True)
+    mesh: tuple[int, ...] | None = key(_optional(_list(_integer(1, "a positive integer"), nonempty=True)),
+                                       "HSDP: a 2-D mesh [replicate, shard] (product world_size): parameters "
+                                       "sharded over `shard` ranks, gradients all-reduced across `replicate`", None)
     prefetch: Prefetch = key(_record(Prefetch), "units prefetched ahead", factory=Prefetch, record=Prefetch)
     mixed_precision: MixedPrecision = key(_record(MixedPrecision), "parameter and reduce dtypes",
                                           factory=MixedPrecision, record=MixedPrecision)

@@ -3,7 +3,8 @@ peak, step time) under a per-rank budget. No torch here.
 
 Genes (`ShardProblem.decode`): per class of identical units (`unit_classes`: their own forward ops match one by
 one), a mode (0 keep, 1 full AC, 2 selective) and one bit per recomputable forward op of the class (recomputed
-when selective); per non-root unit, `reshard_after_forward`; the forward and backward prefetch depths. Identical
+when selective); per non-root unit, `reshard_after_forward` (0 False, 1 True, 2.. an int: the world size's
+divisors from 2 to 8, `reshard_groups`); the forward and backward prefetch depths. Identical
 units share one recompute choice. An evaluation builds the rank's graph (`sharding.shard_step`), its peak from
 the simulator (every activation kept, the graph's order: the recompute is in the graph) and its step time from
 `sharding.step_time` (ops from the single-device costs, recomputed ops as their originals, collectives from a
@@ -39,6 +40,7 @@ from gaswap.plan.simulator import Simulator
 
 MODES = ("keep", "full", "selective")
 MAX_PREFETCH = 2
+MAX_RESHARD_GROUP = 8  # the largest integer reshard_after_forward a gene takes (ranks within one node)
 # torchtitan's per-op selective AC (torchtitan/distributed/activation_checkpoint.py at TORCHTITAN_COMMIT): it saves
 # the outputs of `_get_default_save_ops()` (torch's compute-intensive ops and its own additions; gaswap's op
 # targets are `str(func)`), except every second mm / linear of a block, and recomputes the rest
@@ -96,8 +98,8 @@ def unit_classes(graph: Graph, units, outside=OUTSIDE) -> list[tuple[str, ...]]:
 
 @dataclass(frozen=True)
 class Knobs:
-    """One point of the search space: {unit: "full" or positions} recomputed, {unit: bool} resharded after
-    the forward, prefetch depths."""
+    """One point of the search space: {unit: "full" or positions} recomputed, {unit: bool or int} resharded after
+    the forward (an int: to that many ranks), prefetch depths."""
 
     recompute: dict
     reshard: dict
@@ -134,10 +136,13 @@ class ShardProblem:
     link: Link
     budget: int
     copy_bandwidth: float
+    replica_link: Link | None = None  # HSDP: the link the all-reduce across replicas runs over
+    host_link: Costs | None = None  # CPU offload: the host<->device copies (`Costs.copy_time`)
     classes: list = field(init=False)
     selectable: list = field(init=False)  # per class: the positions a selective gene may recompute
     units: list = field(init=False)  # non-root units, in the spec's order
     owned: dict = field(init=False)  # unit -> its own forward ops
+    reshard_groups: tuple = field(init=False)  # the integer reshard_after_forward values a gene takes
     cache: dict = field(init=False, default_factory=dict)
 
     def __post_init__(self):
@@ -148,6 +153,8 @@ class ShardProblem:
                            for c in self.classes]
         self.units = [u for u in units if u != ROOT]
         self.owned = owned
+        W = self.spec.shard_size
+        self.reshard_groups = tuple(k for k in range(2, min(MAX_RESHARD_GROUP, W - 1) + 1) if W % k == 0)
 
     # --- genes ---
     def length(self) -> int:
@@ -162,7 +169,7 @@ class ShardProblem:
             for u in cls:
                 if chosen:
                     recompute[u] = chosen
-        reshard = {u: bool(b) for u, b in zip(self.units, genes[k:k + len(self.units)])} | {ROOT: False}
+        reshard = {u: self.reshard_value(b) for u, b in zip(self.units, genes[k:k + len(self.units)])} | {ROOT: False}
         k += len(self.units)
         return Knobs(recompute, reshard, genes[k], genes[k + 1])
 
@@ -176,7 +183,7 @@ class ShardProblem:
                 genes += [2] + [int(not saves[p]) for p in sel]
             else:
                 genes += [1 if name == "full_ac" else 0] + [0] * len(sel)
-        reshard = [int(self.spec.reshards(u)) for u in self.units]
+        reshard = [self.reshard_gene(u) for u in self.units]
         prefetch = [min(self.spec.forward_prefetch, MAX_PREFETCH), min(self.spec.backward_prefetch, MAX_PREFETCH)]
         return tuple(genes + reshard + prefetch)
 
@@ -185,7 +192,18 @@ class ShardProblem:
         out = []
         for sel in self.selectable:
             out += [len(MODES) - 1] + [1] * len(sel)
-        return out + [1] * len(self.units) + [MAX_PREFETCH, MAX_PREFETCH]
+        return out + [1 + len(self.reshard_groups)] * len(self.units) + [MAX_PREFETCH, MAX_PREFETCH]
+
+    def reshard_value(self, gene: int):
+        """A reshard gene's `reshard_after_forward`: 0 False, 1 True, 2.. `reshard_groups`."""
+        return bool(gene) if gene < 2 else self.reshard_groups[gene - 2]
+
+    def reshard_gene(self, unit: str) -> int:
+        """The spec's `reshard_after_forward` of `unit` as a gene (an int not among `reshard_groups`: True)."""
+        k = self.spec.post_forward_group(unit)
+        if k in self.reshard_groups:
+            return 2 + self.reshard_groups.index(k)
+        return int(self.spec.reshards(unit))
 
     # --- evaluation ---
     def rank(self, knobs: Knobs) -> RankGraph:
@@ -203,7 +221,8 @@ class ShardProblem:
     def time(self, rank: RankGraph) -> float:
         times = dict(self.op_time)
         times.update({c: self.op_time.get(o, 0.0) for c, o in rank.recomputed.items()})
-        return step_time(rank, rank_op_times(rank, times, self.link, copy_bandwidth=self.copy_bandwidth))[0]
+        return step_time(rank, rank_op_times(rank, times, self.link, copy_bandwidth=self.copy_bandwidth,
+                                                replica_link=self.replica_link, host_link=self.host_link))[0]
 
 
 def peak_bytes(rank: RankGraph) -> int:

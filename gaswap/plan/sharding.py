@@ -55,8 +55,8 @@ from gaswap.plan.graph import Graph, Op, Tensor
 from gaswap.plan.simulator import Simulator
 
 ROOT = ""
-COMPUTE, ALL_GATHER, REDUCE_SCATTER = "compute", "all_gather", "reduce_scatter"
-STREAMS = (COMPUTE, ALL_GATHER, REDUCE_SCATTER)
+COMPUTE, ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = "compute", "all_gather", "reduce_scatter", "all_reduce"
+STREAMS = (COMPUTE, ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
 CATEGORIES = ("sharded params", "unsharded params", "sharded grads", "unsharded grads", "optimizer state",
               "all-gather buffers", "reduce-scatter buffers", "activations", "temporaries", "inputs", "buffers")
 OUTSIDE = ("loss",)  # layers of ops outside the model (the loss): no unit's forward or backward
@@ -100,12 +100,30 @@ class ShardSpec:
     optimizer_scalar_bytes: int = 0
     outside: tuple[str, ...] = OUTSIDE
     recompute: dict | None = None
+    replicate: int = 1
+    offload: bool = False
+
+    @property
+    def shard_size(self) -> int:
+        """The ranks a parameter is sharded over: `world_size`, or its shard dimension under HSDP (a 2-D mesh of
+        `replicate` x shard_size ranks)."""
+        return self.world_size // self.replicate
 
     def reshards(self, unit: str) -> bool:
         r = self.reshard_after_forward
         if isinstance(r, dict):
             return bool(r.get(unit, unit != ROOT))
         return unit != ROOT if r is None else bool(r)
+
+    def post_forward_group(self, unit: str) -> int | None:
+        """The ranks `unit` reshards to after its forward when `reshard_after_forward` is an int k (FSDP2's
+        `_get_post_forward_mesh_info`: each rank keeps a 1/k slice of the unsharded parameters and the backward
+        all-gather runs within k ranks); None for True / False (and for 1 and W, which FSDP2 turns into them)."""
+        r = self.reshard_after_forward
+        r = r.get(unit, unit != ROOT) if isinstance(r, dict) else r
+        if isinstance(r, bool) or not isinstance(r, int) or r in (1, self.shard_size):
+            return None
+        return r
 
 
 def padded_shard_numel(shape, world_size: int) -> int:
@@ -137,6 +155,13 @@ class RankGraph:
     collective_bytes: dict = field(default_factory=dict)
     collective_kind: dict = field(default_factory=dict)
     recomputed: dict = field(default_factory=dict)  # recomputed op -> the forward op it repeats
+    group_size: dict = field(default_factory=dict)  # all-gather op / copy-in -> its ranks, where not W
+    host_copies: dict = field(default_factory=dict)  # offload: copy op -> ("h2d" or "d2h", bytes moved)
+    host_bytes: dict = field(default_factory=dict)  # offload: {category: bytes held on the host, not the device}
+
+    def ranks(self, op: str) -> int:
+        """The ranks a collective (or an all-gather's copy-in) runs over."""
+        return self.group_size.get(op, self.spec.shard_size)
 
 
 def unit_of(path: str, units) -> str:
@@ -176,9 +201,18 @@ class _Builder:
     def __init__(self, graph: Graph, params: list[ParamSpec], spec: ShardSpec):
         if spec.world_size < 2:
             raise ShardError(f"world size {spec.world_size}: sharding needs at least 2 ranks")
-        self.g, self.spec, self.W = graph, spec, spec.world_size
+        if spec.replicate < 1 or spec.world_size % spec.replicate or spec.shard_size < 2:
+            raise ShardError(f"HSDP mesh: {spec.replicate} replicas do not split {spec.world_size} ranks into shard "
+                             f"groups of at least 2")
+        self.g, self.spec, self.W = graph, spec, spec.shard_size
         self.units = tuple(dict.fromkeys([u for u in spec.units if u != ROOT] + [ROOT]))
         self.params = {p.tensor: p for p in params}
+        for u in self.units:
+            k = spec.reshard_after_forward.get(u) if isinstance(spec.reshard_after_forward, dict) \
+                else spec.reshard_after_forward
+            if not isinstance(k, bool) and isinstance(k, int) and not (1 <= k <= self.W and self.W % k == 0):
+                raise ShardError(f"reshard_after_forward {k} ({u or 'root'}): an int must divide the world size "
+                                 f"{self.W}")
         for p in params:
             if p.tensor not in graph.tensors or graph.tensors[p.tensor].kind != "param":
                 raise ShardError(f"parameter {p.path}: {p.tensor!r} is not a parameter tensor of the graph")
@@ -212,6 +246,11 @@ class _Builder:
         self.done_pre_backward: set[str] = set()
         self.done_post_backward: set[str] = set()
         self.recomputed: dict[str, str] = {}  # recomputed op -> the forward op it repeats
+        self.slices: dict[str, list[str]] = {}  # unit -> its post-forward slices (int reshard_after_forward)
+        self.group_size: dict[str, int] = {}
+        self.host_copies: dict[str, tuple[str, int]] = {}
+        self.host_bytes: dict[str, int] = {}
+        self.ar_states: list[str] = []  # HSDP: all-reduced buffers in the reduce dtype, held to the end
         self.copy_of: dict[str, str] = {}  # recomputed tensor -> the forward's
 
     # --- sizes ---
@@ -257,24 +296,45 @@ class _Builder:
         ps = self.group[u]
         k = self.version[u] = self.version.get(u, 0) + 1
         tag = f"{_tag(u)}.{k}"
-        shards = [f"{p.tensor}.shard" for p in ps]
+        shards = self.slices.get(u) or self.host_to_device(u, tag) or [f"{p.tensor}.shard" for p in ps]
         inputs = list(shards)
         cast = None
         if self.spec.sharded_itemsize and any(self.sharded_itemsize(p) != p.itemsize for p in ps):
             cast_op = f"fsdp_ag_cast.{tag}"
-            cast = self.tensor(f"ag_cast.{tag}", sum(self.shard_bytes(p) for p in ps), "activation", cast_op,
+            cast = self.tensor(f"ag_cast.{tag}", self.ag_input_bytes(u), "activation", cast_op,
                                "all-gather buffers", self.temp())
             self.emit(cast_op, "fsdp.all_gather_cast", shards, (cast,), layer=u)
             inputs = [cast]
         alloc = f"fsdp_ag_alloc.{tag}"
-        nbytes = self.W * sum(self.shard_bytes(p) for p in ps)
+        nbytes = self.W * sum(self.shard_bytes(p) for p in ps)  # k x the post-forward slices: the same
         buf = self.tensor(f"ag_out.{tag}", nbytes, "activation", alloc, "all-gather buffers", self.temp())
         self.emit(alloc, "fsdp.all_gather_copy_in", inputs, (buf,), layer=u)
         op = self.emit(f"fsdp_all_gather.{tag}", "fsdp.all_gather", [buf] + ([cast] if cast else []), (),
                        stream=ALL_GATHER, layer=u)
         self.relabel.setdefault(buf, []).append((op, "all-gather buffers"))
         self.collective_bytes[op], self.collective_kind[op] = nbytes, "all_gather"
+        if u in self.slices:
+            self.group_size[alloc] = self.group_size[op] = self.spec.post_forward_group(u)
         self.pending[u] = buf
+
+    def host_to_device(self, u: str, tag: str) -> list[str]:
+        """CPU offload (`FSDPParam.all_gather_inputs`: `_sharded_param_data.to(device)`): the unit's shards copied
+        host->device (in their own dtype) before the all-gather's copy-in, which is their last reader ([] without
+        offload)."""
+        if not self.spec.offload:
+            return []
+        op = f"fsdp_h2d.{tag}"
+        nbytes = sum(self.shard_bytes(p, self.sharded_itemsize(p)) for p in self.group[u])
+        out = self.tensor(f"h2d.{tag}", nbytes, "activation", op, "all-gather buffers", self.temp())
+        self.emit(op, "fsdp.h2d", [f"{p.tensor}.shard" for p in self.group[u]], (out,), layer=u)
+        self.host_copies[op] = ("h2d", nbytes)
+        return [out]
+
+    def ag_input_bytes(self, u: str) -> int:
+        """Bytes of this rank's all-gather input: its shards, or its post-forward slices."""
+        if u in self.slices:
+            return sum(self.tensors[t].size for t in self.slices[u])
+        return sum(self.shard_bytes(p) for p in self.group[u])
 
     def wait_for_unshard(self, u: str, forward: bool) -> None:
         if u not in self.pending:
@@ -293,6 +353,8 @@ class _Builder:
             outs.append(name)
         self.emit(copy, "fsdp.all_gather_copy_out", [buf], outs, layer=u)
         self.unsharded.add(u)
+        if u in self.slices:  # FSDPParam.to_unsharded drops the post-forward slices after the copy-out
+            self.free(self.slices.pop(u), f"post_forward.{_tag(u)}")
         if forward:
             self.ag_state = buf  # freed at the next unit's wait, or the root's post-forward
 
@@ -300,8 +362,20 @@ class _Builder:
         if forward and not self.spec.reshards(u):
             return
         if u in self.unsharded:
+            if forward and self.spec.post_forward_group(u):
+                self.keep_post_forward_slices(u, self.spec.post_forward_group(u))
             self.free([self.current.pop(p.tensor) for p in self.group[u]], f"reshard.{_tag(u)}")
             self.unsharded.discard(u)
+
+    def keep_post_forward_slices(self, u: str, k: int) -> None:
+        """Integer `reshard_after_forward` k (FSDPParam.to_sharded_post_forward): each unsharded parameter's
+        1/k slice, this rank's among k, is cloned (a forward allocation: the tracker's activations) and kept for
+        the backward all-gather over k ranks."""
+        op = self.fresh(f"fsdp_post_forward_slice.{_tag(u)}")
+        outs = [self.tensor(f"{p.tensor}.post_forward.{op.rpartition('.')[2]}", self.W * self.shard_bytes(p) // k,
+                            "activation", op, "sharded params", "activations") for p in self.group[u]]
+        self.emit(op, "fsdp.post_forward_slice", [self.current[p.tensor] for p in self.group[u]], outs, layer=u)
+        self.slices[u] = outs
 
     def pre_forward(self, u: str, forward_order: list[str]) -> None:
         self.unshard(u)
@@ -372,16 +446,45 @@ class _Builder:
         if out_bytes == grad_bytes:
             out = self.tensor(f"grad_shard.{tag}", out_bytes, "grad", rs, "sharded grads", "temporaries")
             self.emit(rs, "fsdp.reduce_scatter", [rs_in], (out,), stream=REDUCE_SCATTER, layer=u)
+            self.all_reduce(u, out, hold=False)
         else:
             raw = self.tensor(f"rs_out.{tag}", out_bytes, "activation", rs, "reduce-scatter buffers", "temporaries")
             self.emit(rs, "fsdp.reduce_scatter", [rs_in], (raw,), stream=REDUCE_SCATTER, layer=u)
+            self.all_reduce(u, raw, hold=True)
             cast = f"fsdp_grad_cast.{tag}"
             out = self.tensor(f"grad_shard.{tag}", grad_bytes, "grad", cast, "sharded grads", "temporaries")
             self.emit(cast, "fsdp.grad_cast", [raw], (out,), layer=u)
         self.relabel.setdefault(rs_in, []).append((rs, "reduce-scatter buffers"))
         self.collective_bytes[rs], self.collective_kind[rs] = nbytes, "reduce_scatter"
+        out = self.device_to_host(u, out)
         self.pending_relabel.append((out, "sharded grads"))
         self.rs_states.append(rs_in)
+
+    def device_to_host(self, u: str, grad: str) -> str:
+        """CPU offload (`foreach_reduce`: `new_sharded_grad.to("cpu")`): the sharded gradients copied to the host,
+        where they stay (no device bytes); the device copy goes after it. Without offload: `grad` as it is."""
+        if not self.spec.offload:
+            return grad
+        op = f"fsdp_d2h.{_tag(u)}"
+        nbytes = self.tensors[grad].size
+        host = self.tensor(f"grad_shard_host.{_tag(u)}", 0, "grad", op, "sharded grads", "temporaries")
+        self.emit(op, "fsdp.d2h", [grad], (host,), layer=u)
+        self.host_copies[op] = ("d2h", nbytes)
+        self.host_bytes["sharded grads"] = self.host_bytes.get("sharded grads", 0) + nbytes
+        self.tensors[grad] = replace(self.tensors[grad], kind="activation")  # a device buffer now, not the grad
+        return host
+
+    def all_reduce(self, u: str, reduced: str, hold: bool) -> None:
+        """HSDP (`foreach_reduce` with an all-reduce group): the reduce-scatter's output is all-reduced in place
+        across the replicas (stream "all_reduce"); in the reduce dtype (`hold`: not the parameters') it is kept
+        to the end of the backward (`FSDPParamGroup._all_reduce_state`, dropped in `finalize_backward`)."""
+        if self.spec.replicate == 1:
+            return
+        op = self.emit(f"fsdp_all_reduce.{_tag(u)}", "fsdp.all_reduce", [reduced], (), stream=ALL_REDUCE, layer=u)
+        self.collective_bytes[op], self.collective_kind[op] = self.tensors[reduced].size, "all_reduce"
+        self.group_size[op] = self.spec.replicate
+        if hold:
+            self.ar_states.append(reduced)
 
     # --- activation checkpointing ---
     def recompute_plan(self) -> tuple[dict, dict]:
@@ -582,8 +685,11 @@ class _Builder:
         for name, t in self.g.tensors.items():
             if t.kind == "param" and name in self.params:
                 p = self.params[name]
-                self.tensor(f"{name}.shard", self.shard_bytes(p, self.sharded_itemsize(p)), "param", None,
-                            "sharded params")
+                nbytes = self.shard_bytes(p, self.sharded_itemsize(p))
+                if self.spec.offload:  # CPUOffloadPolicy: the shard lives on the host (no device bytes)
+                    self.host_bytes["sharded params"] = self.host_bytes.get("sharded params", 0) + nbytes
+                    nbytes = 0
+                self.tensor(f"{name}.shard", nbytes, "param", None, "sharded params")
             elif t.producer is None:
                 cat = "inputs" if t.kind in ("input", "grad_output") else "buffers"
                 self.tensor(name, t.size, t.kind, None, cat)
@@ -598,8 +704,9 @@ class _Builder:
             if u in deferred:
                 self.post_backward(u)
         held = [t for i in sorted(self.seed) for t in self.g.ops[i].outputs]
-        self.free(self.rs_states + list(self.pending.values()) + held, "final")
-        self.rs_states, self.pending = [], {}
+        slices = [t for ts in self.slices.values() for t in ts]  # units whose backward never ran
+        self.free(self.rs_states + list(self.pending.values()) + held + slices + self.ar_states, "final")
+        self.rs_states, self.pending, self.slices = [], {}, {}
         if self.pending_relabel:
             self.emit(self.fresh("fsdp_end"), "fsdp.end", (), ())
 
@@ -616,9 +723,12 @@ class _Builder:
         resident = dict(self.g.resident)
         param_bytes = sum(t.size for t in self.g.tensors.values() if t.kind == "param")
         ratio = resident.get("optimizer_state", 0) / param_bytes if param_bytes else 0.0
-        local = sum(local_shard_numel(p.shape, self.W, self.spec.rank) * self.sharded_itemsize(p)
+        local = sum(local_shard_numel(p.shape, self.W, self.spec.rank % self.W) * self.sharded_itemsize(p)
                     for p in self.params.values())
         resident["optimizer_state"] = round(ratio * local) + self.spec.optimizer_scalar_bytes * len(self.params)
+        if self.spec.offload:  # on the host with the shards
+            self.host_bytes["optimizer state"] = resident["optimizer_state"]
+            resident["optimizer_state"] = 0
         return resident
 
     def rank_graph(self) -> RankGraph:
@@ -627,7 +737,8 @@ class _Builder:
         units_out = {u: tuple(p.tensor for p in self.group[u]) for u in self.grouped}
         return RankGraph(graph, self.spec, self.stream, self.category, self.tracker,
                          {t: tuple(v) for t, v in self.relabel.items()}, units_out, self.collective_bytes,
-                         self.collective_kind, self.recomputed)
+                         self.collective_kind, self.recomputed, self.group_size, self.host_copies,
+                         self.host_bytes)
 
 
 def shard_step(graph: Graph, params: list[ParamSpec], spec: ShardSpec) -> RankGraph:
@@ -719,6 +830,10 @@ class Link:
     def all_gather(self, nbytes: int, world_size: int) -> float:
         return (world_size - 1) * self.latency + (world_size - 1) / world_size * nbytes / self.bandwidth
 
+    def all_reduce(self, nbytes: int, world_size: int) -> float:
+        """A ring all-reduce of n bytes: a reduce-scatter then an all-gather, 2 (W - 1) steps."""
+        return 2 * self.all_gather(nbytes, world_size)
+
     def reduce_scatter(self, nbytes: int, world_size: int) -> float:
         latency = self.latency if self.reduce_scatter_latency is None else self.reduce_scatter_latency
         bandwidth = self.bandwidth if self.reduce_scatter_bandwidth is None else self.reduce_scatter_bandwidth
@@ -750,25 +865,29 @@ def _fit_ring(world_size: int, points) -> tuple[float, float]:
 
 
 def rank_op_times(rank: RankGraph, op_time: dict, link: Link, *, copy_bandwidth: float = 10e9,
-                  host_overhead: float = 0.0) -> dict:
+                  host_overhead: float = 0.0, replica_link: Link | None = None, host_link=None) -> dict:
     """Seconds per op of the rank's graph: the single-device ops' from `op_time`, collectives from `link`,
     FSDP's copies at `copy_bandwidth` (bytes/s, read and written: the all-gather's copy-in moves this rank's
     shards, 1 / W of its buffer, the copy-out and the reduce-scatter's copy-in the whole buffer), plus
     `host_overhead` seconds for each of FSDP's ops (its Python around each copy and collective, which a
     CPU pays on the compute thread), frees none."""
-    W = rank.spec.world_size
     g = rank.graph
     out = {}
     for op in g.ops:
         if op.name in rank.collective_kind:
             n = rank.collective_bytes[op.name]
-            out[op.name] = getattr(link, rank.collective_kind[op.name])(n, W) + host_overhead
+            kind = rank.collective_kind[op.name]
+            over = replica_link or link if kind == "all_reduce" else link  # HSDP: across the replicas' link
+            out[op.name] = getattr(over, kind)(n, rank.ranks(op.name)) + host_overhead
+        elif op.name in rank.host_copies:  # CPU offload: `host_link.copy_time(bytes, direction)` (a HardwareProfile)
+            direction, n = rank.host_copies[op.name]
+            out[op.name] = (host_link.copy_time(n, direction) if host_link else 2 * n / copy_bandwidth) + host_overhead
         elif op.target in ("fsdp.free", "fsdp.end"):
             out[op.name] = 0.0
         elif op.target.startswith("fsdp."):
             moved = sum(g.tensors[t].size for t in op.outputs)
             if op.target == "fsdp.all_gather_copy_in":
-                moved //= W
+                moved //= rank.ranks(op.name)
             out[op.name] = 2 * moved / copy_bandwidth + host_overhead
         else:
             out[op.name] = op_time.get(op.name, 0.0)

@@ -167,6 +167,7 @@ def check(model: nn.Module, plan, mesh) -> dict:
     modules = dict(model.named_modules())
     named = [str(u) for u in data["units"]] + [str(u) for c in data["recompute"] for u in c["unit_paths"]]
     named += [str(u) for u in data["reshard_after_forward_false"]]
+    named += [str(u) for u in data.get("reshard_after_forward_groups") or {}]
     absent = [u for u in dict.fromkeys(named) if u not in modules]
     if absent:
         raise PlanMismatch(f"the plan's unit(s) {', '.join(absent)} are not modules of this "
@@ -196,6 +197,7 @@ def shard(model: nn.Module, plan, mesh) -> nn.Module:
             m.forward = functools.partial(_checkpointed, m.forward, policy)
     units = [str(u) for u in data["units"]]
     kept = {str(u) for u in data["reshard_after_forward_false"]}
-    reshard = {u: u not in kept for u in units if u} | {"": False}
+    groups = {str(u): int(k) for u, k in (data.get("reshard_after_forward_groups") or {}).items()}
+    reshard = {u: groups.get(u, u not in kept) for u in units if u} | {"": False}
     return apply_fsdp(model, units, mesh, reshard_after_forward=reshard,
                       forward_prefetch=int(data["forward_prefetch"]), backward_prefetch=int(data["backward_prefetch"]))

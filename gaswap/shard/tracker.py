@@ -20,8 +20,9 @@ TRACKER_CATEGORIES = {
 
 
 @contextlib.contextmanager
-def fake_process_group(world_size: int, rank: int = 0):
-    """torch's fake process group of `world_size` ranks (this process is `rank`) and a 1-D CPU device mesh."""
+def fake_process_group(world_size: int, rank: int = 0, mesh_shape: tuple | None = None):
+    """torch's fake process group of `world_size` ranks (this process is `rank`) and a CPU device mesh: 1-D, or
+    `mesh_shape` (replicate, shard) for HSDP."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -30,7 +31,8 @@ def fake_process_group(world_size: int, rank: int = 0):
         dist.destroy_process_group()
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
-        yield init_device_mesh("cpu", (world_size,))
+        shape = tuple(mesh_shape or (world_size,))
+        yield init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard") if len(shape) == 2 else None)
     finally:
         dist.destroy_process_group()
 
@@ -56,6 +58,27 @@ def apply_fsdp(model: nn.Module, units, mesh, *, reshard_after_forward=None, for
         for i, m in enumerate(ordered):
             m.set_modules_to_backward_prefetch(list(reversed(ordered[max(0, i - backward_prefetch):i])))
     return model
+
+
+@contextlib.contextmanager
+def _post_forward_mesh_outside_fake_mode():
+    """An integer `reshard_after_forward` makes `fully_shard` build the post-forward device mesh from the mesh's
+    rank tensor (`_get_post_forward_mesh_info`); under FakeTensorMode that real int tensor is refused. Inside this
+    block the mesh is built with the fake mode set aside (it holds ranks, no model data)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.fsdp._fully_shard import _fully_shard
+
+    original = _fully_shard._get_post_forward_mesh_info
+
+    def outside(*args, **kwargs):
+        with unset_fake_temporarily():
+            return original(*args, **kwargs)
+
+    _fully_shard._get_post_forward_mesh_info = outside
+    try:
+        yield
+    finally:
+        _fully_shard._get_post_forward_mesh_info = original
 
 
 @contextlib.contextmanager
@@ -117,20 +140,21 @@ class _Handles:
 
 def measure_fsdp_tracker(make_model, make_inputs, units, world_size: int, *, optimizer: str = "adam",
                          reshard_after_forward=None, forward_prefetch: int = 0, backward_prefetch: int = 1,
-                         fake: bool = True, steps: int = 2, hold_grads: bool = True) -> dict:
+                         fake: bool = True, steps: int = 2, hold_grads: bool = True, mesh_shape=None) -> dict:
     """FSDPMemTracker's peak snapshot of rank 0, {gaswap category: bytes} plus "total", for `steps` training
     steps (`model(*inputs).sum()`, backward, optimizer step, zero_grad; the peak of them all: the last, once the
     optimizer has its state) of `make_model()` sharded over `world_size` ranks of the fake process group.
     `fake`: the model and inputs are made under FakeTensorMode (nothing allocated). `hold_grads` False: the
     tracker's module hooks keep no gradients (`_module_hooks_keep_no_grads`: the run as it is untracked); True,
-    the tracker as torch ships it."""
+    the tracker as torch ships it. `mesh_shape` (replicate, shard): HSDP over a 2-D mesh of `world_size` ranks."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-    with fake_process_group(world_size) as mesh, (FakeTensorMode() if fake else contextlib.nullcontext()), \
+    with fake_process_group(world_size, mesh_shape=mesh_shape) as mesh, (FakeTensorMode() if fake else contextlib.nullcontext()), \
             (contextlib.nullcontext() if hold_grads else _module_hooks_keep_no_grads()):
-        model = apply_fsdp(make_model(), units, mesh, reshard_after_forward=reshard_after_forward,
-                           forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch)
+        with _post_forward_mesh_outside_fake_mode():
+            model = apply_fsdp(make_model(), units, mesh, reshard_after_forward=reshard_after_forward,
+                               forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch)
         opt = make_optimizer(optimizer, model)
         inputs = make_inputs()
         tracker = FSDPMemTracker(model, opt)
