@@ -28,9 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from gaswap.plan import simulator as new_simulator
 from gaswap.plan.costs import Costs
-from gaswap.plan.encoding import Action, Chromosome, Encoding
+from gaswap.plan.encoding import Chromosome
 from gaswap.plan.graph import residual_graph
 from gaswap.plan.problem import Problem
 
