@@ -19,7 +19,9 @@ def test_tiny_llama_searched_end_to_end(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "FSDP2 over 2 ranks" in out and "keep-all" in out and "full AC" in out and "reserved" in out
     folder = tmp_path / "llama_tiny_fsdp_gloo"
-    assert sorted(p.name for p in folder.iterdir()) == ["front.csv", "plan.yaml", "summary.json"]
+    assert sorted(p.name for p in folder.iterdir()) == ["front.csv", "plan.yaml", "summary.json", "torchtitan.toml"]
+    import tomllib
+    assert "parallelism" in tomllib.loads((folder / "torchtitan.toml").read_text())
     summary = json.loads((folder / "summary.json").read_text())
     plans = summary["plans"]
     assert plans["full AC"]["peak_bytes"] < plans["keep-all"]["peak_bytes"]

@@ -6,8 +6,9 @@ with op costs from the hardware profile's roofline and collectives from its `lin
 resident by category for keep-all, full AC, selective AC and the best plan (the fastest on the front whose
 reserved peak fits too, else the fastest), and whether each fits the budget (live, allocated and reserved through
 the allocator model: the rank's program replayed in order, all on one stream), and write `results/<experiment>/`: summary.json,
-front.csv and plan.yaml (the chosen knobs and recompute sets: not a policy file, whose format names one
-device's keep/swap/recompute per activation).
+front.csv, plan.yaml (the chosen knobs and recompute sets: not a policy file, whose format names one
+device's keep/swap/recompute per activation) and torchtitan.toml (the plan as torchtitan's job configuration,
+what it cannot express as comments at its top: `plan.torchtitan`).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from gaswap.plan.memory import allocator
 from gaswap.plan.shard_search import Point, ShardProblem, link_for, search
 from gaswap.plan.sharding import CATEGORIES, ShardError, ShardSpec, memory_report
 from gaswap.plan.simulator import Simulator
+from gaswap.plan import torchtitan
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 REFERENCES = (("keep-all", "keep_all"), ("full AC", "full_ac"), ("selective AC", "selective_ac"))
@@ -186,7 +188,9 @@ def command(args, exp: config.Experiment) -> int:
     files = {"summary.json": json.dumps(summary, indent=2) + "\n",
              "front.csv": front_csv(problem, result.front, keep)}
     if best is not None:
-        files["plan.yaml"] = yaml.safe_dump(plan(exp, problem, best, prepared["torch"]), sort_keys=False)
+        planned = plan(exp, problem, best, prepared["torch"])
+        files["plan.yaml"] = yaml.safe_dump(planned, sort_keys=False)
+        files["torchtitan.toml"] = torchtitan.to_toml(*torchtitan.job_config(planned, asdict(d)), exp.name)
     write_folder(exp, out, files, force=args.force)
     print(f"wrote {out}/ ({', '.join(files)})")
     if best is None:
