@@ -4,11 +4,11 @@ Capture the single-device step on the meta device (parameters in the mixed-preci
 into one rank's step (`plan.sharding`), search activation checkpointing and FSDP's knobs (`plan.shard_search`)
 with op costs from the hardware profile's roofline and collectives from its `links`, print per rank what is
 resident by category for keep-all, full AC, selective AC and the best plan (the fastest on the front whose
-reserved peak fits too, else the fastest), and whether each fits the budget (live, allocated and reserved through
-the allocator model: the rank's program replayed in order, all on one stream), and write `results/<experiment>/`: summary.json,
-front.csv, plan.yaml (the chosen knobs and recompute sets: not a policy file, whose format names one
-device's keep/swap/recompute per activation) and torchtitan.toml (the plan as torchtitan's job configuration,
-what it cannot express as comments at its top: `plan.torchtitan`).
+reserved peak fits too, else the fastest), and whether each fits the budget (live, allocated and reserved
+through the allocator model: the rank's program replayed in order, all on one stream), and write
+`results/<experiment>/`: summary.json, front.csv, plan.yaml (the chosen knobs and recompute sets: not a
+policy file, whose format names one device's keep/swap/recompute per activation) and torchtitan.toml (the
+plan as torchtitan's job configuration, what it cannot express as comments at its top: `plan.torchtitan`).
 """
 from __future__ import annotations
 
@@ -29,18 +29,18 @@ import yaml
 from gaswap.app import results
 from gaswap.base import config
 from gaswap.base.config import format_size
+from gaswap.base.errors import NO_FIT
 from gaswap.base.files import umask
+from gaswap.plan import torchtitan
 from gaswap.plan.costs import Costs, estimate, load_profile
 from gaswap.plan.encoding import Action
 from gaswap.plan.memory import allocator
 from gaswap.plan.shard_search import Point, ShardProblem, link_for, search
 from gaswap.plan.sharding import CATEGORIES, ShardError, ShardSpec, memory_report
 from gaswap.plan.simulator import Simulator
-from gaswap.plan import torchtitan
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 REFERENCES = (("keep-all", "keep_all"), ("full AC", "full_ac"), ("selective AC", "selective_ac"))
-EXIT_INFEASIBLE = 3
 
 
 def refuse_unsupported(exp: config.Experiment) -> None:
@@ -195,7 +195,7 @@ def command(args, exp: config.Experiment) -> int:
     print(f"wrote {out}/ ({', '.join(files)})")
     if best is None:
         print(f"error: no plan fits {format_size(budget)} per rank on {d.world_size} ranks", file=sys.stderr)
-        return EXIT_INFEASIBLE
+        return NO_FIT
     return 0
 
 
