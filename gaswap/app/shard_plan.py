@@ -32,12 +32,10 @@ from gaswap.base.config import format_size
 from gaswap.base.errors import NO_FIT
 from gaswap.base.files import umask
 from gaswap.plan import torchtitan
-from gaswap.plan.costs import Costs, estimate, load_profile
-from gaswap.plan.encoding import Action
+from gaswap.plan.costs import estimate, load_profile
 from gaswap.plan.memory import allocator
 from gaswap.plan.shard_search import Point, ShardProblem, link_for, search
-from gaswap.plan.sharding import CATEGORIES, ShardError, ShardSpec, memory_report
-from gaswap.plan.simulator import Simulator
+from gaswap.plan.sharding import CATEGORIES, ShardError, ShardSpec, keep_all_run, memory_report
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 REFERENCES = (("keep-all", "keep_all"), ("full AC", "full_ac"), ("selective AC", "selective_ac"))
@@ -126,17 +124,10 @@ def memory(problem: ShardProblem, point: Point, optimizer: str) -> dict:
     """Per-category bytes at the peak, the live peak, and the allocator model's allocated and reserved peaks
     (two steps, the optimizer's temporaries included)."""
     rank = problem.rank(point.knobs)
-    report = memory_report(rank)
-    g = rank.graph
-    sim = Simulator(g, report_costs(g))
-    traced = sim.run(list(range(len(g.ops))), [int(Action.KEEP)] * len(sim.candidates), trace=True)
-    figures = allocator.figures(g, traced, steps=2, optimizer=optimizer)
+    traced = keep_all_run(rank, trace=True)
+    report = memory_report(rank, result=traced)
+    figures = allocator.figures(rank.graph, traced, steps=2, optimizer=optimizer)
     return {"at_peak": {c: report.at_peak.get(c, 0) for c in CATEGORIES}, "peak_op": report.peak_op} | figures
-
-
-def report_costs(graph) -> Costs:
-    """Zero-cost ops: only the memory is read."""
-    return Costs({op.name: 0.0 for op in graph.ops}, 1.0, 1.0, "shard", "shard")
 
 
 def command(args, exp: config.Experiment) -> int:

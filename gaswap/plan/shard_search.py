@@ -21,7 +21,6 @@ from dataclasses import dataclass, field, replace
 from deap import base, tools
 
 from gaswap.plan.costs import Costs, HardwareProfile
-from gaswap.plan.encoding import Action
 from gaswap.plan.graph import Graph
 from gaswap.plan.sharding import (
     OUTSIDE,
@@ -31,12 +30,12 @@ from gaswap.plan.sharding import (
     RankGraph,
     ShardError,
     ShardSpec,
+    keep_all_run,
     owned_forward,
     rank_op_times,
     shard_step,
     step_time,
 )
-from gaswap.plan.simulator import Simulator
 
 MODES = ("keep", "full", "selective")
 MAX_PREFETCH = 2
@@ -227,12 +226,7 @@ class ShardProblem:
 
 def peak_bytes(rank: RankGraph) -> int:
     """The rank's peak (the simulator's, every activation kept, the graph's order)."""
-    g = rank.graph
-    sim = Simulator(g, Costs({op.name: 0.0 for op in g.ops}, 1.0, 1.0, "shard", "shard"))
-    result = sim.run(list(range(len(g.ops))), [int(Action.KEEP)] * len(sim.candidates))
-    if not result.valid:
-        raise ShardError(f"the rank's step cannot run: {result.reason}")
-    return result.peak_bytes
+    return keep_all_run(rank).peak_bytes
 
 
 # --- NSGA-II -------------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ from gaswap.base.program import Verb
 from gaswap.plan.costs import Costs
 from gaswap.plan.encoding import Action
 from gaswap.plan.graph import Graph, Op, Tensor
-from gaswap.plan.simulator import Simulator
+from gaswap.plan.simulator import SimResult, Simulator
 
 ROOT = ""
 COMPUTE, ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = "compute", "all_gather", "reduce_scatter", "all_reduce"
@@ -758,19 +758,25 @@ class MemoryReport:
     at_peak: dict
     timeline: tuple
     simulated_peak: int
-    step_time: float = 0.0
 
 
-def memory_report(rank: RankGraph, *, tracker: bool = False, costs: Costs | None = None) -> MemoryReport:
-    """Run the rank's graph through the simulator (every activation kept, the graph's order) and read, from the
-    program it issues, the bytes per category at the peak and after each op (`tracker`: FSDPMemTracker's
-    labels, see the module docstring)."""
+def keep_all_run(rank: RankGraph, *, trace: bool = False) -> SimResult:
+    """The rank's graph through the simulator, every activation kept, in the graph's order (memory only: ops
+    cost nothing); ShardError if it cannot run."""
     g = rank.graph
-    costs = costs or Costs({op.name: 0.0 for op in g.ops}, 1.0, 1.0, "shard", "shard")
-    sim = Simulator(g, costs)
-    result = sim.run(list(range(len(g.ops))), [int(Action.KEEP)] * len(sim.candidates), trace=True)
+    sim = Simulator(g, Costs({op.name: 0.0 for op in g.ops}, 1.0, 1.0, "shard", "shard"))
+    result = sim.run(list(range(len(g.ops))), [int(Action.KEEP)] * len(sim.candidates), trace=trace)
     if not result.valid:
         raise ShardError(f"the rank's step cannot run: {result.reason}")
+    return result
+
+
+def memory_report(rank: RankGraph, *, tracker: bool = False, result: SimResult | None = None) -> MemoryReport:
+    """Read, from the program of the rank's keep-all run (`result`, a traced `keep_all_run`, made if not
+    given), the bytes per category at the peak and after each op (`tracker`: FSDPMemTracker's labels, see the
+    module docstring)."""
+    g = rank.graph
+    result = result or keep_all_run(rank, trace=True)
     base = rank.tracker_category if tracker else rank.category
     label = dict(base)
     relabel_at: dict[str, list] = {}
@@ -809,7 +815,7 @@ def memory_report(rank: RankGraph, *, tracker: bool = False, costs: Costs | None
             total -= g.tensors[ins.name].size
     if peak != result.peak_bytes:
         raise AssertionError(f"category walk peak {peak} != simulator peak {result.peak_bytes}")
-    return MemoryReport(peak, peak_op, at_peak, tuple(timeline), result.peak_bytes, result.step_time)
+    return MemoryReport(peak, peak_op, at_peak, tuple(timeline), result.peak_bytes)
 
 
 # --- time ------------------------------------------------------------------------------------------

@@ -49,10 +49,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import flop_registry
 
 from gaswap.base.errors import BadInput
-from gaswap.plan import graph
-from gaswap.run.dropout import eager_masks
-from gaswap.plan.graph import Graph, Op, Tensor
 from gaswap.base.training_options import AUTOCAST, DEFAULT_LOSS, DEFAULT_OPTIMIZER, LOSSES, OPTIMIZER_STATE  # noqa: F401  (LOSSES: the losses `capture` takes)
+from gaswap.plan import graph
+from gaswap.plan.graph import Graph, Op, Tensor
+from gaswap.run.dropout import eager_masks
 
 if not hasattr(fx_traceback, "annotate"):
     raise ImportError(f"gaswap.run.capture needs torch >= 2.10 (torch.fx.traceback.annotate); found {torch.__version__}")
@@ -85,6 +85,7 @@ class Captured:
     seconds: float
     placeholders: list[tuple[str, str, str]] = field(default_factory=list)
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    grads: tuple[str, ...] = ()  # the graph's tensor of each "param" placeholder's gradient, in their order
 
     def arguments(self, model: nn.Module, inputs: tuple[torch.Tensor, ...], target: torch.Tensor | None) -> list:
         """The positional arguments of `gm` taken from a model with real tensors and real inputs; `target`
@@ -220,8 +221,8 @@ def capture(
     start = time.perf_counter()
     inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
     gm, placeholders, constants = _trace(model, inputs, target, loss, autocast, eager)
-    g = _build_graph(gm, placeholders, optimizer, counted, release=eager)
-    return Captured(g, gm, time.perf_counter() - start, placeholders, constants)
+    g, grads = _build_graph(gm, placeholders, optimizer, counted, release=eager)
+    return Captured(g, gm, time.perf_counter() - start, placeholders, constants, grads)
 
 
 def make_inputs(
@@ -533,9 +534,11 @@ def _rename_placeholders(gm: fx.GraphModule, names: list[str]) -> tuple[fx.Graph
 
 # --- graph construction ----------------------------------------------------------------------------
 
-def _build_graph(gm: fx.GraphModule, placeholders, optimizer: str, counted, release: bool = False) -> Graph:
-    """The storage-level Graph of a traced step (see the module docstring); `release`: each autograd node's
-    backward ends with an `autograd.release` op (see `capture`'s `eager`)."""
+def _build_graph(gm: fx.GraphModule, placeholders, optimizer: str, counted,
+                 release: bool = False) -> tuple[Graph, tuple[str, ...]]:
+    """The storage-level Graph of a traced step (see the module docstring) and the tensor of each trainable
+    parameter's gradient in it; `release`: each autograd node's backward ends with an `autograd.release` op
+    (see `capture`'s `eager`)."""
     nodes = list(gm.graph.nodes)
     output = nodes[-1].args[0]
     loss_node, grad_nodes = output[0], output[1:]
@@ -557,8 +560,8 @@ def _build_graph(gm: fx.GraphModule, placeholders, optimizer: str, counted, rele
                 ops.append(op)
     if release:
         ops = _with_releases(nodes, ops, storage, tensors, layer_of, forward)
-    for node in grad_nodes:
-        name = storage[storage_key(node.meta["val"])]
+    grads = tuple(storage[storage_key(node.meta["val"])] for node in grad_nodes)
+    for name in grads:
         if tensors[name].producer is not None:
             tensors[name] = replace(tensors[name], kind="grad")
     param_bytes = sum(t.size for t in tensors.values() if t.kind == "param")
@@ -571,7 +574,7 @@ def _build_graph(gm: fx.GraphModule, placeholders, optimizer: str, counted, rele
         resident={"optimizer_state": OPTIMIZER_STATE[optimizer] * param_bytes},
         counted=frozenset(counted),
         loss=storage[storage_key(loss_node.meta["val"])],
-    )
+    ), grads
 
 
 def _with_releases(nodes, ops, storage, tensors, layer_of, forward) -> list[Op]:

@@ -4,10 +4,9 @@ and gradient tensor."""
 from __future__ import annotations
 
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from gaswap.plan.sharding import ParamSpec
-from gaswap.run.capture import Captured, capture, tensor_outputs
+from gaswap.run.capture import Captured, capture
 
 
 def fsdp_units(model: nn.Module, unit_classes=()) -> list[str]:
@@ -19,23 +18,10 @@ def fsdp_units(model: nn.Module, unit_classes=()) -> list[str]:
 
 def param_specs(model: nn.Module, captured: Captured) -> list[ParamSpec]:
     """One ParamSpec per trainable parameter of `model`, in `named_parameters` order (FSDP's order)."""
-    storage: dict[StorageWeakRef, str] = {}
-    nodes = list(captured.gm.graph.nodes)
-    for node in nodes:
-        if node.op in ("placeholder", "get_attr"):
-            storage.setdefault(StorageWeakRef(node.meta["val"].untyped_storage()), node.name)
-        elif node.op == "call_function":
-            for name, t in tensor_outputs(node, node.meta.get("val")):
-                storage.setdefault(StorageWeakRef(t.untyped_storage()), name)
-    grad_nodes = nodes[-1].args[0][1:]
     params = [(name, src) for name, kind, src in captured.placeholders if kind == "param"]
     named = dict(model.named_parameters())
-    out = []
-    for (name, src), g in zip(params, grad_nodes):
-        p = named[src]
-        grad = storage.get(StorageWeakRef(g.meta["val"].untyped_storage())) if g is not None else None
-        out.append(ParamSpec(name, src, tuple(p.shape), p.element_size(), grad))
-    return out
+    return [ParamSpec(name, src, tuple(named[src].shape), named[src].element_size(), grad)
+            for (name, src), grad in zip(params, captured.grads)]
 
 
 def capture_for_sharding(model: nn.Module, inputs, target=None, loss: str = "sum", *, optimizer: str = "adam",
