@@ -68,9 +68,29 @@ def test_seeds_decode_to_the_knobs_they_name():
     assert p.decode(p.seed("keep_all")).recompute == {}
     assert p.decode(p.seed("full_ac")).recompute == {u: "full" for u in UNITS}
     assert p.decode(p.seed("selective_ac")).recompute == {u: (1,) for u in UNITS}  # the matmul (0) saved
+    assert p.decode(p.seed("full_ac_first_half")).recompute == {"layers.0": "full", "layers.1": "full"}
+    assert p.decode(p.seed("full_then_selective")).recompute == {"layers.0": "full", "layers.1": "full",
+                                                                 "layers.2": (1,)}
     keep = p.decode(p.seed("keep_all"))
     assert keep.reshard == {**{u: True for u in UNITS}, "": False} and (keep.forward_prefetch,
                                                                            keep.backward_prefetch) == (0, 1)
+
+
+def test_a_class_splits_its_units_between_two_choices():
+    """Genes per class: first choice (mode, bit per selectable op), second choice, then how many units (in
+    forward order) take the first; the split point ranges over 0..len(class)."""
+    p = problem()
+    assert p.length() == len(p.bounds()) == 2 * (1 + 2) + 1 + len(UNITS) + 2
+    assert p.bounds()[6] == len(UNITS)
+    tail = list(p.seed("keep_all"))[7:]
+    for k in range(len(UNITS) + 1):
+        genes = [2, 0, 1] + [1, 0, 0] + [k] + tail  # first: recompute the activation; rest: full AC
+        recompute = p.decode(genes).recompute
+        assert recompute == {u: (1,) if i < k else "full" for i, u in enumerate(UNITS)}
+    later = p.evaluate([1, 0, 0, 0, 0, 0, 1] + tail)  # only layers.0 (whose activations live longest) full
+    first = p.evaluate([0, 0, 0, 1, 0, 0, 2] + tail)  # only layers.2 full
+    assert later.knobs.recompute == {"layers.0": "full"} and first.knobs.recompute == {"layers.2": "full"}
+    assert later.peak < first.peak
 
 
 def test_an_evaluation_is_the_rank_graphs_simulation():

@@ -12,7 +12,9 @@ simulator's per-rank peak, `sharding.step_time`'s predicted step time), at world
 - gaswap's search (`shard_search.search`), once per peer's per-rank peak used as the budget and once below the
   lowest of them; at each budget, the fastest plan the searches at that world size evaluated under it.
 
-torch's `sac_milp` (torch.distributed._tools.sac_ilp) is not run: see SAC_MILP.
+- torch's `sac_milp` (torch.distributed._tools.sac_ilp, `gaswap.shard.sac_milp`) at each of those budgets: which
+  blocks to checkpoint and how much of each to discard, then which ops, fed gaswap's statistics and given its
+  best chance (the fastest of its plans under the budget); skipped, and said, where pulp or pwlf is missing.
 
 With `--gloo` (a small model only), each method's plan at the experiment's world size is also applied with
 `gaswap.shard.apply.shard` and run under gloo (`gaswap.shard.gloo.run_gloo`): each rank's measured peak and CPU
@@ -29,17 +31,19 @@ import statistics
 import time
 
 from gaswap.app import results
-from gaswap.app.shard_plan import memory, prepare, write_folder
+from gaswap.app.shard_plan import memory, prepare, recompute_groups, write_folder
 from gaswap.base import config
 from gaswap.base.config import format_size
 from gaswap.plan.shard_search import TORCHTITAN_COMMIT, Knobs, Point, ShardProblem, link_for, peak_bytes, search
 from gaswap.plan.sharding import memory_report, shard_step
+from gaswap.shard import sac_milp
 
 WORLD_SIZES = (8, 64, 256)
 PEERS = ("no AC", "full AC", "torchtitan SAC", "torchtitan AC every 2")
-SAC_MILP = ("skipped: torch.distributed._tools.sac_ilp imports `pulp` (not installed here), and its input is "
-            "MemTracker + RuntimeEstimator + SACEstimator statistics of a real (or fake-mode) run per module, "
-            "which this verb does not collect yet")
+SAC_MILP = "torch sac_milp"
+SAC_NOTE = ("torch sac_milp: torch's MILP and per-module op choice, fed gaswap's per-op times and sizes; at each "
+            "budget the fastest of its plans (its `memory_budget` argument bisected) whose peak, by gaswap's "
+            "simulator, is under the budget.")
 
 
 def method_knobs(problem: ShardProblem, method: str) -> Knobs:
@@ -64,22 +68,9 @@ def evaluate(problem: ShardProblem, knobs: Knobs) -> Point:
 
 
 def method_plan(problem: ShardProblem, knobs: Knobs, torch_version: str, name: str) -> dict:
-    """The plan dict `gaswap.shard.apply.shard` reads for `knobs`: per block class, one entry per group of its
-    units with the same recompute choice (per-layer AC splits a class in two)."""
-    entries = []
-    for cls in problem.classes:
-        ops = problem.owned[cls[0]]
-        forward = [[problem.graph.ops[i].name, problem.graph.ops[i].target] for i in ops]
-        groups: dict = {}
-        for u in cls:
-            groups.setdefault(knobs.recompute.get(u, ()), []).append(u)
-        for chosen, units in groups.items():
-            entries.append({"units": f"{units[0]} .. {units[-1]} ({len(units)})" if len(units) > 1 else units[0],
-                            "recompute": "full" if chosen == "full" else
-                            [problem.graph.ops[ops[i]].name for i in chosen] or "none",
-                            "unit_paths": list(units), "forward": forward})
+    """The plan dict `gaswap.shard.apply.shard` reads for `knobs` (per-layer AC splits a class in two)."""
     return {"method": name, "world_size": problem.spec.world_size, "torch": torch_version,
-            "units": list(problem.units) + [""], "recompute": entries,
+            "units": list(problem.units) + [""], "recompute": recompute_groups(problem, knobs),
             "reshard_after_forward_false": [u for u in problem.units if not knobs.reshard.get(u, True)],
             "forward_prefetch": knobs.forward_prefetch, "backward_prefetch": knobs.backward_prefetch}
 
@@ -99,6 +90,13 @@ def compare(problem: ShardProblem, exp: config.Experiment, *, reserved: bool = T
         rows.append(_row(problem, exp, name, p, None, reserved))
     budgets = sorted({p.peak for p in peers.values()}, reverse=True)
     below = min(budgets) - 1
+    labels = {b: "below every peer" if b == below else
+              "at " + " / ".join(n for n, p in peers.items() if p.peak == b) + "'s peak" for b in budgets + [below]}
+    if sac_milp.available() is None:
+        for budget in budgets + [below]:
+            knobs, _ = sac_milp.plan(problem, budget)
+            rows.append(_row(problem, exp, f"{SAC_MILP} ({labels[budget]})", knobs and evaluate(problem, knobs),
+                             budget, reserved))
     seconds = 0.0
     for budget in budgets + [below]:
         problem.budget = budget
@@ -110,9 +108,7 @@ def compare(problem: ShardProblem, exp: config.Experiment, *, reserved: bool = T
     for budget in budgets + [below]:
         under = [p for p in evaluated if p.peak <= budget]
         best = min(under, key=lambda p: (p.step_time, p.peak)) if under else None
-        label = ("below every peer" if budget == below else
-                 "at " + " / ".join(n for n, p in peers.items() if p.peak == budget) + "'s peak")
-        row = _row(problem, exp, f"gaswap ({label})", best, budget, reserved)
+        row = _row(problem, exp, f"gaswap ({labels[budget]})", best, budget, reserved)
         same = [n for n, q in peers.items() if best is not None and q.knobs == best.knobs]
         if same:  # the search was seeded with the peers' plans: say when its pick is one of them
             row["recompute"] += f" (= {same[0]}'s plan)"
@@ -155,7 +151,7 @@ def verdicts(rows: list[dict]) -> list[str]:
         ours = [r for r in mine if r["method"].startswith("gaswap")]
         wins = 0
         for g in ours[:-1]:
-            fitting = [r for r in peers if r["peak_bytes"] <= g["budget_bytes"]]
+            fitting = [r for r in peers if r["peak_bytes"] is not None and r["peak_bytes"] <= g["budget_bytes"]]
             best = min(fitting, key=lambda r: r["step_time_s"])
             ok = g["step_time_s"] is not None and g["step_time_s"] <= best["step_time_s"]
             wins += ok
@@ -248,8 +244,9 @@ def command(args, exp: config.Experiment) -> int:
              f"`gaswap shard-compare {exp.path}`: {exp.model.factory} {exp.model.kwargs}, batch {exp.batch_size} "
              f"per rank, FSDP2 units {exp.distributed.units}; per rank, predicted by gaswap's simulator (fake process "
              f"group: one rank's graph), costs {prepared['profile'].name}; every method expressed as gaswap knobs and "
-             f"evaluated by the same ShardProblem. torchtitan read at {TORCHTITAN_COMMIT[:10]}. torch sac_milp: "
-             f"{SAC_MILP}.", "", table(rows), "", *[f"- {v}" for v in verdicts(rows)], ""]
+             f"evaluated by the same ShardProblem. torchtitan read at {TORCHTITAN_COMMIT[:10]}. "
+             f"{SAC_NOTE if sac_milp.available() is None else 'torch sac_milp skipped: ' + sac_milp.available()}",
+             "", table(rows), "", *[f"- {v}" for v in verdicts(rows)], ""]
     files = {"shard_compare.csv": to_csv(rows)}
     if args.gloo:
         grows = gloo_rows(exp, prepared["problem"], prepared["torch"])

@@ -34,7 +34,7 @@ from gaswap.base.files import umask
 from gaswap.plan import torchtitan
 from gaswap.plan.costs import estimate, load_profile
 from gaswap.plan.memory import allocator
-from gaswap.plan.shard_search import Point, ShardProblem, link_for, search
+from gaswap.plan.shard_search import Knobs, Point, ShardProblem, link_for, search
 from gaswap.plan.sharding import CATEGORIES, ShardError, ShardSpec, keep_all_run, memory_report
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -207,17 +207,30 @@ def table(shown: dict, figures: dict, budget: int, keep: Point) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
-def knobs(problem: ShardProblem, p: Point) -> dict:
-    """A plan's knobs as plain data: per block class the recompute choice, the units kept gathered after the
-    forward, prefetch depths."""
-    per_class = []
+def recompute_groups(problem: ShardProblem, knobs: Knobs) -> list[dict]:
+    """Per block class, one entry per group of its units with the same recompute choice (a class's first units
+    may be checkpointed more than the rest): the units, the choice ("none", "full" or op names), every unit's
+    path and the class's own forward ops in order as [name, aten target]."""
+    entries = []
     for cls in problem.classes:
-        chosen = p.knobs.recompute.get(cls[0], ())
         ops = problem.owned[cls[0]]
-        per_class.append({"units": f"{cls[0]} .. {cls[-1]} ({len(cls)})" if len(cls) > 1 else cls[0],
-                          "recompute": "full" if chosen == "full" else
-                          [problem.graph.ops[ops[i]].name for i in chosen] or "none"})
-    return {"recompute": per_class,
+        groups: dict = {}
+        for u in cls:
+            groups.setdefault(knobs.recompute.get(u, ()), []).append(u)
+        for chosen, units in groups.items():
+            entries.append({"units": f"{units[0]} .. {units[-1]} ({len(units)})" if len(units) > 1 else units[0],
+                            "recompute": "full" if chosen == "full" else
+                            [problem.graph.ops[ops[i]].name for i in chosen] or "none",
+                            "unit_paths": list(units),  # the ops listed per entry: YAML would alias a shared list
+                            "forward": [[problem.graph.ops[i].name, problem.graph.ops[i].target] for i in ops]})
+    return entries
+
+
+def knobs(problem: ShardProblem, p: Point) -> dict:
+    """A plan's knobs as plain data: the recompute groups (without their paths and ops), the units kept gathered
+    after the forward, prefetch depths."""
+    groups = [{k: e[k] for k in ("units", "recompute")} for e in recompute_groups(problem, p.knobs)]
+    return {"recompute": groups,
             "reshard_after_forward_false": [u for u in problem.units if p.knobs.reshard.get(u, True) is False],
             "reshard_after_forward_groups": {u: k for u in problem.units
                                              if not isinstance(k := p.knobs.reshard.get(u, True), bool)},
@@ -226,15 +239,13 @@ def knobs(problem: ShardProblem, p: Point) -> dict:
 
 def plan(exp: config.Experiment, problem: ShardProblem, best: Point, torch_version: str) -> dict:
     """plan.yaml: the knobs, plus what `gaswap.shard.apply` needs to apply them to a model: every unit's path
-    (root last), per block class its units and its own forward ops in order as [name, aten target] (the
-    recompute names are among them: the k-th call of a target in the block's forward), the torch version."""
-    out = {"experiment": exp.name, "experiment_file": exp.path, "world_size": exp.distributed.world_size,
-           "torch": torch_version, "units": list(problem.units) + [""],
-           "predicted": {"peak_bytes": best.peak, "step_time_s": best.step_time}, **knobs(problem, best)}
-    for entry, cls in zip(out["recompute"], problem.classes):
-        entry["unit_paths"] = list(cls)
-        entry["forward"] = [[problem.graph.ops[i].name, problem.graph.ops[i].target] for i in problem.owned[cls[0]]]
-    return out
+    (root last), per recompute group its units' paths and their class's own forward ops in order as [name, aten
+    target] (the recompute names are among them: the k-th call of a target in the block's forward), the torch
+    version."""
+    return {"experiment": exp.name, "experiment_file": exp.path, "world_size": exp.distributed.world_size,
+            "torch": torch_version, "units": list(problem.units) + [""],
+            "predicted": {"peak_bytes": best.peak, "step_time_s": best.step_time}, **knobs(problem, best),
+            "recompute": recompute_groups(problem, best.knobs)}
 
 
 def front_csv(problem: ShardProblem, front: list, keep: Point) -> str:

@@ -2,15 +2,19 @@
 peak, step time) under a per-rank budget. No torch here.
 
 Genes (`ShardProblem.decode`): per class of identical units (`unit_classes`: their own forward ops match one by
-one), a mode (0 keep, 1 full AC, 2 selective) and one bit per recomputable forward op of the class (recomputed
-when selective); per non-root unit, `reshard_after_forward` (0 False, 1 True, 2.. an int: the world size's
-divisors from 2 to 8, `reshard_groups`); the forward and backward prefetch depths. Identical
-units share one recompute choice. An evaluation builds the rank's graph (`sharding.shard_step`), its peak from
-the simulator (every activation kept, the graph's order: the recompute is in the graph) and its step time from
+one), two recompute choices, each a mode (0 keep, 1 full AC, 2 selective) and one bit per recomputable forward op
+of the class (recomputed when selective), and a count k: the class's first k units (in forward order, whose
+activations live longest) take the first choice, the others the second; per non-root unit,
+`reshard_after_forward` (0 False, 1 True, 2.. an int: the world size's divisors from 2 to 8, `reshard_groups`);
+the forward and backward prefetch depths. Two choices and a split per class (not one per unit) keep the genes
+few on deep models and still express what per-module planners such as torch's sac_milp pick (early blocks
+checkpointed more). An evaluation builds the rank's graph (`sharding.shard_step`), its peak from the simulator
+(every activation kept, the graph's order: the recompute is in the graph) and its step time from
 `sharding.step_time` (ops from the single-device costs, recomputed ops as their originals, collectives from a
 `Link`). Selection is NSGA-II (`deap.tools.selNSGA2`) under constraint domination: a policy under the budget
-beats any over it, and of two over it the smaller peak wins. Seeds: keep-all, full AC on every unit and
-torchtitan's selective AC (matmul and attention outputs saved, the rest recomputed). Randomness is passed in.
+beats any over it, and of two over it the smaller peak wins. Seeds (`SEEDS`): keep-all, full AC and torchtitan's
+selective AC (matmul and attention outputs saved, the rest recomputed) on every unit, and full AC on the first
+half of the units with the rest kept or selective. Randomness is passed in.
 """
 from __future__ import annotations
 
@@ -53,6 +57,12 @@ TORCHTITAN_SAVED = frozenset({
     "aten._scaled_dot_product_fused_attention_overrideable.default", "aten.max.default", "aten.linear.default",
     "aten.topk.default"})
 TORCHTITAN_MM = ("aten.mm.default", "aten.linear.default")  # counted: every second one recomputed
+
+
+# seed name -> (the first units' choice, the other units' choice, how many units are first: "all" or "half")
+SEEDS = {"keep_all": ("keep", "keep", "all"), "full_ac": ("full", "full", "all"),
+         "selective_ac": ("selective", "selective", "all"), "full_ac_first_half": ("full", "keep", "half"),
+         "full_then_selective": ("full", "selective", "half")}
 
 
 def torchtitan_saves(targets) -> list[bool]:
@@ -157,31 +167,41 @@ class ShardProblem:
 
     # --- genes ---
     def length(self) -> int:
-        return sum(1 + len(s) for s in self.selectable) + len(self.units) + 2
+        return sum(3 + 2 * len(s) for s in self.selectable) + len(self.units) + 2
 
     def decode(self, genes) -> Knobs:
         genes, k, recompute = list(genes), 0, {}
         for cls, sel in zip(self.classes, self.selectable):
-            mode, bits = genes[k], genes[k + 1:k + 1 + len(sel)]
-            k += 1 + len(sel)
-            chosen = "full" if mode == 1 else tuple(p for p, b in zip(sel, bits) if b) if mode == 2 else ()
-            for u in cls:
+            first, k = self._choice(genes, k, sel)
+            rest, k = self._choice(genes, k, sel)
+            for i, u in enumerate(cls):  # the first `genes[k]` units (in forward order) take `first`
+                chosen = first if i < genes[k] else rest
                 if chosen:
                     recompute[u] = chosen
+            k += 1
         reshard = {u: self.reshard_value(b) for u, b in zip(self.units, genes[k:k + len(self.units)])} | {ROOT: False}
         k += len(self.units)
         return Knobs(recompute, reshard, genes[k], genes[k + 1])
 
+    @staticmethod
+    def _choice(genes: list, k: int, sel: tuple) -> tuple:
+        """One recompute choice (a mode gene, then a bit per selectable op) read at `k`, and the next position."""
+        mode, bits = genes[k], genes[k + 1:k + 1 + len(sel)]
+        chosen = "full" if mode == 1 else tuple(p for p, b in zip(sel, bits) if b) if mode == 2 else ()
+        return chosen, k + 1 + len(sel)
+
     def seed(self, name: str) -> tuple:
-        """Genes of a seed, with the spec's reshard and prefetch knobs: "keep_all", "full_ac" or "selective_ac"
-        (torchtitan's per-op selective AC, `torchtitan_saves`)."""
+        """Genes of a seed (`SEEDS`), with the spec's reshard and prefetch knobs: "keep_all", "full_ac",
+        "selective_ac" (torchtitan's per-op selective AC, `torchtitan_saves`) on every unit; "full_ac_first_half"
+        (full AC on the first half of each class's units, the rest kept) and "full_then_selective" (full AC on
+        the first half, torchtitan's selective AC on the rest)."""
         genes = []
         for cls, sel in zip(self.classes, self.selectable):
-            if name == "selective_ac":
-                saves = torchtitan_saves([self.graph.ops[i].target for i in self.owned[cls[0]]])
-                genes += [2] + [int(not saves[p]) for p in sel]
-            else:
-                genes += [1 if name == "full_ac" else 0] + [0] * len(sel)
+            saves = torchtitan_saves([self.graph.ops[i].target for i in self.owned[cls[0]]])
+            choices = {"keep": [0] + [0] * len(sel), "full": [1] + [0] * len(sel),
+                       "selective": [2] + [int(not saves[p]) for p in sel]}
+            first, rest, k = SEEDS[name]
+            genes += choices[first] + choices[rest] + [len(cls) if k == "all" else (len(cls) + 1) // 2]
         reshard = [self.reshard_gene(u) for u in self.units]
         prefetch = [min(self.spec.forward_prefetch, MAX_PREFETCH), min(self.spec.backward_prefetch, MAX_PREFETCH)]
         return tuple(genes + reshard + prefetch)
@@ -189,8 +209,8 @@ class ShardProblem:
     def bounds(self) -> list[int]:
         """The largest value of each gene."""
         out = []
-        for sel in self.selectable:
-            out += [len(MODES) - 1] + [1] * len(sel)
+        for cls, sel in zip(self.classes, self.selectable):
+            out += ([len(MODES) - 1] + [1] * len(sel)) * 2 + [len(cls)]
         return out + [1 + len(self.reshard_groups)] * len(self.units) + [MAX_PREFETCH, MAX_PREFETCH]
 
     def reshard_value(self, gene: int):
@@ -278,10 +298,9 @@ class ShardResult:
 
 def search(problem: ShardProblem, rng: random.Random, *, population: int = 16, generations: int = 8,
            cx_prob: float = 0.9, mut_prob: float = 0.5, max_seconds: float | None = None) -> ShardResult:
-    """NSGA-II over `problem` seeded with keep-all, full AC and selective AC; stops after `generations` or
-    `max_seconds` of CPU time."""
+    """NSGA-II over `problem` seeded with `SEEDS`; stops after `generations` or `max_seconds` of CPU time."""
     started = time.process_time()
-    seeds = {name: problem.evaluate(problem.seed(name)) for name in ("keep_all", "full_ac", "selective_ac")}
+    seeds = {name: problem.evaluate(problem.seed(name)) for name in SEEDS}
     bounds = problem.bounds()
     pop = [_Individual(p.genes, p) for p in seeds.values()]
     while len(pop) < population:
