@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from gaswap.plan.costs import load_profile
+from gaswap.plan.costs import estimate, load_profile
 from gaswap.plan.graph import Graph, Op, Tensor
 from gaswap.plan.shard_search import ShardProblem, link_for, search, unit_classes
 from gaswap.plan.sharding import Link, ParamSpec, ShardError, ShardSpec, memory_report, shard_step
@@ -42,10 +42,10 @@ def toy(n: int = 3) -> tuple[Graph, list[ParamSpec]]:
     return Graph(tuple(ops), t, resident={"optimizer_state": 2 * 128 * n}, loss="l"), params
 
 
-def problem(budget: int = 10**9) -> ShardProblem:
+def problem(budget: int = 10**9, **host) -> ShardProblem:
     g, params = toy()
     return ShardProblem(g, params, ShardSpec(2, UNITS), {op.name: 1e-3 for op in g.ops}, Link(1e-5, 1e9), budget,
-                        1e10)
+                        1e10, **host)
 
 
 def test_identical_units_form_one_class():
@@ -80,8 +80,8 @@ def test_a_class_splits_its_units_between_two_choices():
     """Genes per class: first choice (mode, bit per selectable op), second choice, then how many units (in
     forward order) take the first; the split point ranges over 0..len(class)."""
     p = problem()
-    assert p.length() == len(p.bounds()) == 2 * (1 + 2) + 1 + len(UNITS) + 2
-    assert p.bounds()[6] == len(UNITS)
+    assert p.length() == len(p.bounds()) == 2 * (1 + 2) + 1 + 1 + len(UNITS) + 2
+    assert p.bounds()[6] == len(UNITS) and p.bounds()[7] == 0  # no offload gene: the host is not priced
     tail = list(p.seed("keep_all"))[7:]
     for k in range(len(UNITS) + 1):
         genes = [2, 0, 1] + [1, 0, 0] + [k] + tail  # first: recompute the activation; rest: full AC
@@ -91,6 +91,29 @@ def test_a_class_splits_its_units_between_two_choices():
     first = p.evaluate([0, 0, 0, 1, 0, 0, 2] + tail)  # only layers.2 full
     assert later.knobs.recompute == {"layers.0": "full"} and first.knobs.recompute == {"layers.2": "full"}
     assert later.peak < first.peak
+
+
+def test_offload_gene_moves_units_state_to_the_host_at_a_price():
+    """With the host priced, gene k offloads the first k of the non-root units then the root: their shards,
+    gradients and optimizer state leave the device; the step pays the copies and the host's optimizer step."""
+    costs = estimate(toy()[0], load_profile("h100-sxm-80gb"))
+    p = problem(host_link=costs, host_step=1e-6)
+    assert p.offload_order == list(UNITS) + [""] and p.bounds()[7] == len(UNITS) + 1
+    genes = list(p.seed("keep_all"))
+    points = []
+    for k in range(len(UNITS) + 2):
+        genes[7] = k
+        points.append(p.evaluate(genes))
+        assert points[-1].knobs.offload == tuple(p.offload_order[:k])
+    # each unit: its 64-byte shard (8 x 4 float32 over 2 ranks) and 2 x 64 bytes of optimizer state, resident all
+    # step (its gradient shard too, but the peak comes before the backward makes any)
+    assert [a.peak - b.peak for a, b in zip(points, points[1:-1])] == [3 * 64] * len(UNITS)
+    assert all(a.step_time < b.step_time for a, b in zip(points, points[1:-1]))
+    rank = p.rank(points[2].knobs)
+    assert rank.host_bytes["sharded params"] == 2 * 64 and rank.host_bytes["optimizer state"] == 2 * 128
+    genes[7] = 2
+    unpriced = problem(host_link=costs, host_step=0.0).evaluate(genes)  # the same plan, a free host step
+    assert points[2].step_time == pytest.approx(unpriced.step_time + 2 * 64 * 1e-6)
 
 
 def test_an_evaluation_is_the_rank_graphs_simulation():

@@ -31,6 +31,7 @@ from gaswap.base import config
 from gaswap.base.config import format_size
 from gaswap.base.errors import NO_FIT
 from gaswap.base.files import umask
+from gaswap.base.training_options import HOST_STEP_TRAFFIC
 from gaswap.plan import torchtitan
 from gaswap.plan.costs import estimate, load_profile
 from gaswap.plan.memory import allocator
@@ -111,11 +112,16 @@ def prepare(exp: config.Experiment) -> dict:
                      sharded_itemsize=sharded.pop() if mp.param_dtype else None,
                      reduce_itemsize=ITEMSIZE[mp.reduce_dtype] if mp.reduce_dtype else None,
                      optimizer_scalar_bytes=4 if exp.optimizer == "adam" else 0,
-                     replicate=d.mesh[0] if d.mesh else 1, offload=d.offload)
+                     replicate=d.mesh[0] if d.mesh else 1, offload=d.offload is True)
     costs = estimate(captured.graph, profile)
+    host_step = HOST_STEP_TRAFFIC[exp.optimizer] / profile.host_memory_bandwidth \
+        if d.offload and profile.host_memory_bandwidth else None
+    if d.offload == "search" and host_step is None:
+        raise config.ConfigError(f"{exp.path}: distributed.offload: search needs the hardware profile's "
+                                 f"host_memory_bandwidth, which {profile.name!r} does not give")
     problem = ShardProblem(captured.graph, params, spec, costs.op_time, link, 0,
                            profile.memory_bandwidth * profile.efficiency, replica_link,
-                           costs if d.offload else None)
+                           costs if d.offload else None, host_step)
     return {"problem": problem, "link": link_name, "profile": profile, "capture_s": capture_s, "units": units,
             "torch": str(torch.__version__)}
 
@@ -234,7 +240,8 @@ def knobs(problem: ShardProblem, p: Point) -> dict:
             "reshard_after_forward_false": [u for u in problem.units if p.knobs.reshard.get(u, True) is False],
             "reshard_after_forward_groups": {u: k for u in problem.units
                                              if not isinstance(k := p.knobs.reshard.get(u, True), bool)},
-            "forward_prefetch": p.knobs.forward_prefetch, "backward_prefetch": p.knobs.backward_prefetch}
+            "forward_prefetch": p.knobs.forward_prefetch, "backward_prefetch": p.knobs.backward_prefetch,
+            "offload": list(p.knobs.offload or (problem.units + [""] if problem.spec.offload is True else []))}
 
 
 def plan(exp: config.Experiment, problem: ShardProblem, best: Point, torch_version: str) -> dict:

@@ -201,6 +201,12 @@ def _boolean_or_group(where, value):
     where.fail(f"must be true, false or an integer of at least 2 (the ranks to reshard to), got {_show(value)}")
 
 
+def _boolean_or_search(where, value):
+    if isinstance(value, bool) or value == "search":
+        return value
+    where.fail(f"must be true, false or search, got {_show(value)}")
+
+
 def _string(where, value):
     if not isinstance(value, str) or not value:
         where.fail(f"must be a non-empty string, got {_show(value)}")
@@ -416,8 +422,9 @@ class DistributedSpec:
     prefetch: Prefetch = key(_record(Prefetch), "units prefetched ahead", factory=Prefetch, record=Prefetch)
     mixed_precision: MixedPrecision = key(_record(MixedPrecision), "parameter and reduce dtypes",
                                           factory=MixedPrecision, record=MixedPrecision)
-    offload: bool = key(_boolean, "FSDP2's `CPUOffloadPolicy`: sharded parameters, gradients and optimizer state "
-                        "live on the host", False)
+    offload: bool | str = key(_boolean_or_search, "FSDP2's `CPUOffloadPolicy`: sharded parameters, gradients "
+                              "and optimizer state live on the host; `search`: the search chooses how many units "
+                              "to offload (priced with the profile's `host_memory_bandwidth`)", False)
     link: str | None = key(_optional(_string), "the interconnect of the hardware profile's `links` the "
                            "collectives run over (none: the profile's first)", None)
 

@@ -78,6 +78,7 @@ class HardwareProfile:
     copies_overlap: bool = True  # False for a CPU: its host copies hold up compute
     links: dict = field(default_factory=dict)  # interconnect name -> {"latency_s": s, "bandwidth_Bps": bytes/s}
     gpus_per_node: int | None = None  # devices a node's fast link joins (sharded runs beyond go over the slowest)
+    host_memory_bandwidth: float | None = None  # bytes/s of the host's memory one device's process can use
 
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s for a dtype name, falling back to float32."""
@@ -110,6 +111,8 @@ def load_profile(name: str) -> HardwareProfile:
             links={str(k): {"latency_s": float(v["latency_s"]), "bandwidth_Bps": float(v["bandwidth_Bps"])}
                    for k, v in (data.get("links") or {}).items()},
             gpus_per_node=int(data["gpus_per_node"]) if data.get("gpus_per_node") is not None else None,
+            host_memory_bandwidth=float(data["host_memory_bandwidth"]) if data.get("host_memory_bandwidth")
+            else None,
         )
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"hardware profile {path} is malformed: {e!r}") from e

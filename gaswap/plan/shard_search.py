@@ -4,11 +4,13 @@ peak, step time) under a per-rank budget. No torch here.
 Genes (`ShardProblem.decode`): per class of identical units (`unit_classes`: their own forward ops match one by
 one), two recompute choices, each a mode (0 keep, 1 full AC, 2 selective) and one bit per recomputable forward op
 of the class (recomputed when selective), and a count k: the class's first k units (in forward order, whose
-activations live longest) take the first choice, the others the second; per non-root unit,
-`reshard_after_forward` (0 False, 1 True, 2.. an int: the world size's divisors from 2 to 8, `reshard_groups`);
-the forward and backward prefetch depths. Two choices and a split per class (not one per unit) keep the genes
-few on deep models and still express what per-module planners such as torch's sac_milp pick (early blocks
-checkpointed more). An evaluation builds the rank's graph (`sharding.shard_step`), its peak from the simulator
+activations live longest) take the first choice, the others the second; an offload count k (the first k of
+`offload_order`, the non-root units then the root, get FSDP2's CPUOffloadPolicy: their parameters, gradients and
+optimizer state on the host; only where the host's copies and optimizer step can be priced, `host_link` and
+`host_step`); per non-root unit, `reshard_after_forward` (0 False, 1 True, 2.. an int: the world size's divisors
+from 2 to 8, `reshard_groups`); the forward and backward prefetch depths. Two choices and a split per class (not
+one per unit) keep the genes few on deep models and still express what per-module planners such as torch's
+sac_milp pick (early blocks checkpointed more). An evaluation builds the rank's graph (`sharding.shard_step`), its peak from the simulator
 (every activation kept, the graph's order: the recompute is in the graph) and its step time from
 `sharding.step_time` (ops from the single-device costs, recomputed ops as their originals, collectives from a
 `Link`). Selection is NSGA-II (`deap.tools.selNSGA2`) under constraint domination: a policy under the budget
@@ -108,16 +110,18 @@ def unit_classes(graph: Graph, units, outside=OUTSIDE) -> list[tuple[str, ...]]:
 @dataclass(frozen=True)
 class Knobs:
     """One point of the search space: {unit: "full" or positions} recomputed, {unit: bool or int} resharded after
-    the forward (an int: to that many ranks), prefetch depths."""
+    the forward (an int: to that many ranks), prefetch depths, the units offloaded to the host."""
 
     recompute: dict
     reshard: dict
     forward_prefetch: int
     backward_prefetch: int
+    offload: tuple = ()  # units whose parameters, gradients and optimizer state live on the host
 
     def spec(self, base_spec: ShardSpec) -> ShardSpec:
         return replace(base_spec, recompute=self.recompute or None, reshard_after_forward=self.reshard,
-                       forward_prefetch=self.forward_prefetch, backward_prefetch=self.backward_prefetch)
+                       forward_prefetch=self.forward_prefetch, backward_prefetch=self.backward_prefetch,
+                       offload=self.offload or base_spec.offload)
 
 
 @dataclass(frozen=True)
@@ -147,11 +151,13 @@ class ShardProblem:
     copy_bandwidth: float
     replica_link: Link | None = None  # HSDP: the link the all-reduce across replicas runs over
     host_link: Costs | None = None  # CPU offload: the host<->device copies (`Costs.copy_time`)
+    host_step: float | None = None  # CPU offload: seconds of the host's optimizer step per offloaded shard byte
     classes: list = field(init=False)
     selectable: list = field(init=False)  # per class: the positions a selective gene may recompute
     units: list = field(init=False)  # non-root units, in the spec's order
     owned: dict = field(init=False)  # unit -> its own forward ops
     reshard_groups: tuple = field(init=False)  # the integer reshard_after_forward values a gene takes
+    offload_order: list = field(init=False)  # the offload gene k offloads the first k of these units
     cache: dict = field(init=False, default_factory=dict)
 
     def __post_init__(self):
@@ -164,10 +170,12 @@ class ShardProblem:
         self.owned = owned
         W = self.spec.shard_size
         self.reshard_groups = tuple(k for k in range(2, min(MAX_RESHARD_GROUP, W - 1) + 1) if W % k == 0)
+        priced = self.host_step is not None and self.host_link is not None and self.spec.offload is False
+        self.offload_order = self.units + [ROOT] if priced else []
 
     # --- genes ---
     def length(self) -> int:
-        return sum(3 + 2 * len(s) for s in self.selectable) + len(self.units) + 2
+        return sum(3 + 2 * len(s) for s in self.selectable) + 1 + len(self.units) + 2
 
     def decode(self, genes) -> Knobs:
         genes, k, recompute = list(genes), 0, {}
@@ -179,9 +187,11 @@ class ShardProblem:
                 if chosen:
                     recompute[u] = chosen
             k += 1
+        offload = tuple(self.offload_order[:genes[k]])
+        k += 1
         reshard = {u: self.reshard_value(b) for u, b in zip(self.units, genes[k:k + len(self.units)])} | {ROOT: False}
         k += len(self.units)
-        return Knobs(recompute, reshard, genes[k], genes[k + 1])
+        return Knobs(recompute, reshard, genes[k], genes[k + 1], offload)
 
     @staticmethod
     def _choice(genes: list, k: int, sel: tuple) -> tuple:
@@ -204,14 +214,15 @@ class ShardProblem:
             genes += choices[first] + choices[rest] + [len(cls) if k == "all" else (len(cls) + 1) // 2]
         reshard = [self.reshard_gene(u) for u in self.units]
         prefetch = [min(self.spec.forward_prefetch, MAX_PREFETCH), min(self.spec.backward_prefetch, MAX_PREFETCH)]
-        return tuple(genes + reshard + prefetch)
+        return tuple(genes + [0] + reshard + prefetch)
 
     def bounds(self) -> list[int]:
         """The largest value of each gene."""
         out = []
         for cls, sel in zip(self.classes, self.selectable):
             out += ([len(MODES) - 1] + [1] * len(sel)) * 2 + [len(cls)]
-        return out + [1 + len(self.reshard_groups)] * len(self.units) + [MAX_PREFETCH, MAX_PREFETCH]
+        return out + [len(self.offload_order)] + [1 + len(self.reshard_groups)] * len(self.units) + \
+            [MAX_PREFETCH, MAX_PREFETCH]
 
     def reshard_value(self, gene: int):
         """A reshard gene's `reshard_after_forward`: 0 False, 1 True, 2.. `reshard_groups`."""
@@ -231,17 +242,20 @@ class ShardProblem:
     def evaluate(self, genes) -> Point:
         knobs = self.decode(genes)
         key = (tuple(sorted(knobs.recompute.items())), tuple(sorted(knobs.reshard.items())),
-               knobs.forward_prefetch, knobs.backward_prefetch)
+               knobs.forward_prefetch, knobs.backward_prefetch, knobs.offload)
         if key not in self.cache:
             rank = self.rank(knobs)
             self.cache[key] = Point(peak_bytes(rank), self.time(rank), knobs, tuple(genes))
         return replace(self.cache[key], genes=tuple(genes))
 
     def time(self, rank: RankGraph) -> float:
+        """The rank's step time: its ops on their streams (`sharding.step_time`), then the host's optimizer step
+        over the offloaded shards (the device's optimizer step, the same for every plan, is not counted)."""
         times = dict(self.op_time)
         times.update({c: self.op_time.get(o, 0.0) for c, o in rank.recomputed.items()})
+        host = rank.host_bytes.get("sharded params", 0) * (self.host_step or 0.0)
         return step_time(rank, rank_op_times(rank, times, self.link, copy_bandwidth=self.copy_bandwidth,
-                                                replica_link=self.replica_link, host_link=self.host_link))[0]
+                                                replica_link=self.replica_link, host_link=self.host_link))[0] + host
 
 
 def peak_bytes(rank: RankGraph) -> int:

@@ -101,7 +101,12 @@ class ShardSpec:
     outside: tuple[str, ...] = OUTSIDE
     recompute: dict | None = None
     replicate: int = 1
-    offload: bool = False
+    offload: bool | tuple = False
+
+    def offloads(self, unit: str) -> bool:
+        """Whether `unit`'s parameters, gradients and optimizer state live on the host (FSDP2's CPUOffloadPolicy):
+        `offload` True for every unit, or a tuple of the units given it."""
+        return self.offload if isinstance(self.offload, bool) else unit in self.offload
 
     @property
     def shard_size(self) -> int:
@@ -217,8 +222,10 @@ class _Builder:
             if p.tensor not in graph.tensors or graph.tensors[p.tensor].kind != "param":
                 raise ShardError(f"parameter {p.path}: {p.tensor!r} is not a parameter tensor of the graph")
         self.group: dict[str, list[ParamSpec]] = {}
+        self.unit_of_param: dict[str, str] = {}
         for p in params:
-            self.group.setdefault(unit_of(p.path.rpartition(".")[0], self.units), []).append(p)
+            self.unit_of_param[p.tensor] = unit_of(p.path.rpartition(".")[0], self.units)
+            self.group.setdefault(self.unit_of_param[p.tensor], []).append(p)
         self.grouped = [u for u in self.units if u in self.group]
         self.grad_of = {p.grad: p for p in params if p.grad is not None}
         self.outside = set(spec.outside)
@@ -321,7 +328,7 @@ class _Builder:
         """CPU offload (`FSDPParam.all_gather_inputs`: `_sharded_param_data.to(device)`): the unit's shards copied
         host->device (in their own dtype) before the all-gather's copy-in, which is their last reader ([] without
         offload)."""
-        if not self.spec.offload:
+        if not self.spec.offloads(u):
             return []
         op = f"fsdp_h2d.{tag}"
         nbytes = sum(self.shard_bytes(p, self.sharded_itemsize(p)) for p in self.group[u])
@@ -463,7 +470,7 @@ class _Builder:
     def device_to_host(self, u: str, grad: str) -> str:
         """CPU offload (`foreach_reduce`: `new_sharded_grad.to("cpu")`): the sharded gradients copied to the host,
         where they stay (no device bytes); the device copy goes after it. Without offload: `grad` as it is."""
-        if not self.spec.offload:
+        if not self.spec.offloads(u):
             return grad
         op = f"fsdp_d2h.{_tag(u)}"
         nbytes = self.tensors[grad].size
@@ -686,7 +693,7 @@ class _Builder:
             if t.kind == "param" and name in self.params:
                 p = self.params[name]
                 nbytes = self.shard_bytes(p, self.sharded_itemsize(p))
-                if self.spec.offload:  # CPUOffloadPolicy: the shard lives on the host (no device bytes)
+                if self.spec.offloads(self.unit_of_param[name]):  # CPUOffloadPolicy: the shard lives on the host
                     self.host_bytes["sharded params"] = self.host_bytes.get("sharded params", 0) + nbytes
                     nbytes = 0
                 self.tensor(f"{name}.shard", nbytes, "param", None, "sharded params")
@@ -726,9 +733,13 @@ class _Builder:
         local = sum(local_shard_numel(p.shape, self.W, self.spec.rank % self.W) * self.sharded_itemsize(p)
                     for p in self.params.values())
         resident["optimizer_state"] = round(ratio * local) + self.spec.optimizer_scalar_bytes * len(self.params)
-        if self.spec.offload:  # on the host with the shards
-            self.host_bytes["optimizer state"] = resident["optimizer_state"]
-            resident["optimizer_state"] = 0
+        host = [p for p in self.params.values() if self.spec.offloads(self.unit_of_param[p.tensor])]
+        if host:  # on the host with the shards
+            moved = round(ratio * sum(local_shard_numel(p.shape, self.W, self.spec.rank % self.W)
+                                      * self.sharded_itemsize(p) for p in host)) \
+                + self.spec.optimizer_scalar_bytes * len(host)
+            self.host_bytes["optimizer state"] = moved
+            resident["optimizer_state"] -= moved
         return resident
 
     def rank_graph(self) -> RankGraph:

@@ -150,8 +150,12 @@ def job_config(plan: dict, experiment_distributed: dict) -> tuple[dict, list[str
         training["mixed_precision_reduce"] = reduce
     else:
         missing.append(f"mixed precision reduce_dtype {reduce}: torchtitan takes {' or '.join(REDUCE_DTYPES)}")
-    if d.get("offload"):
+    offloaded = plan.get("offload", [])
+    if d.get("offload") is True or (offloaded and set(offloaded) >= set(units) | {ROOT}):
         training["enable_cpu_offload"] = True
+    elif offloaded:
+        missing.append(f"CPU offload of {_names(offloaded)} only: torchtitan's enable_cpu_offload offloads every "
+                       f"unit or none")
     out["training"] = training
     return out, missing
 
