@@ -46,3 +46,18 @@ def test_verb_on_the_tiny_llama(tmp_path, capsys):
     assert [r["method"] for r in rows[:4]] == list(shard_compare.PEERS)
     for r in rows[4:]:  # gaswap's plan at each budget is under it
         assert r["peak_bytes"] == "" or int(r["peak_bytes"]) <= int(r["budget_bytes"])
+
+
+def test_offload_is_a_peer_and_a_gene_where_the_experiment_searches_it():
+    import dataclasses
+
+    exp = config.load_experiment(str(TINY))
+    exp = dataclasses.replace(exp, distributed=dataclasses.replace(exp.distributed, offload="search"))
+    problem = shard_compare.prepare(exp)["problem"]
+    assert problem.offload_order == problem.units + [""]
+    peer = shard_compare.method_knobs(problem, shard_compare.OFFLOAD_PEER)
+    full = shard_compare.method_knobs(problem, "full AC")
+    assert peer.offload == tuple(problem.offload_order) and peer.recompute == full.recompute
+    on, off = shard_compare.evaluate(problem, peer), shard_compare.evaluate(problem, full)
+    assert on.peak < off.peak and on.step_time > off.step_time  # memory for time: copies and the host's Adam
+    assert shard_compare.method_plan(problem, peer, "2.13", "x")["offload"] == problem.offload_order

@@ -9,12 +9,14 @@ simulator's per-rank peak, `sharding.step_time`'s predicted step time), at world
   calls of a block every second one (the 2nd, 4th, ...) recomputed too;
 - torchtitan's per-layer AC every 2 layers (`selective_ac_option: "2"`, `_apply_layer_sac` before torchtitan
   removed it in 114151ad4): full AC on the 2nd, 4th, ... block, the others kept;
-- gaswap's search (`shard_search.search`), once per peer's per-rank peak used as the budget and once below the
-  lowest of them; at each budget, the fastest plan the searches at that world size evaluated under it.
-
-- torch's `sac_milp` (torch.distributed._tools.sac_ilp, `gaswap.shard.sac_milp`) at each of those budgets: which
+- where the experiment searches CPU offload (`distributed.offload: search`): full AC with every unit offloaded
+  (torchtitan's `training.enable_cpu_offload`);
+- torch's `sac_milp` (torch.distributed._tools.sac_ilp, `gaswap.shard.sac_milp`) at each budget below: which
   blocks to checkpoint and how much of each to discard, then which ops, fed gaswap's statistics and given its
-  best chance (the fastest of its plans under the budget); skipped, and said, where pulp or pwlf is missing.
+  best chance (the fastest of its plans under the budget); skipped, and said, where pulp or pwlf is missing;
+- gaswap's search (`shard_search.search`), once per peer's per-rank peak used as the budget, once halfway between
+  each two consecutive peaks (where only the lower peer fits) and once below the lowest of them; at each budget,
+  the fastest plan the searches at that world size evaluated under it.
 
 With `--gloo` (a small model only), each method's plan at the experiment's world size is also applied with
 `gaswap.shard.apply.shard` and run under gloo (`gaswap.shard.gloo.run_gloo`): each rank's measured peak and CPU
@@ -41,6 +43,7 @@ from gaswap.shard import sac_milp
 WORLD_SIZES = (8, 64, 256)
 PEERS = ("no AC", "full AC", "torchtitan SAC", "torchtitan AC every 2")
 SAC_MILP = "torch sac_milp"
+OFFLOAD_PEER = "full AC + CPU offload"  # torchtitan's training.enable_cpu_offload, where the experiment searches offload
 SAC_NOTE = ("torch sac_milp: torch's MILP and per-module op choice, fed gaswap's per-op times and sizes; at each "
             "budget the fastest of its plans (its `memory_budget` argument bisected) whose peak, by gaswap's "
             "simulator, is under the budget.")
@@ -50,14 +53,16 @@ def method_knobs(problem: ShardProblem, method: str) -> Knobs:
     """A peer's checkpointing as gaswap knobs, with the experiment's reshard and prefetch settings."""
     base = problem.decode(problem.seed("keep_all"))
     recompute = {}
-    if method == "full AC":
+    if method in ("full AC", OFFLOAD_PEER):
         recompute = {u: "full" for u in problem.units if u in problem.owned}
+        if method == OFFLOAD_PEER:
+            return dataclasses.replace(base, recompute=recompute, offload=tuple(problem.offload_order))
     elif method == "torchtitan AC every 2":
         recompute = {u: "full" for i, u in enumerate(problem.units) if (i + 1) % 2 == 0 and u in problem.owned}
     elif method == "torchtitan SAC":
         return problem.decode(problem.seed("selective_ac"))
     elif method != "no AC":
-        raise ValueError(f"unknown method {method!r}: one of {', '.join(PEERS)}")
+        raise ValueError(f"unknown method {method!r}: one of {', '.join(PEERS + (OFFLOAD_PEER,))}")
     return dataclasses.replace(base, recompute=recompute)
 
 
@@ -72,26 +77,32 @@ def method_plan(problem: ShardProblem, knobs: Knobs, torch_version: str, name: s
     return {"method": name, "world_size": problem.spec.world_size, "torch": torch_version,
             "units": list(problem.units) + [""], "recompute": recompute_groups(problem, knobs),
             "reshard_after_forward_false": [u for u in problem.units if not knobs.reshard.get(u, True)],
-            "forward_prefetch": knobs.forward_prefetch, "backward_prefetch": knobs.backward_prefetch}
+            "forward_prefetch": knobs.forward_prefetch, "backward_prefetch": knobs.backward_prefetch,
+            "offload": list(knobs.offload)}
 
 
 def at_world_size(problem: ShardProblem, world_size: int, profile, link_name: str | None) -> ShardProblem:
     _, link = link_for(profile, world_size, link_name)
     return ShardProblem(problem.graph, problem.params, dataclasses.replace(problem.spec, world_size=world_size),
-                        problem.op_time, link, 0, problem.copy_bandwidth)
+                        problem.op_time, link, 0, problem.copy_bandwidth, host_link=problem.host_link,
+                        host_step=problem.host_step)
 
 
 def compare(problem: ShardProblem, exp: config.Experiment, *, reserved: bool = True) -> list[dict]:
-    """Rows for one world size: each peer, then gaswap at each peer's peak as the budget and below the lowest."""
+    """Rows for one world size: each peer, then torch's sac_milp and gaswap at each peer's peak as the budget,
+    halfway between consecutive peaks, and below the lowest."""
     rows, peers = [], {}
-    for name in PEERS:
+    for name in PEERS + ((OFFLOAD_PEER,) if problem.offload_order else ()):
         p = evaluate(problem, method_knobs(problem, name))
         peers[name] = p
         rows.append(_row(problem, exp, name, p, None, reserved))
-    budgets = sorted({p.peak for p in peers.values()}, reverse=True)
-    below = min(budgets) - 1
-    labels = {b: "below every peer" if b == below else
-              "at " + " / ".join(n for n, p in peers.items() if p.peak == b) + "'s peak" for b in budgets + [below]}
+    peaks = sorted({p.peak for p in peers.values()}, reverse=True)
+    below = min(peaks) - 1
+    labels = {b: "at " + " / ".join(n for n, p in peers.items() if p.peak == b) + "'s peak" for b in peaks}
+    for high, low in zip(peaks, peaks[1:]):  # halfway between two peers' peaks: the lower peer fits there
+        labels[(high + low) // 2] = f"halfway, {format_size(low)} to {format_size(high)}"
+    labels[below] = "below every peer"
+    budgets = sorted(labels, reverse=True)[:-1]
     if sac_milp.available() is None:
         for budget in budgets + [below]:
             knobs, _ = sac_milp.plan(problem, budget)
@@ -138,12 +149,14 @@ def _describe(problem: ShardProblem, knobs: Knobs) -> str:
         parts.append(f"{full} blocks full")
     if partial:
         parts.append(f"{len(partial)} blocks {min(partial)}-{max(partial)} ops")
+    if knobs.offload:
+        parts.append(f"{len(knobs.offload)} units offloaded")
     return ", ".join(parts) or "none"
 
 
 def verdicts(rows: list[dict]) -> list[str]:
-    """Per world size: at each peer's peak, gaswap's time against the best peer's that fits there; below the
-    lowest peer, whether gaswap fits."""
+    """Per world size: at each budget above the lowest peer's peak, gaswap's time against the best peer's that fits
+    there (sac_milp's plans included); below the lowest peer, whether gaswap fits."""
     out = []
     for w in dict.fromkeys(r["world_size"] for r in rows):
         mine = [r for r in rows if r["world_size"] == w]
@@ -156,7 +169,7 @@ def verdicts(rows: list[dict]) -> list[str]:
             ok = g["step_time_s"] is not None and g["step_time_s"] <= best["step_time_s"]
             wins += ok
         below = ours[-1]
-        out.append(f"W={w}: at {wins} of {len(ours) - 1} peer budgets gaswap's step time is at or below the best "
+        out.append(f"W={w}: at {wins} of {len(ours) - 1} budgets gaswap's step time is at or below the best "
                    f"fitting peer's; below every peer's peak ({format_size(below['budget_bytes'])}): "
                    + (f"gaswap fits at {format_size(below['peak_bytes'])}, {below['step_time_s'] * 1e3:.1f} ms"
                       if below["peak_bytes"] is not None else "gaswap finds no plan either"))

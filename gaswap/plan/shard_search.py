@@ -15,8 +15,9 @@ sac_milp pick (early blocks checkpointed more). An evaluation builds the rank's 
 `sharding.step_time` (ops from the single-device costs, recomputed ops as their originals, collectives from a
 `Link`). Selection is NSGA-II (`deap.tools.selNSGA2`) under constraint domination: a policy under the budget
 beats any over it, and of two over it the smaller peak wins. Seeds (`SEEDS`): keep-all, full AC and torchtitan's
-selective AC (matmul and attention outputs saved, the rest recomputed) on every unit, and full AC on the first
-half of the units with the rest kept or selective. Randomness is passed in.
+selective AC (matmul and attention outputs saved, the rest recomputed) on every unit, full AC on the first half
+of the units with the rest kept or selective, and full AC with half or all of the units offloaded. Randomness is
+passed in.
 """
 from __future__ import annotations
 
@@ -61,10 +62,12 @@ TORCHTITAN_SAVED = frozenset({
 TORCHTITAN_MM = ("aten.mm.default", "aten.linear.default")  # counted: every second one recomputed
 
 
-# seed name -> (the first units' choice, the other units' choice, how many units are first: "all" or "half")
-SEEDS = {"keep_all": ("keep", "keep", "all"), "full_ac": ("full", "full", "all"),
-         "selective_ac": ("selective", "selective", "all"), "full_ac_first_half": ("full", "keep", "half"),
-         "full_then_selective": ("full", "selective", "half")}
+# seed name -> (the first units' choice, the other units' choice, how many units are first: "all" or "half", the
+# fraction of `offload_order` offloaded)
+SEEDS = {"keep_all": ("keep", "keep", "all", 0), "full_ac": ("full", "full", "all", 0),
+         "selective_ac": ("selective", "selective", "all", 0), "full_ac_first_half": ("full", "keep", "half", 0),
+         "full_then_selective": ("full", "selective", "half", 0), "full_ac_offload_half": ("full", "full", "all", 0.5),
+         "full_ac_offload_all": ("full", "full", "all", 1)}
 
 
 def torchtitan_saves(targets) -> list[bool]:
@@ -203,18 +206,20 @@ class ShardProblem:
     def seed(self, name: str) -> tuple:
         """Genes of a seed (`SEEDS`), with the spec's reshard and prefetch knobs: "keep_all", "full_ac",
         "selective_ac" (torchtitan's per-op selective AC, `torchtitan_saves`) on every unit; "full_ac_first_half"
-        (full AC on the first half of each class's units, the rest kept) and "full_then_selective" (full AC on
-        the first half, torchtitan's selective AC on the rest)."""
+        (full AC on the first half of each class's units, the rest kept), "full_then_selective" (full AC on
+        the first half, torchtitan's selective AC on the rest), "full_ac_offload_half" and "full_ac_offload_all"
+        (full AC, half or all of `offload_order` offloaded: none where offload is not searched)."""
         genes = []
         for cls, sel in zip(self.classes, self.selectable):
             saves = torchtitan_saves([self.graph.ops[i].target for i in self.owned[cls[0]]])
             choices = {"keep": [0] + [0] * len(sel), "full": [1] + [0] * len(sel),
                        "selective": [2] + [int(not saves[p]) for p in sel]}
-            first, rest, k = SEEDS[name]
+            first, rest, k, _ = SEEDS[name]
             genes += choices[first] + choices[rest] + [len(cls) if k == "all" else (len(cls) + 1) // 2]
+        offload = round(SEEDS[name][3] * len(self.offload_order))
         reshard = [self.reshard_gene(u) for u in self.units]
         prefetch = [min(self.spec.forward_prefetch, MAX_PREFETCH), min(self.spec.backward_prefetch, MAX_PREFETCH)]
-        return tuple(genes + [0] + reshard + prefetch)
+        return tuple(genes + [offload] + reshard + prefetch)
 
     def bounds(self) -> list[int]:
         """The largest value of each gene."""
