@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from gaswap.app import compare
+from gaswap.app import compare, compare_report
 from gaswap.run.peak_meter import PeakMeter
 
 
@@ -35,26 +35,57 @@ def test_cpu_peak_meter_ignores_frees_of_what_was_allocated_before():
     assert 16 << 20 <= meter.peak < (16 << 20) + 64
 
 
-def _row(method, knob, peak, step):
+def _row(method, knob, peak, step, budget=None, rss=None):
     return {"method": method, "knob": knob, "predicted_peak_bytes": None, "predicted_step_s": None, "peak_bytes": peak,
             "peak_min": peak, "peak_max": peak, "step_s": step, "step_min": step, "step_max": step, "wall_step_s": step,
-            "compile_s": 0.0, "recomputed": None, "rss_peak_bytes": peak}
+            "compile_s": 0.0, "recomputed": None, "rss_peak_bytes": peak if rss is None else rss,
+            "budget": knob if method == "gaswap" else budget}
 
 
-def test_goal_compares_each_torch_point_with_the_fastest_gaswap_policy_at_or_below_its_peak():
-    rows = [_row("eager", "-", 300, 1.0), _row("torch.compile", "1", 200, 1.0), _row("torch.compile", "0.2", 100, 1.3),
-            _row("gaswap", "a", 190, 0.9), _row("gaswap", "b", 120, 1.1), _row("gaswap", "c", 90, 1.4)]
-    lines = compare.goal_lines(rows)
-    assert "gaswap a" in lines[0] and lines[0].endswith(": met")
-    assert "gaswap c" in lines[1] and lines[1].endswith(": not met")  # only c is at or below 100
-    table = compare.to_markdown(rows, "x", "cpu")
-    assert "| gaswap | b | - | - |" in table and "+10.0%" in table
-    rows[3]["origin"] = "torch 1"  # the search's policy at 190 is torch 1.0's own partition
-    assert compare.goal_lines(rows)[0].endswith("a tie: gaswap's timing picked this very partition, faster or slower "
-                                                "by noise alone")
-    rows[3]["origin"] = "torch 0.2"
-    assert compare.goal_lines(rows)[0].endswith(": met (gaswap's timing picked torch 0.2's partition)")
-    assert "| gaswap (torch 0.2's partition) | a |" in compare.to_markdown(rows, "x", "cpu")
+def test_a_verdict_judges_the_policy_picked_for_the_budget_a_torch_point_became():
+    rows = [_row("eager", "-", 300, 2.0), _row("torch.compile", "1", 200, 1.0, "A"),
+            _row("torch.compile", "0.2", 100, 1.3, "B"), _row("gaswap", "A", 190, 1.05), _row("gaswap", "B", 90, 0.95)]
+    first, second = compare_report.goal_lines(rows)
+    # A's pick is slower than torch 1: not met, though B's pick (another budget's) is faster and fits
+    assert first == ("- torch.compile 1 (peak 200 B, 1000.00 ms): gaswap's pick for budget A: peak 190 B, "
+                     "1050.00 ms (+5.0%): not met; budget B's pick runs at or below this peak in 950.00 ms (-5.0%)")
+    assert second.endswith("gaswap's pick for budget B: peak 90 B, 950.00 ms (-26.9%): met")
+    rows[3]["origin"] = "torch 1"  # A's pick is torch 1.0's own partition
+    assert ": a tie: the pick is this very partition read back" in compare_report.goal_lines(rows)[0]
+    rows[4]["origin"] = "torch 1"  # B's pick is torch 1.0's partition, read back at torch 0.2's peak
+    assert compare_report.goal_lines(rows)[1].endswith(
+        ": met (the pick is torch 1's partition read back, not a policy of gaswap's own search)")
+    assert "| gaswap (torch 1's partition) | B |" in compare_report.to_markdown(rows, "x", "cpu")
+    del rows[4]  # nothing picked for B
+    assert compare_report.goal_lines(rows)[1].endswith(
+        "gaswap picked no policy for budget B (none measured at or under it)")
+
+
+def test_a_pick_above_torch_by_the_resident_set_is_explained_and_eager_faster_than_all_is_said():
+    rows = [_row("eager", "-", 300, 0.5), _row("torch.compile", "1", 200, 1.0, "A", rss=250),
+            _row("gaswap", "A", 190, 0.9, rss=260), _row("gaswap", "0.8x A", 150, 1.2, rss=210)]
+    line, = compare_report.goal_lines(rows, "rss_peak_bytes")
+    assert "peak 260 B, 900.00 ms (-10.0%): above torch's peak by this meter (the resident set counts" in line
+    assert line.endswith("budget 0.8x A's pick runs at or below this peak in 1200.00 ms (+20.0%)")
+    assert compare_report.below_lines(rows) == [
+        ("- below torch's lowest peak: gaswap's pick for budget 0.8x A: peak 150 B, 1200.00 ms (+20.0% against "
+         "torch.compile 1, 1000.00 ms at 200 B)")]
+    table = compare_report.to_markdown(rows, "x", "cpu")
+    assert "Eager ran faster than every compiled method: 500.00 ms a step at a peak of 300 B, against the fastest " \
+           "compiled, gaswap A, 900.00 ms at 190 B (-44.4%)" in table
+    rows[0]["step_s"] = 0.95
+    assert compare_report.eager_lines(rows) == [] and "Eager ran" not in compare_report.to_markdown(rows, "x", "cpu")
+
+
+def test_budgets_apart_however_close_keep_labels_apart():
+    resident = 1000
+    peaks = [resident + 17_139_000, resident + 17_140_600, resident + 36_600_000, resident + 17_139_000]
+    budgets = compare._budgets(peaks, (0.8,), resident)
+    assert budgets == [("36.60 MB", resident + 36_600_000), ("17.141 MB", resident + 17_140_600),
+                       ("17.139 MB", resident + 17_139_000), ("0.8x 17.139 MB", resident + int(0.8 * 17_139_000))]
+    assert compare._labels_of(budgets, peaks) == ["17.139 MB", "17.141 MB", "36.60 MB", "17.139 MB"]
+    assert compare_report.budget_labels([5, 5_000_000_000_001, 5_000_000_000_002]) == [
+        "5 B", "5000000000001 B", "5000000000002 B"]  # no decimals of TB tell them apart: bytes
 
 
 def test_compare_refuses_an_experiment_without_a_loss(tmp_path):

@@ -50,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+from gaswap.app.compare_report import budget_labels, to_markdown
 from gaswap.base import config
 from gaswap.base.config import format_size
 from gaswap.base.files import csv_text, write_atomic
@@ -68,9 +69,10 @@ FINALISTS = 3  # gaswap policies per budget compiled and timed before the head t
 TUNING_ROUNDS, TUNING_STEPS = 3, 2
 COLUMNS = ("method", "knob", "predicted_peak_bytes", "predicted_step_s", "peak_bytes", "peak_min", "peak_max",
            "step_s", "step_min", "step_max", "wall_step_s", "compile_s", "recomputed", "opwise_peak_bytes",
-           "opwise_step_s", "rss_peak_bytes", "origin", "program_peak_bytes")
+           "opwise_step_s", "rss_peak_bytes", "origin", "program_peak_bytes", "budget")
 # step_*: CPU seconds; opwise_*: the joint graph's ops one by one (no fusion model); program_peak_bytes: the
-# peak of the programs inductor generated for the method (`gaswap.compiled.programs`)
+# peak of the programs inductor generated for the method (`gaswap.compiled.programs`); budget: the gaswap
+# budget a torch.compile row's measured peak became, a gaswap row's own (`gaswap.app.compare_report`)
 FINALIST_COLUMNS = (*COLUMNS, "round")  # finalists.csv: the round that timed the finalist (`_finalists_round`)
 
 
@@ -122,6 +124,7 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
                               predicted(chromosome, r), _count(chromosome)))
     reached = [_peak_reached(m, inputs, target, exp, device, progress) for m in methods[1:]]
     budgets = _budgets([peak + resident for peak in reached], below, resident)
+    budget_of_torch = dict(zip((m.knob for m in methods[1:]), _labels_of(budgets, [p + resident for p in reached])))
     seeds = {f"torch_{b:g}": c for b, (c, _) in torch_points.items()}
     shortlist = _search(exp, graph, costs, calibration, space, seeds, budgets, resident, progress, finalists)
     folder = Path(results_root) / exp.name
@@ -167,6 +170,8 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     picked = _picked(chosen, made, method, budget_of, unbounded)
     methods += [m for m, _ in picked]
     rows = measure_methods(methods, rounds, steps)
+    for row in rows:
+        row["budget"] = row["knob"] if row["method"] == "gaswap" else budget_of_torch.get(row["knob"])
     # written once all is measured: a run that fails midway leaves the earlier run's results whole
     for stale in [*folder.glob("compiled/p[0-9]*.yaml"), *folder.glob("compiled/p[0-9]*.validation.json")]:
         stale.unlink()  # an earlier run's policies and their validations
@@ -280,7 +285,7 @@ def _finalists_round(finalists, number: int, problem, made: dict, method, budget
     rows = {a: row | {"round": number}
             for a, row in zip(timed, measure_methods([made[a][0] for a in timed], TUNING_ROUNDS, TUNING_STEPS))}
     chosen, unfit = {}, {}
-    number_of = lambda e: made[e.chromosome.actions][0].knob.rsplit(" ", 1)[-1]  # noqa: E731 ("#3")
+    number_of = lambda e: made[e.chromosome.actions][0].knob.rsplit(" ", 1)[-1]
     for label, evaluated in finalists:
         fits = [e for e in evaluated if rows[e.chromosome.actions]["peak_bytes"] <= budget_of[label] - resident]
         if not fits:
@@ -372,11 +377,18 @@ def _program_peak(m: Method, output_bytes: int, loss: str, progress) -> int | No
 
 def _budgets(peaks: list[int], below, resident: int) -> list[tuple[str, int]]:
     """(label, bytes): the distinct `peaks` (highest first), then `below` times the lowest; labelled by what
-    the meter would read (the bytes above `resident`)."""
+    the meter would read (the bytes above `resident`), distinct peaks apart however close
+    (`compare_report.budget_labels`)."""
     peaks = sorted(set(peaks), reverse=True)
-    lowest = peaks[-1]
-    return ([(format_size(p - resident), p) for p in peaks]
-            + [(f"{f:g}x {format_size(lowest - resident)}", resident + int(f * (lowest - resident))) for f in below])
+    labels = budget_labels([p - resident for p in peaks])
+    return ([*zip(labels, peaks)]
+            + [(f"{f:g}x {labels[-1]}", resident + int(f * (peaks[-1] - resident))) for f in below])
+
+
+def _labels_of(budgets: list[tuple[str, int]], peaks: list[int]) -> list[str]:
+    """The label of the budget each of `peaks` became (`_budgets`)."""
+    label_of = {b: label for label, b in reversed(budgets)}
+    return [label_of[p] for p in peaks]
 
 
 def _peak_reached(m: Method, inputs, target, exp, device, progress) -> int:
@@ -398,85 +410,6 @@ def _cpu_times(policies_, model, inputs, target, exp, device, rounds: int = 4, s
 
 def _count(chromosome) -> int:
     return sum(1 for a in chromosome.actions if a == Action.RECOMPUTE)
-
-
-# --- output ----------------------------------------------------------------------------------------------
-
-def to_markdown(rows: list[dict], name: str, device: str, tuning: list[dict] = ()) -> str:
-    """The table, and per torch.compile point the fastest gaswap policy at an equal or lower measured peak
-    (allocated bytes; on a CPU also by the resident set); then the finalists timed before, if any.
-    Predictions: the compiled model (`gaswap.compiled.step_model`), then the joint graph's ops one by one; and the
-    peak of the programs inductor generated (`gaswap.compiled.programs`)."""
-    lines = [f"# gaswap compare: {name} ({device})", "",
-             "| method | budget | recomputed | predicted peak (ops one by one) | generated program's peak "
-             "| measured peak allocated | resident | predicted time (ops one by one) "
-             "| CPU time per step (median, range) | vs torch 1.0 |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
-    reference = next(r["step_s"] for r in rows if r["method"] == "torch.compile" and r["knob"] == "1")
-    for r in rows:
-        peak = _pair(r.get("predicted_peak_bytes"), r.get("opwise_peak_bytes"), format_size)
-        step = _pair(r.get("predicted_step_s"), r.get("opwise_step_s"), lambda s: f"{s * 1e3:.2f} ms")
-        rss = "-" if r.get("rss_peak_bytes") is None else format_size(r["rss_peak_bytes"])
-        recomputed = "-" if r["recomputed"] is None else r["recomputed"]
-        program = "-" if r.get("program_peak_bytes") is None else format_size(r["program_peak_bytes"])
-        lines.append(f"| {r['method']}{_origin(r)} | {r['knob']} | {recomputed} | "
-                     f"{peak} | {program} | {format_size(r['peak_bytes'])} | {rss} | {step} | "
-                     f"{r['step_s'] * 1e3:.2f} ms "
-                     f"({r['step_min'] * 1e3:.2f}-{r['step_max'] * 1e3:.2f}) | {r['step_s'] / reference - 1:+.1%} |")
-    lines += ["", "By peak allocated (torch's allocator):", *goal_lines(rows)]
-    if all(r.get("rss_peak_bytes") is not None for r in rows):
-        lines += ["", "By peak resident set (the process's high-water mark):", *goal_lines(rows, "rss_peak_bytes")]
-    if tuning:
-        lines += ["", "Finalists: the gaswap policies fastest in prediction at each budget, and torch's partitions "
-                  "whose measured peak fits it, timed in rounds of their own before the table above; round 2: "
-                  "those of a second search, by the model refit on round 1's times, beside round 1's choice. "
-                  "The fastest whose measured peak is at or under the budget, of the last round there, is "
-                  "compared.", "",
-                  "| finalist | round | recomputed | predicted peak | generated program's peak "
-                  "| measured peak allocated | predicted time | CPU time per step (median, range) |",
-                  "|---|---:|---:|---:|---:|---:|---:|---|"]
-        lines += [f"| {r['knob']}{_origin(r)} | {r.get('round', 1)} | {r['recomputed']} | "
-                  f"{format_size(r['predicted_peak_bytes'])} | "
-                  f"{'-' if r.get('program_peak_bytes') is None else format_size(r['program_peak_bytes'])} | "
-                  f"{format_size(r['peak_bytes'])} | {r['predicted_step_s'] * 1e3:.2f} ms | {r['step_s'] * 1e3:.2f} ms "
-                  f"({r['step_min'] * 1e3:.2f}-{r['step_max'] * 1e3:.2f}) |" for r in tuning]
-    return "\n".join(lines) + "\n"
-
-
-def _origin(row: dict) -> str:
-    """" (torch 0.5's partition)" for a gaswap row that is one of torch's partitions, else ""."""
-    origin = row.get("origin") or "search"
-    return "" if origin == "search" else f" ({origin}'s partition)"
-
-
-def _pair(value, opwise, fmt) -> str:
-    if value is None:
-        return "-"
-    return fmt(value) + ("" if opwise is None else f" ({fmt(opwise)})")
-
-
-def goal_lines(rows: list[dict], peak: str = "peak_bytes") -> list[str]:
-    """Per torch.compile point: the fastest gaswap policy whose measured `peak` (a column) is at or below it,
-    and whether it is at least as fast."""
-    ours = [r for r in rows if r["method"] == "gaswap"]
-    out = []
-    for t in (r for r in rows if r["method"] == "torch.compile"):
-        fits = [r for r in ours if r[peak] <= t[peak]]
-        if not fits:
-            out.append(f"- torch.compile {t['knob']} ({format_size(t[peak])}): no gaswap policy at or below "
-                       f"its peak")
-            continue
-        best = min(fits, key=lambda r: r["step_s"])
-        verdict = "met" if best["step_s"] <= t["step_s"] else "not met"
-        origin = best.get("origin") or "search"
-        if origin == f"torch {t['knob']}":
-            verdict = "a tie: gaswap's timing picked this very partition, faster or slower by noise alone"
-        elif origin != "search":
-            verdict += f" (gaswap's timing picked {origin}'s partition)"
-        out.append(f"- torch.compile {t['knob']} ({format_size(t[peak])}, {t['step_s'] * 1e3:.2f} ms): "
-                   f"gaswap {best['knob']} {format_size(best[peak])}, {best['step_s'] * 1e3:.2f} ms "
-                   f"({best['step_s'] / t['step_s'] - 1:+.1%}): {verdict}")
-    return out
 
 
 def command(args) -> int:
