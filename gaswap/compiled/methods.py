@@ -43,14 +43,18 @@ class Method:
 
 def setup(exp: config.Experiment, device="auto") -> tuple:
     """(device, model, inputs, target, joint graph) of an experiment for compiled runs: its intra-op threads on
-    a CPU, the model and inputs made from its seed, torch.compile's joint graph captured."""
+    a CPU, the model and inputs made from its seed, torch.compile's joint graph captured (a model it cannot
+    compile as one graph: `partition.Uncompilable`, naming the experiment file)."""
     dev = resolve_device(device)
     if dev.type == "cpu":
         use_cpu(exp.costs.threads)
     torch.manual_seed(exp.seed)
     model = experiment.build_model(exp, device=str(dev))
     inputs, target = experiment.make_inputs(exp, str(dev), torch.Generator(dev).manual_seed(exp.seed))
-    graph = partition.capture(model, *inputs, optimizer=exp.optimizer, counted=exp.counts)
+    try:
+        graph = partition.capture(model, *inputs, optimizer=exp.optimizer, counted=exp.counts)
+    except partition.Uncompilable as e:
+        raise partition.Uncompilable(f"{exp.path}: {e}") from None
     return dev, model, inputs, target, graph
 
 

@@ -70,8 +70,9 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_
 from torch.utils._ordered_set import OrderedSet
 from torch.utils._pytree import arg_tree_leaves
 
-from gaswap.base.errors import GaswapError
+from gaswap.base.errors import BadInput, GaswapError
 from gaswap.base.training_options import OPTIMIZER_STATE
+from gaswap.compiled.graph_breaks import dynamic_shape, explain, module_path
 from gaswap.plan import graph as graphs
 from gaswap.plan import policy as policies
 from gaswap.plan.graph import Graph, Tensor
@@ -85,6 +86,12 @@ OFFLOADED_PREFIX = "cpu_offload_"  # torch's activation offloading names a saved
 
 class CompiledCaptureError(GaswapError, RuntimeError):
     """torch.compile could not trace the model up to its partitioner; the message says why."""
+
+
+class Uncompilable(BadInput, RuntimeError):
+    """torch.compile can compile the model only in pieces or with dynamic shapes (`graph_breaks`): a graph break,
+    data-dependent control flow, an nn.LSTM, a shape that depends on the data; the message says where and
+    what to do."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +147,11 @@ def _record(recorder: "_Recorder", fn: Callable, example_args) -> "_Recorder":
     try:
         compiled(*example_args)
     except Exception as e:  # noqa: BLE001 - dynamo wraps what the backend raises
+        if recorder.dynamic is not None:
+            raise Uncompilable(recorder.dynamic) from None
+        if recorder.joint is None and isinstance(e, torch._dynamo.exc.TorchDynamoException) and not isinstance(
+                e, torch._dynamo.exc.BackendCompilerFailed):  # dynamo's trace stopped: the model's code
+            raise Uncompilable(explain(e, fn)) from None
         if recorder.joint is None:
             raise CompiledCaptureError(f"torch.compile could not trace {_name(fn)} (fullgraph=True, dynamic=False): "
                                        f"{str(e).strip().splitlines()[0]}") from e
@@ -255,7 +267,7 @@ def _joint(gm: fx.GraphModule, num_fwd_outputs: int, static_indices, optimizer: 
             if kind != "grad_output":
                 ran_at[node.name] = -1
         elif node.op == "call_function":
-            op = make_op(node, storage, tensors, node in forward or node in hoisted, _layer(node))
+            op = make_op(node, storage, tensors, node in forward or node in hoisted, module_path(node))
             if op is not None:  # a hoisted op runs right after what it reads
                 at = max((ran_at[storage_of[a.name]] for a in node.all_input_nodes if a.name in storage_of),
                          default=-1) if node in hoisted else i
@@ -341,15 +353,6 @@ def _placeholder_kind(node: fx.Node, primals: list, grads: list, static_indices)
     if i < len(grads) and grads[i] is not None:
         return "param"
     return "buffer" if i in static_indices else "input"
-
-
-def _layer(node: fx.Node) -> str:
-    """The module path of a node (forward ops; backward ops carry their forward op's), as dynamo records it."""
-    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    return path.replace("L['self'].", "").replace("L['self']", "").replace("['", ".").replace("']", "")
 
 
 # --- the policy's partition ----------------------------------------------------------------------------
@@ -439,8 +442,12 @@ class _Recorder(CustomPartitionerFn):
         self.optimizer, self.counted, self.budget = optimizer, counted, budget
         self.joint: Joint | None = None
         self.saved: list[str] = []
+        self.dynamic: str | None = None  # why the joint graph has a shape the data decides (`dynamic_shape`)
 
     def __call__(self, gm, joint_inputs, **kwargs):
+        self.dynamic = dynamic_shape(gm)
+        if self.dynamic is not None:
+            raise _Captured()
         self.joint = _joint(gm, kwargs["num_fwd_outputs"], kwargs.get("static_lifetime_input_indices") or [],
                             self.optimizer, self.counted)
         if self.budget is not None:
