@@ -17,14 +17,14 @@ costs: {{source: measure, device: cpu, threads: 1}}
 
 
 @pytest.mark.parametrize("factory, said", [
-    ("LstmNet", ["(Attempted to wrap RNN, GRU, or LSTM), lstm (LSTM) called from the model (LstmNet.forward, "
-                 "graph_break_models.py:", "unroll it over time with nn.LSTMCell"]),
+    ("LstmNet", [("(Attempted to wrap RNN, GRU, or LSTM), lstm (LSTM) called from the model (LstmNet.forward, "
+                  "graph_break_models.py:"), "unroll it over time with nn.LSTMCell"]),
     ("Branchy", ["(data-dependent control flow) in gate (Gate.forward, graph_break_models.py:",
                  "`if x.mean().item() > 0:", "neither of gaswap's paths plans a step whose ops or shapes depend"]),
     ("Breaks", ["(Call to `torch._dynamo.graph_break()`) in the model (Breaks.forward",
                 "set `search_space: hybrid` and run `gaswap search`"]),
-    ("DataShaped", ["cannot compile the model with static shapes: index (index.Tensor) has a shape that depends "
-                    "on the data (graph_break_models.py:", "`return h[h > 0].sum()", "mask with torch.where"]),
+    ("DataShaped", [("cannot compile the model with static shapes: index (index.Tensor) has a shape that depends "
+                     "on the data (graph_break_models.py:"), "`return h[h > 0].sum()", "mask with torch.where"]),
 ])
 def test_compare_refuses_a_model_torch_compile_cannot_compile_whole_as_bad_input(capsys, tmp_path, factory, said):
     path = tmp_path / f"{factory}.yaml"

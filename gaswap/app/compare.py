@@ -44,7 +44,7 @@ Writes `results/<experiment>/compare.csv`, `compare.md`, `finalists.csv` and the
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 
@@ -143,6 +143,7 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
                                       {"experiment": exp.name, "experiment_file": str(exp.path), "budget": label,
                                        "budget_bytes": budget_of[label],
                                        "optimizer": exp.optimizer, "counts": sorted(exp.counts),
+                                       "inputs": [asdict(spec) for spec in exp.inputs], "batch_size": exp.batch_size,
                                        "cost_source": problem.simulator.costs.source,
                                        "device": problem.simulator.costs.device,  # costs and calibration timed here
                                        "calibration": problem.calibration.to_dict(),

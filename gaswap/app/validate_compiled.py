@@ -43,7 +43,8 @@ def validate_compiled(policy: policies.Policy, policy_path: Path, exp: config.Ex
     if "resident_bytes" not in predicted:
         raise policies.PolicyError(f"{policy_path}: predicted: needs resident_bytes (re-run `gaswap compare`)")
     dev, model, inputs, target, graph = setup(exp, device)
-    policies.check_matches(policy, graph, policy_path)
+    here = {"input_shapes": [(list(x.shape), str(x.dtype).removeprefix("torch.")) for x in inputs]}
+    policies.check_matches(policy, graph, policy_path, provenance=here)
     m, optimizer = training.fresh_copy(model, exp.optimizer)
     step = partial(training.train_step, partition.compile(m, policy), optimizer, inputs, target, exp.loss, dev)
     training.warm_up(step)

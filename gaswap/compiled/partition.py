@@ -57,6 +57,7 @@ import torch
 from torch import fx
 from torch._functorch import config as functorch_config
 from torch._functorch.compile_utils import fx_graph_cse, raise_getitems
+from torch._dynamo.exc import ShortenTraceback
 from torch._functorch.partitioners import (
     _extract_fwd_bwd_modules,
     _is_primal,
@@ -88,6 +89,21 @@ class CompiledCaptureError(GaswapError, RuntimeError):
     """torch.compile could not trace the model up to its partitioner; the message says why."""
 
 
+class OtherGraph(PolicyError, ShortenTraceback):
+    """A policy refused by the partitioner inside torch.compile (made for another graph: another batch size,
+    dtype or model), raised to the caller as it is: dynamo wraps what a backend raises in BackendCompilerFailed,
+    except a `ShortenTraceback`, which it re-raises with its own frames cut."""
+
+    first_useful_frame = None  # ShortenTraceback's: no frame to cut the traceback at
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message  # without the lines dynamo appends to the arguments of what passes through it
+
+
 class Uncompilable(BadInput, RuntimeError):
     """torch.compile can compile the model only in pieces or with dynamic shapes (`graph_breaks`): a graph break,
     data-dependent control flow, an nn.LSTM, a shape that depends on the data; the message says where and
@@ -100,6 +116,7 @@ class Joint:
 
     graph: Graph
     storage_of: dict[str, str]  # fx node name -> name of the storage its value lives in
+    inputs: list  # [(shape, dtype name)] of the step's inputs (not parameters or buffers), in the graph's order
 
 
 def capture(fn: Callable, *example_args, optimizer: str = "sgd_momentum", counted=graphs.COUNTABLE) -> Graph:
@@ -196,7 +213,14 @@ class PolicyPartitioner(CustomPartitionerFn):
         static_indices = kwargs.get("static_lifetime_input_indices") or []
         joint = _joint(gm, num_fwd_outputs, static_indices, self.policy.provenance.get("optimizer", "sgd_momentum"),
                        self.policy.provenance.get("counts", graphs.COUNTABLE))
-        policies.check_matches(self.policy, joint.graph, "policy")
+        try:
+            policies.check_matches(self.policy, joint.graph, "policy", provenance={"input_shapes": joint.inputs},
+                                   torch_version=torch.__version__)
+        except PolicyError as e:
+            unnamed = "" if "inputs" in self.policy.provenance else (
+                f" The inputs here: {', '.join(f'{shape} {dtype}' for shape, dtype in joint.inputs)}; the policy does "
+                f"not name the inputs it was made for (make_policy(..., provenance={{'inputs': ..., 'batch_size': ...}}))")
+            raise OtherGraph(str(e) + unnamed) from None
         check_recomputable(joint.graph, self.policy.actions)
         swapped = {t for t, a in self.policy.actions.items() if a == "swap"}
         fw, bw = partition(gm, saved_values(gm, joint, self.policy.actions), num_fwd_outputs, static_indices,
@@ -287,7 +311,9 @@ def _joint(gm: fx.GraphModule, num_fwd_outputs: int, static_indices, optimizer: 
     sources = {storage_of[n.name] for n in leaves if tensors[storage_of[n.name]].kind == "activation"}
     g = Graph(tuple(ops), tensors, resident={"optimizer_state": OPTIMIZER_STATE[optimizer] * param_bytes},
               counted=frozenset(counted), loss=loss, decidable=(_recomputed_from(ops, tensors) | sources) - {loss})
-    return Joint(g, storage_of)
+    inputs = [(list(n.meta["val"].shape), str(n.meta["val"].dtype).removeprefix("torch.")) for n in primals
+              if tensors.get(n.name) is not None and tensors[n.name].kind == "input"]
+    return Joint(g, storage_of, inputs)
 
 
 def _recomputed_from(ops, tensors: dict[str, Tensor]) -> frozenset:
