@@ -281,6 +281,7 @@ def test_the_shortlist_fills_a_small_front_with_the_next_fastest_policies():
 
 def test_a_policy_written_predicts_its_generated_programs_peak_and_keeps_the_models_beside_it(tmp_path):
     import json
+    from dataclasses import replace
 
     from gaswap.app import validate_compiled
     from gaswap.compiled.programs import Program
@@ -297,10 +298,35 @@ def test_a_policy_written_predicts_its_generated_programs_peak_and_keeps_the_mod
     assert r["peak_ratio"] == 1000 / 1050 and r["search_peak_ratio"] == 1000 / 900
     assert r["targets"] == {"peak_within_5pc": True, "peak_within_budget": True, "time_within_15pc": True}
     assert json.loads((tmp_path / "p.validation.json").read_text()) == r
+    assert r["planned_device"] is None and "does not name the device" in r["warnings"][0]  # written before it did
+    stamped = replace(written, provenance=written.provenance | {"device": "cpu: X (1 thread)"})
+    r = validate_compiled.report(stamped, tmp_path / "p.yaml", "e", "cpu", 1, [1000], [1.1], [None], 0.1)
+    assert r["planned_device"] == "cpu: X (1 thread)" and r["warnings"] == []
     # a method whose programs cannot be read has no program peak, and says why
     lines = []
     m = compare.Method("gaswap", "A", None, None, None, programs=[Program("no program")])
     assert compare._program_peak(m, 10, "sum", lines.append) is None and "no program peak" in lines[0]
+
+
+@pytest.mark.parametrize("device, warned", [
+    ("cpu: AMD EPYC, family 26 model 2, AVX512 (1 thread)", "the policy's costs were measured on cpu: AMD EPYC, "
+                                                            "family 26 model 2, AVX512 (1 thread) and this run is on"),
+    (None, "does not name the device its costs and calibration were timed on")])
+def test_validate_of_a_compiled_policy_from_another_device_or_none_named_warns(tmp_path, monkeypatch, capsys, device,
+                                                                                warned):
+    from gaswap.app import validate, validate_compiled
+    from gaswap.app.cli import main
+    from gaswap.plan.policy import Policy, save
+
+    provenance = {"form": "compiled", "budget_bytes": 1200} | ({"device": device} if device else {})
+    policy = Policy("f", (), {}, {"peak_bytes": 1050, "step_time_s": 1.0, "resident_bytes": 100}, provenance)
+    save(policy, tmp_path / "p.yaml")
+    here = "cpu: Elsewhere (1 thread)"
+    monkeypatch.setattr(validate, "validate", lambda path, *args, **kwargs: validate_compiled.report(
+        policy, path, "e", here, 3, [1000], [2.0], [None], 0.1))  # as if trained here: 2 s a step
+    assert main(["validate", str(tmp_path / "p.yaml"), "--steps", "3"]) == 0
+    err = capsys.readouterr().err
+    assert warned in err and err.count("warning:") == 1, err
 
 
 @pytest.mark.slow

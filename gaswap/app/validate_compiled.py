@@ -88,5 +88,9 @@ def report(policy: policies.Policy, policy_path: Path, name: str, device: str, s
     r["targets"] = {"peak_within_5pc": abs(r["peak_ratio"] - 1) <= PEAK_TOLERANCE,
                     "peak_within_budget": None if budget is None else r["measured"]["peak_bytes"] <= r["budget_bytes"],
                     "time_within_15pc": abs(r["time_ratio"] - 1) <= TIME_TOLERANCE}
+    r["planned_device"] = policy.provenance.get("device")
+    r["warnings"] = [] if r["planned_device"] else [
+        f"{policy_path} does not name the device its costs and calibration were timed on (written before gaswap "
+        f"recorded it): its predicted step time holds there only; `gaswap compare` on this machine predicts here"]
     write_atomic(out, json.dumps(r, indent=2) + "\n")
     return r
