@@ -116,7 +116,7 @@ def _finalist_harness(measured: dict):
         actions_of[id(m)], problem_of[id(m)] = e.chromosome.actions, problem
         return m, Policy("f", (), {}, provenance={"budget": label})
 
-    def time_methods(methods, rounds, steps):
+    def time_methods(methods, rounds, steps, **options):
         timed.extend(actions_of[id(m)] for m in methods)
         return [{"knob": m.knob, **dict(zip(("peak_bytes", "step_s"), measured[actions_of[id(m)]]))}
                 for m in methods]
@@ -151,12 +151,22 @@ def test_a_finalists_round_chooses_per_budget_the_fastest_measured_within_it():
 
 
 def test_a_second_round_times_the_new_finalists_beside_the_first_choice_which_stands_where_none_is_new():
+    from gaswap.plan.encoding import Chromosome
+    from gaswap.plan.problem import Evaluated
+
     evaluated, *_ = _finalist_harness({})
     made = {(0,): None, (1,): None, (2,): None}
     first = {"A": evaluated(1), "B": evaluated(2)}
     second = compare._second_round([("A", [evaluated(0), evaluated(4)]), ("B", [evaluated(1), evaluated(0)]),
                                     ("C", [evaluated(5)])], made, first)
     assert [(label, [e.chromosome.actions[0] for e in es]) for label, es in second] == [("A", [4, 1]), ("C", [5])]
+    # a new finalist the refit predicts slower than A's choice measured (2.0 s, within its 10 % error) is not made
+    slow, fast = Evaluated(Chromosome((0.0,), (6,)), 2.3, 50), Evaluated(Chromosome((0.0,), (7,)), 2.1, 50)
+    said = []
+    second = compare._second_round([("A", [slow, fast]), ("B", [slow])], made, first, {"A": 2.0, "B": 2.0}, 0.1,
+                                   said.append)
+    assert [(label, [e.chromosome.actions[0] for e in es]) for label, es in second] == [("A", [7, 1])]
+    assert said[0].startswith("  at A: 1 of the second search's new finalists not compiled")
     lines = []
     final = compare._final_choice(["A", "B", "C", "D"], first, {"A": evaluated(4), "C": evaluated(5)}, lines.append)
     assert {label: e.chromosome.actions[0] for label, e in final.items()} == {"A": 4, "B": 2, "C": 5}
@@ -205,7 +215,7 @@ def test_two_rounds_refit_the_time_model_on_round_one_and_time_round_twos_new_fi
         problems.append(problem_)
         return compare.Method("gaswap", label, None, None, None, origin=e.chromosome.actions), None
 
-    def time_methods(methods, rounds, steps):
+    def time_methods(methods, rounds, steps, **options):
         return [{"knob": m.knob, **dict(zip(("peak_bytes", "step_s"), measured[m.origin]))} for m in methods]
 
     def search_again(refit, budgets):
@@ -227,6 +237,53 @@ def test_two_rounds_refit_the_time_model_on_round_one_and_time_round_twos_new_fi
     searched.clear()
     assert compare._two_rounds([], problem, [("A", 50)], 10, {}, method, time_methods, lambda line: None,
                                search_again) == ({}, []) and searched == []  # no finalist: no second round
+
+
+def test_finalists_clearly_slower_or_over_every_budget_of_theirs_are_timed_no_longer():
+    from gaswap.plan.encoding import Chromosome
+    from gaswap.plan.problem import Evaluated
+
+    def e(k):
+        return Evaluated(Chromosome((0.0,), (k,)), 1.0, 50)
+
+    def row(peak, low, median, high):
+        return {"peak_bytes": peak, "step_min": low, "step_s": median, "step_max": high}
+
+    timed = [(0,), (1,), (2,), (3,), (4,)]
+    finalists = [("A", [e(0), e(1), e(2)]), ("B", [e(3), e(4), e(2)])]  # A: 100 above resident, B: 50
+    rows = [row(90, 1.0, 1.05, 1.1), row(80, 1.25, 1.3, 1.4), row(40, 1.15, 1.2, 1.25), row(45, 1.3, 1.3, 1.3),
+            row(60, 0.5, 0.5, 0.5)]
+    # A: #0 fastest (slowest step 1.1); #1's fastest 1.25 is over 1.1 x 1.1: out; #2's 1.15 within. B: #4 is over
+    # it (60 above resident > 50), fast as it is; #2 is B's fastest that fits, #3 within 1.25 x 1.1 of it.
+    assert compare._contenders(timed, finalists, {"A": 110, "B": 60}, 10, rows) == {0, 2, 3}
+    rows[3]["step_min"] = 1.4  # now clearly slower than #2 too
+    assert compare._contenders(timed, finalists, {"A": 110, "B": 60}, 10, rows) == {0, 2}
+
+
+def test_measure_meters_the_first_rounds_only_and_stops_timing_what_prune_drops(monkeypatch):
+    from gaswap import zoo
+    from gaswap.compiled import methods
+    from gaswap.run import training
+
+    torch.manual_seed(0)
+    model, x, y = zoo.mlp(sizes=(12, 32, 5)), torch.randn(8, 12), torch.randint(0, 5, (8,))
+    ms = []
+    for knob in ("a", "b", "c"):
+        m, optimizer = training.fresh_copy(model, "sgd")
+        ms.append(methods.Method("eager", knob, m, m, optimizer))
+    metered, pruned = [], []
+    real = training.metered_round
+    monkeypatch.setattr(training, "metered_round", lambda *a: metered.append(a) or real(*a))
+
+    def prune(rows):
+        pruned.append([r["steps_timed"] for r in rows])
+        return {0, 2}  # b is dropped after the first round
+
+    rows = methods.measure(ms, (x,), y, "cross_entropy", torch.device("cpu"), 3, 2, lambda line: None, metered=1,
+                           prune=prune)
+    assert len(metered) == 3  # one metered round each, the first
+    assert pruned == [[2, 2, 2], [4, 2, 4]]  # asked after every round but the last
+    assert [r["steps_timed"] for r in rows] == [6, 2, 6] and rows[1]["peak_min"] == rows[1]["peak_max"] > 0
 
 
 def test_a_budget_no_finalist_fits_is_searched_again_under_the_model_error():

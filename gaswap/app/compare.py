@@ -67,12 +67,14 @@ from gaswap.run.measure import device_name, measure
 TORCH_BUDGETS = (1.0, 0.5, 0.2)
 FINALISTS = 3  # gaswap policies per budget compiled and timed before the head to head; the fastest is compared
 TUNING_ROUNDS, TUNING_STEPS = 3, 2
+SEPARATED = 0.10  # a finalist whose fastest step is this much slower than the slowest of the fastest is not timed on
 COLUMNS = ("method", "knob", "predicted_peak_bytes", "predicted_step_s", "peak_bytes", "peak_min", "peak_max",
            "step_s", "step_min", "step_max", "wall_step_s", "compile_s", "recomputed", "opwise_peak_bytes",
-           "opwise_step_s", "rss_peak_bytes", "origin", "program_peak_bytes", "budget")
+           "opwise_step_s", "rss_peak_bytes", "origin", "program_peak_bytes", "budget", "steps_timed")
 # step_*: CPU seconds; opwise_*: the joint graph's ops one by one (no fusion model); program_peak_bytes: the
 # peak of the programs inductor generated for the method (`gaswap.compiled.programs`); budget: the gaswap
-# budget a torch.compile row's measured peak became, a gaswap row's own (`gaswap.app.compare_report`)
+# budget a torch.compile row's measured peak became, a gaswap row's own (`gaswap.app.compare_report`);
+# steps_timed: fewer for a finalist no longer timed once clearly slower (`_contenders`)
 FINALIST_COLUMNS = (*COLUMNS, "round")  # finalists.csv: the round that timed the finalist (`_finalists_round`)
 
 
@@ -93,7 +95,7 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
 
     def cpu_times(actions):
         made = [partition.make_policy(graph, a, provenance=provenance) for a in actions]
-        return _cpu_times(made, model, inputs, target, exp, device)
+        return _cpu_times(made, model, inputs, target, exp, device, progress)
 
     calibration = step_model.calibrate(graph, costs, cpu_times, exp.loss)
     progress(f"  keep-all {calibration.base * 1e3:.2f} ms a step; recomputed generated ops cost "
@@ -154,8 +156,8 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
 
     output_bytes = graph.tensors[graph.loss].size
 
-    def measure_methods(ms, rounds_, steps_):
-        rows_ = compiled_methods.measure(ms, inputs, target, exp.loss, device, rounds_, steps_, progress)
+    def measure_methods(ms, rounds_, steps_, **options):
+        rows_ = compiled_methods.measure(ms, inputs, target, exp.loss, device, rounds_, steps_, progress, **options)
         for m, row in zip(ms, rows_):
             row["program_peak_bytes"] = _program_peak(m, output_bytes, exp.loss, progress)
         return rows_
@@ -258,8 +260,9 @@ def _two_rounds(shortlist, problem, budgets, resident, made: dict, method, measu
     retry = search_again(refit, again + _refit_budgets(unfit, budget_of, resident))
     refitted = step_model.CompiledProblem(problem.graph, problem.costs, None, problem.space, loss=problem.loss,
                                               calibration=refit)
-    chosen2, second, _ = _finalists_round(_second_round(retry, made, chosen), 2, refitted, made, method, budget_of,
-                                          resident, measure_methods, progress)
+    standing = {label: first[e.chromosome.actions]["step_s"] for label, e in chosen.items()}
+    chosen2, second, _ = _finalists_round(_second_round(retry, made, chosen, standing, refit.worst_error(), progress),
+                                          2, refitted, made, method, budget_of, resident, measure_methods, progress)
     return _final_choice(labels, chosen, chosen2, progress), [*first.values(), *second.values()]
 
 
@@ -283,8 +286,9 @@ def _finalists_round(finalists, number: int, problem, made: dict, method, budget
     if not timed:
         return {}, {}, {}
     progress(f"  timing {len(timed)} finalists (round {number})")
-    rows = {a: row | {"round": number}
-            for a, row in zip(timed, measure_methods([made[a][0] for a in timed], TUNING_ROUNDS, TUNING_STEPS))}
+    contenders = partial(_contenders, timed, finalists, budget_of, resident)
+    measured = measure_methods([made[a][0] for a in timed], TUNING_ROUNDS, TUNING_STEPS, metered=1, prune=contenders)
+    rows = {a: row | {"round": number} for a, row in zip(timed, measured)}
     chosen, unfit = {}, {}
     number_of = lambda e: made[e.chromosome.actions][0].knob.rsplit(" ", 1)[-1]
     for label, evaluated in finalists:
@@ -299,15 +303,39 @@ def _finalists_round(finalists, number: int, problem, made: dict, method, budget
     return chosen, rows, unfit
 
 
-def _second_round(finalists, made: dict, chosen: dict) -> list[tuple[str, list]]:
+def _contenders(timed: list, finalists, budget_of: dict, resident: int, rows: list[dict]) -> set[int]:
+    """The indices in `timed` (actions, in the order of `rows`, their measured rows so far) of the finalists
+    still worth timing: at some budget of theirs (`finalists`: (label, [Evaluated]) pairs) measured at or under
+    it and not clearly slower than the fastest there (its slowest step faster than their fastest, by
+    `SEPARATED`). The others cannot be chosen: over every budget of theirs, or separated by the timings alone."""
+    row_of = dict(zip(timed, rows))
+    keep = set()
+    for label, evaluated in finalists:
+        fits = [e.chromosome.actions for e in evaluated
+                if row_of[e.chromosome.actions]["peak_bytes"] <= budget_of[label] - resident]
+        if fits:
+            best = min(fits, key=lambda a: row_of[a]["step_s"])
+            keep |= {a for a in fits if row_of[a]["step_min"] <= row_of[best]["step_max"] * (1 + SEPARATED)}
+    return {i for i, a in enumerate(timed) if a in keep}
+
+
+def _second_round(finalists, made: dict, chosen: dict, standing: dict | None = None, error: float = 0.0,
+                  progress=lambda line: None) -> list[tuple[str, list]]:
     """The second search's `finalists` that no round compiled yet (`made`), each budget's with the first
     round's choice there (`chosen`: timed again beside them); a budget with none new is dropped (its first
-    choice stands)."""
+    choice stands). A new one predicted (by the refit model, within `error` of its points) slower than the
+    choice there measured (`standing`: label -> seconds) by more than `error` is not compiled: the model
+    that has seen the choice's time would have to err more than it does on its own points for it to win."""
     out = []
     for label, evaluated in finalists:
         new = [e for e in evaluated if e.chromosome.actions not in made]
-        if new:
-            out.append((label, new + ([chosen[label]] if label in chosen else [])))
+        limit = (standing or {}).get(label, float("inf")) * (1 + error)
+        hopeful = [e for e in new if e.step_time <= limit]
+        if len(hopeful) < len(new):
+            progress(f"  at {label}: {len(new) - len(hopeful)} of the second search's new finalists not compiled, "
+                     f"predicted slower than the choice there measured ({limit * 1e3:.2f} ms with the model's error)")
+        if hopeful:
+            out.append((label, hopeful + ([chosen[label]] if label in chosen else [])))
     return out
 
 
@@ -398,14 +426,14 @@ def _peak_reached(m: Method, inputs, target, exp, device, progress) -> int:
     return training.metered_peak(partial(m.step, inputs, target, exp.loss, device), device)[0]
 
 
-def _cpu_times(policies_, model, inputs, target, exp, device, rounds: int = 4, steps: int = 3) -> list[float]:
+def _cpu_times(policies_, model, inputs, target, exp, device, progress, rounds: int = 4, steps: int = 3) -> list[float]:
     """Median CPU seconds per training step of `model` compiled under each policy, timed as the methods
     compared are (`compiled_methods.measure`: rotated rounds, each after a metered and an untimed step)."""
     methods = []
     for k, policy in enumerate(policies_):
         m, opt = training.fresh_copy(model, exp.optimizer)
-        methods.append(Method("calibration", str(k), m, partition.compile(m, policy), opt))
-    rows = compiled_methods.measure(methods, inputs, target, exp.loss, device, rounds, steps, lambda _: None)
+        methods.append(Method("calibration", str(k + 1), m, partition.compile(m, policy), opt))
+    rows = compiled_methods.measure(methods, inputs, target, exp.loss, device, rounds, steps, progress, metered=1)
     return [row["step_s"] for row in rows]
 
 
