@@ -9,18 +9,21 @@ torch's partitions, each read back as keep/recompute actions. The model cannot s
 (keeping a bool mask can slow a kernel several times), so the `finalists` fastest policies it predicts at
 each budget (the search's Pareto front, filled up with the next fastest that fit where the front holds
 fewer: it can hold one or two when every policy is predicted nearly the same peak), and torch's partitions
-whose measured peak fits, are compiled and timed first, in rounds of their own (`_finalists_round`). Then
+whose measured peak fits, are compiled and timed first, in rounds of their own (`_finalists_round`: the
+peak metered in the first, which the allocator gives the same every run; a finalist over every budget of
+its own, or clearly slower than the fastest there, timed no longer: `_contenders`). Then
 a second round: the time model is fitted again on its calibration points and the finalists' measured
 times (`step_model.refit`), the search runs again with it, and the new finalists it predicts fastest
-are timed beside the first round's choice at their budget (`_second_round`). Where no first-round
+are timed beside the first round's choice at their budget (`_second_round`; one the refit predicts slower
+than that choice measured, by more than the refit's own error, is not compiled). Where no first-round
 finalist measured under its budget (the model erred low), the second search runs under the budget divided
 by how far over their predictions those finalists measured (`_refit_budgets`). The policy compared at a
 budget is the fastest whose measured peak fits it, of the last round that timed any there; a budget none
 fits is left out (`_final_choice`). A policy's predictions are those of the model that picked it, before
-it was timed.
+it was timed. The verdicts of compare.md are `gaswap.app.compare_report`'s.
 Policies are simulated as inductor runs them (`gaswap.compiled.step_model`): standalone op costs in CPU
 seconds, fused intermediates not counted, the keep-all step, the cost of recomputation, of kept masks and
-of saved bytes calibrated on seven policies compiled and timed first (`step_model.calibrate`). The
+of saved bytes calibrated on policies compiled and timed first (`step_model.calibrate`, seven). The
 table shows those predictions beside the ones of the joint graph's ops one by one (every op alone, every
 tensor counted).
 
@@ -90,10 +93,10 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     progress(f"  on {device_name(device)}")
     costs = measure(graph, device, cache_dir, threads=exp.costs.threads)
     space = config.load_search_space(partition.SPACE)
-    progress("  calibrating the compiled model: seven policies compiled and timed")
     provenance = {"optimizer": exp.optimizer, "counts": sorted(exp.counts)}
 
     def cpu_times(actions):
+        progress(f"  calibrating the compiled model: {len(actions)} policies compiled and timed")
         made = [partition.make_policy(graph, a, provenance=provenance) for a in actions]
         return _cpu_times(made, model, inputs, target, exp, device, progress)
 
