@@ -68,7 +68,8 @@ def test_a_pick_above_torch_by_the_resident_set_is_explained_and_eager_faster_th
     rows = [_row("eager", "-", 300, 0.5), _row("torch.compile", "1", 200, 1.0, "A", rss=250),
             _row("gaswap", "A", 190, 0.9, rss=260), _row("gaswap", "0.8x A", 150, 1.2, rss=210)]
     line, = compare_report.goal_lines(rows, "rss_peak_bytes")
-    assert "peak 260 B, 900.00 ms (-10.0%): above torch's peak by this meter (the resident set counts" in line
+    assert "peak 260 B, 900.00 ms (-10.0%): above torch's peak by this meter (by the allocator 190 B against " \
+           "200 B; the resident set also counts what malloc keeps" in line
     assert line.endswith("budget 0.8x A's pick runs at or below this peak in 1200.00 ms (+20.0%)")
     assert compare_report.below_lines(rows) == [
         ("- below torch's lowest peak: gaswap's pick for budget 0.8x A: peak 150 B, 1200.00 ms (+20.0% against "
@@ -369,8 +370,8 @@ def test_a_policy_written_predicts_its_generated_programs_peak_and_keeps_the_mod
 
 
 @pytest.mark.parametrize("device, warned", [
-    ("cpu: AMD EPYC, family 26 model 2, AVX512 (1 thread)", "the policy's costs were measured on cpu: AMD EPYC, "
-                                                            "family 26 model 2, AVX512 (1 thread) and this run is on"),
+    ("cpu: AMD EPYC, family 26 model 2, AVX512 (1 thread)",
+     ("the policy's costs were measured on cpu: AMD EPYC, family 26 model 2, AVX512 (1 thread) and this run is on")),
     (None, "does not name the device its costs and calibration were timed on")])
 def test_validate_of_a_compiled_policy_from_another_device_or_none_named_warns(tmp_path, monkeypatch, capsys, device,
                                                                                 warned):

@@ -113,8 +113,9 @@ def _goal_line(t: dict, ours: dict, peak: str) -> str:
     said = (f"gaswap's pick for budget {label}: peak {format_size(pick[peak])}, {_ms(pick['step_s'])} "
             f"({pick['step_s'] / t['step_s'] - 1:+.1%})")
     if pick[peak] > t[peak]:
-        why = (RESIDENT_NOTE.replace("so a pick", "and this pick") if peak == "rss_peak_bytes" else
-               "it measured above that peak in the head to head")
+        why = (f"by the allocator {format_size(pick['peak_bytes'])} against {format_size(t['peak_bytes'])}; the "
+               f"resident set also counts what malloc keeps, and moves by about an activation between runs"
+               if peak == "rss_peak_bytes" else "it measured above that peak in the head to head")
         return head + said + f": above torch's peak by this meter ({why})" + _faster(others[:1], t)
     origin = pick.get("origin") or "search"
     if origin == f"torch {t['knob']}":
