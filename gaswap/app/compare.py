@@ -127,7 +127,10 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
         m, opt = training.fresh_copy(model, exp.optimizer)
         methods.append(Method("torch.compile", f"{budget:g}", m, compiled_methods.torch_compiled(m, budget), opt,
                               predicted(chromosome, r), _count(chromosome)))
-    reached = [_peak_reached(m, inputs, target, exp, device, progress) for m in methods[1:]]
+    reached = []
+    for k, m in enumerate(methods[1:]):
+        progress(f"  compiling torch.compile {m.knob} ({k + 1} of {len(methods) - 1})")
+        reached.append(_peak_reached(m, inputs, target, exp, device, progress))
     budgets = _budgets([peak + resident for peak in reached], below, resident)
     budget_of_torch = dict(zip((m.knob for m in methods[1:]), _labels_of(budgets, [p + resident for p in reached])))
     seeds = {f"torch_{b:g}": c for b, (c, _) in torch_points.items()}
