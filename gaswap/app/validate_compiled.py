@@ -90,7 +90,7 @@ def report(policy: policies.Policy, policy_path: Path, name: str, device: str, s
                     "time_within_15pc": abs(r["time_ratio"] - 1) <= TIME_TOLERANCE}
     r["planned_device"] = policy.provenance.get("device")
     r["warnings"] = [] if r["planned_device"] else [
-        f"{policy_path} does not name the device its costs and calibration were timed on (written before gaswap "
-        f"recorded it): its predicted step time holds there only; `gaswap compare` on this machine predicts here"]
+        (f"{policy_path} does not name the device its costs and calibration were timed on (written before gaswap "
+         f"recorded it): its predicted step time holds on that device only; `gaswap compare` here predicts here")]
     write_atomic(out, json.dumps(r, indent=2) + "\n")
     return r
