@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from gaswap.app import compare
+from gaswap.app import compare, compare_report
 from gaswap.run.peak_meter import PeakMeter
 
 
@@ -35,26 +35,61 @@ def test_cpu_peak_meter_ignores_frees_of_what_was_allocated_before():
     assert 16 << 20 <= meter.peak < (16 << 20) + 64
 
 
-def _row(method, knob, peak, step):
+def _row(method, knob, peak, step, budget=None, rss=None):
     return {"method": method, "knob": knob, "predicted_peak_bytes": None, "predicted_step_s": None, "peak_bytes": peak,
             "peak_min": peak, "peak_max": peak, "step_s": step, "step_min": step, "step_max": step, "wall_step_s": step,
-            "compile_s": 0.0, "recomputed": None, "rss_peak_bytes": peak}
+            "compile_s": 0.0, "recomputed": None, "rss_peak_bytes": peak if rss is None else rss,
+            "budget": knob if method == "gaswap" else budget}
 
 
-def test_goal_compares_each_torch_point_with_the_fastest_gaswap_policy_at_or_below_its_peak():
-    rows = [_row("eager", "-", 300, 1.0), _row("torch.compile", "1", 200, 1.0), _row("torch.compile", "0.2", 100, 1.3),
-            _row("gaswap", "a", 190, 0.9), _row("gaswap", "b", 120, 1.1), _row("gaswap", "c", 90, 1.4)]
-    lines = compare.goal_lines(rows)
-    assert "gaswap a" in lines[0] and lines[0].endswith(": met")
-    assert "gaswap c" in lines[1] and lines[1].endswith(": not met")  # only c is at or below 100
-    table = compare.to_markdown(rows, "x", "cpu")
-    assert "| gaswap | b | - | - |" in table and "+10.0%" in table
-    rows[3]["origin"] = "torch 1"  # the search's policy at 190 is torch 1.0's own partition
-    assert compare.goal_lines(rows)[0].endswith("a tie: gaswap's timing picked this very partition, faster or slower "
-                                                "by noise alone")
-    rows[3]["origin"] = "torch 0.2"
-    assert compare.goal_lines(rows)[0].endswith(": met (gaswap's timing picked torch 0.2's partition)")
-    assert "| gaswap (torch 0.2's partition) | a |" in compare.to_markdown(rows, "x", "cpu")
+def test_a_verdict_judges_the_policy_picked_for_the_budget_a_torch_point_became():
+    rows = [_row("eager", "-", 300, 2.0), _row("torch.compile", "1", 200, 1.0, "A"),
+            _row("torch.compile", "0.2", 100, 1.3, "B"), _row("gaswap", "A", 190, 1.05), _row("gaswap", "B", 90, 0.95)]
+    rows[3]["step_min"] = 0.94  # A's timings overlap B's: no other pick named
+    assert compare_report.goal_lines(rows)[0].endswith(": not met")
+    rows[3]["step_min"] = 1.05
+    first, second = compare_report.goal_lines(rows)
+    # A's pick is slower than torch 1: not met, though B's pick (another budget's) is faster and fits
+    assert first == ("- torch.compile 1 (peak 200 B, 1000.00 ms): gaswap's pick for budget A: peak 190 B, "
+                     "1050.00 ms (+5.0%): not met; budget B's pick runs at or below this peak in 950.00 ms (-5.0%)")
+    assert second.endswith("gaswap's pick for budget B: peak 90 B, 950.00 ms (-26.9%): met")
+    rows[3]["origin"] = "torch 1"  # A's pick is torch 1.0's own partition
+    assert ": a tie: the pick is this very partition read back" in compare_report.goal_lines(rows)[0]
+    rows[4]["origin"] = "torch 1"  # B's pick is torch 1.0's partition, read back at torch 0.2's peak
+    assert compare_report.goal_lines(rows)[1].endswith(
+        ": met (the pick is torch 1's partition read back, not a policy of gaswap's own search)")
+    assert "| gaswap (torch 1's partition) | B |" in compare_report.to_markdown(rows, "x", "cpu")
+    del rows[4]  # nothing picked for B
+    assert compare_report.goal_lines(rows)[1].endswith(
+        "gaswap picked no policy for budget B (none measured at or under it)")
+
+
+def test_a_pick_above_torch_by_the_resident_set_is_explained_and_eager_faster_than_all_is_said():
+    rows = [_row("eager", "-", 300, 0.5), _row("torch.compile", "1", 200, 1.0, "A", rss=250),
+            _row("gaswap", "A", 190, 0.9, rss=260), _row("gaswap", "0.8x A", 150, 1.2, rss=210)]
+    line, = compare_report.goal_lines(rows, "rss_peak_bytes")
+    assert "peak 260 B, 900.00 ms (-10.0%): above torch's peak by this meter (by the allocator 190 B against " \
+           "200 B; the resident set also counts what malloc keeps" in line
+    assert line.endswith("budget 0.8x A's pick runs at or below this peak in 1200.00 ms (+20.0%)")
+    assert compare_report.below_lines(rows) == [
+        ("- below torch's lowest peak: gaswap's pick for budget 0.8x A: peak 150 B, 1200.00 ms (+20.0% against "
+         "torch.compile 1, 1000.00 ms at 200 B)")]
+    table = compare_report.to_markdown(rows, "x", "cpu")
+    assert "Eager ran faster than every compiled method: 500.00 ms a step at a peak of 300 B, against the fastest " \
+           "compiled, gaswap A, 900.00 ms at 190 B (-44.4%)" in table
+    rows[0]["step_s"] = 0.95
+    assert compare_report.eager_lines(rows) == [] and "Eager ran" not in compare_report.to_markdown(rows, "x", "cpu")
+
+
+def test_budgets_apart_however_close_keep_labels_apart():
+    resident = 1000
+    peaks = [resident + 17_139_000, resident + 17_140_600, resident + 36_600_000, resident + 17_139_000]
+    budgets = compare._budgets(peaks, (0.8,), resident)
+    assert budgets == [("36.60 MB", resident + 36_600_000), ("17.141 MB", resident + 17_140_600),
+                       ("17.139 MB", resident + 17_139_000), ("0.8x 17.139 MB", resident + int(0.8 * 17_139_000))]
+    assert compare._labels_of(budgets, peaks) == ["17.139 MB", "17.141 MB", "36.60 MB", "17.139 MB"]
+    assert compare_report.budget_labels([5, 5_000_000_000_001, 5_000_000_000_002]) == [
+        "5 B", "5000000000001 B", "5000000000002 B"]  # no decimals of TB tell them apart: bytes
 
 
 def test_compare_refuses_an_experiment_without_a_loss(tmp_path):
@@ -85,7 +120,7 @@ def _finalist_harness(measured: dict):
         actions_of[id(m)], problem_of[id(m)] = e.chromosome.actions, problem
         return m, Policy("f", (), {}, provenance={"budget": label})
 
-    def time_methods(methods, rounds, steps):
+    def time_methods(methods, rounds, steps, **options):
         timed.extend(actions_of[id(m)] for m in methods)
         return [{"knob": m.knob, **dict(zip(("peak_bytes", "step_s"), measured[actions_of[id(m)]]))}
                 for m in methods]
@@ -120,12 +155,22 @@ def test_a_finalists_round_chooses_per_budget_the_fastest_measured_within_it():
 
 
 def test_a_second_round_times_the_new_finalists_beside_the_first_choice_which_stands_where_none_is_new():
+    from gaswap.plan.encoding import Chromosome
+    from gaswap.plan.problem import Evaluated
+
     evaluated, *_ = _finalist_harness({})
     made = {(0,): None, (1,): None, (2,): None}
     first = {"A": evaluated(1), "B": evaluated(2)}
     second = compare._second_round([("A", [evaluated(0), evaluated(4)]), ("B", [evaluated(1), evaluated(0)]),
                                     ("C", [evaluated(5)])], made, first)
     assert [(label, [e.chromosome.actions[0] for e in es]) for label, es in second] == [("A", [4, 1]), ("C", [5])]
+    # a new finalist the refit predicts slower than A's choice measured (2.0 s, within its 10 % error) is not made
+    slow, fast = Evaluated(Chromosome((0.0,), (6,)), 2.3, 50), Evaluated(Chromosome((0.0,), (7,)), 2.1, 50)
+    said = []
+    second = compare._second_round([("A", [slow, fast]), ("B", [slow])], made, first, {"A": 2.0, "B": 2.0}, 0.1,
+                                   said.append)
+    assert [(label, [e.chromosome.actions[0] for e in es]) for label, es in second] == [("A", [7, 1])]
+    assert said[0].startswith("  at A: 1 of the second search's new finalists not compiled")
     lines = []
     final = compare._final_choice(["A", "B", "C", "D"], first, {"A": evaluated(4), "C": evaluated(5)}, lines.append)
     assert {label: e.chromosome.actions[0] for label, e in final.items()} == {"A": 4, "B": 2, "C": 5}
@@ -174,7 +219,7 @@ def test_two_rounds_refit_the_time_model_on_round_one_and_time_round_twos_new_fi
         problems.append(problem_)
         return compare.Method("gaswap", label, None, None, None, origin=e.chromosome.actions), None
 
-    def time_methods(methods, rounds, steps):
+    def time_methods(methods, rounds, steps, **options):
         return [{"knob": m.knob, **dict(zip(("peak_bytes", "step_s"), measured[m.origin]))} for m in methods]
 
     def search_again(refit, budgets):
@@ -196,6 +241,53 @@ def test_two_rounds_refit_the_time_model_on_round_one_and_time_round_twos_new_fi
     searched.clear()
     assert compare._two_rounds([], problem, [("A", 50)], 10, {}, method, time_methods, lambda line: None,
                                search_again) == ({}, []) and searched == []  # no finalist: no second round
+
+
+def test_finalists_clearly_slower_or_over_every_budget_of_theirs_are_timed_no_longer():
+    from gaswap.plan.encoding import Chromosome
+    from gaswap.plan.problem import Evaluated
+
+    def e(k):
+        return Evaluated(Chromosome((0.0,), (k,)), 1.0, 50)
+
+    def row(peak, low, median, high):
+        return {"peak_bytes": peak, "step_min": low, "step_s": median, "step_max": high}
+
+    timed = [(0,), (1,), (2,), (3,), (4,)]
+    finalists = [("A", [e(0), e(1), e(2)]), ("B", [e(3), e(4), e(2)])]  # A: 100 above resident, B: 50
+    rows = [row(90, 1.0, 1.05, 1.1), row(80, 1.25, 1.3, 1.4), row(40, 1.15, 1.2, 1.25), row(45, 1.3, 1.3, 1.3),
+            row(60, 0.5, 0.5, 0.5)]
+    # A: #0 fastest (slowest step 1.1); #1's fastest 1.25 is over 1.1 x 1.1: out; #2's 1.15 within. B: #4 is over
+    # it (60 above resident > 50), fast as it is; #2 is B's fastest that fits, #3 within 1.25 x 1.1 of it.
+    assert compare._contenders(timed, finalists, {"A": 110, "B": 60}, 10, rows) == {0, 2, 3}
+    rows[3]["step_min"] = 1.4  # now clearly slower than #2 too
+    assert compare._contenders(timed, finalists, {"A": 110, "B": 60}, 10, rows) == {0, 2}
+
+
+def test_measure_meters_the_first_rounds_only_and_stops_timing_what_prune_drops(monkeypatch):
+    from gaswap import zoo
+    from gaswap.compiled import methods
+    from gaswap.run import training
+
+    torch.manual_seed(0)
+    model, x, y = zoo.mlp(sizes=(12, 32, 5)), torch.randn(8, 12), torch.randint(0, 5, (8,))
+    ms = []
+    for knob in ("a", "b", "c"):
+        m, optimizer = training.fresh_copy(model, "sgd")
+        ms.append(methods.Method("eager", knob, m, m, optimizer))
+    metered, pruned = [], []
+    real = training.metered_round
+    monkeypatch.setattr(training, "metered_round", lambda *a: metered.append(a) or real(*a))
+
+    def prune(rows):
+        pruned.append([r["steps_timed"] for r in rows])
+        return {0, 2}  # b is dropped after the first round
+
+    rows = methods.measure(ms, (x,), y, "cross_entropy", torch.device("cpu"), 3, 2, lambda line: None, metered=1,
+                           prune=prune)
+    assert len(metered) == 3  # one metered round each, the first
+    assert pruned == [[2, 2, 2], [4, 2, 4]]  # asked after every round but the last
+    assert [r["steps_timed"] for r in rows] == [6, 2, 6] and rows[1]["peak_min"] == rows[1]["peak_max"] > 0
 
 
 def test_a_budget_no_finalist_fits_is_searched_again_under_the_model_error():
@@ -250,6 +342,7 @@ def test_the_shortlist_fills_a_small_front_with_the_next_fastest_policies():
 
 def test_a_policy_written_predicts_its_generated_programs_peak_and_keeps_the_models_beside_it(tmp_path):
     import json
+    from dataclasses import replace
 
     from gaswap.app import validate_compiled
     from gaswap.compiled.programs import Program
@@ -266,10 +359,35 @@ def test_a_policy_written_predicts_its_generated_programs_peak_and_keeps_the_mod
     assert r["peak_ratio"] == 1000 / 1050 and r["search_peak_ratio"] == 1000 / 900
     assert r["targets"] == {"peak_within_5pc": True, "peak_within_budget": True, "time_within_15pc": True}
     assert json.loads((tmp_path / "p.validation.json").read_text()) == r
+    assert r["planned_device"] is None and "does not name the device" in r["warnings"][0]  # written before it did
+    stamped = replace(written, provenance=written.provenance | {"device": "cpu: X (1 thread)"})
+    r = validate_compiled.report(stamped, tmp_path / "p.yaml", "e", "cpu", 1, [1000], [1.1], [None], 0.1)
+    assert r["planned_device"] == "cpu: X (1 thread)" and r["warnings"] == []
     # a method whose programs cannot be read has no program peak, and says why
     lines = []
     m = compare.Method("gaswap", "A", None, None, None, programs=[Program("no program")])
     assert compare._program_peak(m, 10, "sum", lines.append) is None and "no program peak" in lines[0]
+
+
+@pytest.mark.parametrize("device, warned", [
+    ("cpu: AMD EPYC, family 26 model 2, AVX512 (1 thread)",
+     ("the policy's costs were measured on cpu: AMD EPYC, family 26 model 2, AVX512 (1 thread) and this run is on")),
+    (None, "does not name the device its costs and calibration were timed on")])
+def test_validate_of_a_compiled_policy_from_another_device_or_none_named_warns(tmp_path, monkeypatch, capsys, device,
+                                                                                warned):
+    from gaswap.app import validate, validate_compiled
+    from gaswap.app.cli import main
+    from gaswap.plan.policy import Policy, save
+
+    provenance = {"form": "compiled", "budget_bytes": 1200} | ({"device": device} if device else {})
+    policy = Policy("f", (), {}, {"peak_bytes": 1050, "step_time_s": 1.0, "resident_bytes": 100}, provenance)
+    save(policy, tmp_path / "p.yaml")
+    here = "cpu: Elsewhere (1 thread)"
+    monkeypatch.setattr(validate, "validate", lambda path, *args, **kwargs: validate_compiled.report(
+        policy, path, "e", here, 3, [1000], [2.0], [None], 0.1))  # as if trained here: 2 s a step
+    assert main(["validate", str(tmp_path / "p.yaml"), "--steps", "3"]) == 0
+    err = capsys.readouterr().err
+    assert warned in err and err.count("warning:") == 1, err
 
 
 @pytest.mark.slow

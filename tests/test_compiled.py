@@ -138,6 +138,24 @@ def test_refusals_before_any_code_is_generated():
         step(torch.randn(8, 3, 16, 16))
 
 
+def test_a_compiled_policy_called_with_another_batch_size_or_dtype_names_them_not_a_layers_width():
+    model, x, _ = _mlp()
+    graph = partition.capture(model, x)
+    named = partition.make_policy(graph, {}, provenance={"inputs": [{"shape": ["batch", 12], "dtype": "float32"}],
+                                                         "batch_size": 8})
+    for policy, call, said in [
+            (named, torch.randn(4, 12), "input 0: policy [8, 12] float32 (batch size 8), here [4, 12] float32"),
+            (named, x.double(), "input 0: policy [8, 12] float32 (batch size 8), here [8, 12] float64"),
+            (partition.make_policy(graph, {}), torch.randn(4, 12),
+             ("The inputs here: [4, 12] float32; the policy does not name the inputs it was made for"))]:
+        m = copy.deepcopy(model).to(call.dtype)
+        with pytest.raises(partition.OtherGraph) as refused:  # as it is, not wrapped in BackendCompilerFailed
+            partition.compile(m, policy)(call)
+        assert said in str(refused.value), str(refused.value)
+        assert ("width" in str(refused.value)) == (policy is not named)  # a guess only where the policy says nothing
+        assert "TORCHDYNAMO_VERBOSE" not in str(refused.value) and isinstance(refused.value, PolicyError)
+
+
 def _train(fn, model, x, y, steps=3):
     """Losses, gradients and the state dict (parameters, BatchNorm statistics) after `steps` SGD steps."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

@@ -377,8 +377,8 @@ def validate(args) -> int:
     p, m = r["predicted"], r["measured"]
     print(f"{r['experiment']} on {r['device']} ({r['steps']} steps; costs {r['cost_source']})")
     elsewhere = planned.mismatch(policies.load(args.policy).provenance, r["device"])
-    if elsewhere:
-        print(f"warning: {elsewhere}", file=sys.stderr)
+    for warning in [elsewhere] if elsewhere else r.get("warnings", []):  # compiled: a policy naming no device
+        print(f"warning: {warning}", file=sys.stderr)
     print(f"  peak       predicted {format_size(p['peak_bytes'])}, measured {format_size(m['peak_bytes'])} "
           f"({r['peak_ratio'] - 1:+.1%}); budget {format_size(r['budget_bytes'])}")
     if "search_peak_ratio" in r:

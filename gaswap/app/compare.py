@@ -9,18 +9,21 @@ torch's partitions, each read back as keep/recompute actions. The model cannot s
 (keeping a bool mask can slow a kernel several times), so the `finalists` fastest policies it predicts at
 each budget (the search's Pareto front, filled up with the next fastest that fit where the front holds
 fewer: it can hold one or two when every policy is predicted nearly the same peak), and torch's partitions
-whose measured peak fits, are compiled and timed first, in rounds of their own (`_finalists_round`). Then
+whose measured peak fits, are compiled and timed first, in rounds of their own (`_finalists_round`: the
+peak metered in the first, which the allocator gives the same every run; a finalist over every budget of
+its own, or clearly slower than the fastest there, timed no longer: `_contenders`). Then
 a second round: the time model is fitted again on its calibration points and the finalists' measured
 times (`step_model.refit`), the search runs again with it, and the new finalists it predicts fastest
-are timed beside the first round's choice at their budget (`_second_round`). Where no first-round
+are timed beside the first round's choice at their budget (`_second_round`; one the refit predicts slower
+than that choice measured, by more than the refit's own error, is not compiled). Where no first-round
 finalist measured under its budget (the model erred low), the second search runs under the budget divided
 by how far over their predictions those finalists measured (`_refit_budgets`). The policy compared at a
 budget is the fastest whose measured peak fits it, of the last round that timed any there; a budget none
 fits is left out (`_final_choice`). A policy's predictions are those of the model that picked it, before
-it was timed.
+it was timed. The verdicts of compare.md are `gaswap.app.compare_report`'s.
 Policies are simulated as inductor runs them (`gaswap.compiled.step_model`): standalone op costs in CPU
 seconds, fused intermediates not counted, the keep-all step, the cost of recomputation, of kept masks and
-of saved bytes calibrated on seven policies compiled and timed first (`step_model.calibrate`). The
+of saved bytes calibrated on policies compiled and timed first (`step_model.calibrate`, seven). The
 table shows those predictions beside the ones of the joint graph's ops one by one (every op alone, every
 tensor counted).
 
@@ -44,12 +47,13 @@ Writes `results/<experiment>/compare.csv`, `compare.md`, `finalists.csv` and the
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 
 import torch
 
+from gaswap.app.compare_report import budget_labels, to_markdown
 from gaswap.base import config
 from gaswap.base.config import format_size
 from gaswap.base.files import csv_text, write_atomic
@@ -66,11 +70,14 @@ from gaswap.run.measure import device_name, measure
 TORCH_BUDGETS = (1.0, 0.5, 0.2)
 FINALISTS = 3  # gaswap policies per budget compiled and timed before the head to head; the fastest is compared
 TUNING_ROUNDS, TUNING_STEPS = 3, 2
+SEPARATED = 0.10  # a finalist whose fastest step is this much slower than the slowest of the fastest is not timed on
 COLUMNS = ("method", "knob", "predicted_peak_bytes", "predicted_step_s", "peak_bytes", "peak_min", "peak_max",
            "step_s", "step_min", "step_max", "wall_step_s", "compile_s", "recomputed", "opwise_peak_bytes",
-           "opwise_step_s", "rss_peak_bytes", "origin", "program_peak_bytes")
+           "opwise_step_s", "rss_peak_bytes", "origin", "program_peak_bytes", "budget", "steps_timed")
 # step_*: CPU seconds; opwise_*: the joint graph's ops one by one (no fusion model); program_peak_bytes: the
-# peak of the programs inductor generated for the method (`gaswap.compiled.programs`)
+# peak of the programs inductor generated for the method (`gaswap.compiled.programs`); budget: the gaswap
+# budget a torch.compile row's measured peak became, a gaswap row's own (`gaswap.app.compare_report`);
+# steps_timed: fewer for a finalist no longer timed once clearly slower (`_contenders`)
 FINALIST_COLUMNS = (*COLUMNS, "round")  # finalists.csv: the round that timed the finalist (`_finalists_round`)
 
 
@@ -86,12 +93,12 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     progress(f"  on {device_name(device)}")
     costs = measure(graph, device, cache_dir, threads=exp.costs.threads)
     space = config.load_search_space(partition.SPACE)
-    progress("  calibrating the compiled model: seven policies compiled and timed")
     provenance = {"optimizer": exp.optimizer, "counts": sorted(exp.counts)}
 
     def cpu_times(actions):
+        progress(f"  calibrating the compiled model: {len(actions)} policies compiled and timed")
         made = [partition.make_policy(graph, a, provenance=provenance) for a in actions]
-        return _cpu_times(made, model, inputs, target, exp, device)
+        return _cpu_times(made, model, inputs, target, exp, device, progress)
 
     calibration = step_model.calibrate(graph, costs, cpu_times, exp.loss)
     progress(f"  keep-all {calibration.base * 1e3:.2f} ms a step; recomputed generated ops cost "
@@ -120,8 +127,12 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
         m, opt = training.fresh_copy(model, exp.optimizer)
         methods.append(Method("torch.compile", f"{budget:g}", m, compiled_methods.torch_compiled(m, budget), opt,
                               predicted(chromosome, r), _count(chromosome)))
-    reached = [_peak_reached(m, inputs, target, exp, device, progress) for m in methods[1:]]
+    reached = []
+    for k, m in enumerate(methods[1:]):
+        progress(f"  compiling torch.compile {m.knob} ({k + 1} of {len(methods) - 1})")
+        reached.append(_peak_reached(m, inputs, target, exp, device, progress))
     budgets = _budgets([peak + resident for peak in reached], below, resident)
+    budget_of_torch = dict(zip((m.knob for m in methods[1:]), _labels_of(budgets, [p + resident for p in reached])))
     seeds = {f"torch_{b:g}": c for b, (c, _) in torch_points.items()}
     shortlist = _search(exp, graph, costs, calibration, space, seeds, budgets, resident, progress, finalists)
     folder = Path(results_root) / exp.name
@@ -140,6 +151,7 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
                                       {"experiment": exp.name, "experiment_file": str(exp.path), "budget": label,
                                        "budget_bytes": budget_of[label],
                                        "optimizer": exp.optimizer, "counts": sorted(exp.counts),
+                                       "inputs": [asdict(spec) for spec in exp.inputs], "batch_size": exp.batch_size,
                                        "cost_source": problem.simulator.costs.source,
                                        "device": problem.simulator.costs.device,  # costs and calibration timed here
                                        "calibration": problem.calibration.to_dict(),
@@ -150,8 +162,8 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
 
     output_bytes = graph.tensors[graph.loss].size
 
-    def measure_methods(ms, rounds_, steps_):
-        rows_ = compiled_methods.measure(ms, inputs, target, exp.loss, device, rounds_, steps_, progress)
+    def measure_methods(ms, rounds_, steps_, **options):
+        rows_ = compiled_methods.measure(ms, inputs, target, exp.loss, device, rounds_, steps_, progress, **options)
         for m, row in zip(ms, rows_):
             row["program_peak_bytes"] = _program_peak(m, output_bytes, exp.loss, progress)
         return rows_
@@ -167,6 +179,8 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     picked = _picked(chosen, made, method, budget_of, unbounded)
     methods += [m for m, _ in picked]
     rows = measure_methods(methods, rounds, steps)
+    for row in rows:
+        row["budget"] = row["knob"] if row["method"] == "gaswap" else budget_of_torch.get(row["knob"])
     # written once all is measured: a run that fails midway leaves the earlier run's results whole
     for stale in [*folder.glob("compiled/p[0-9]*.yaml"), *folder.glob("compiled/p[0-9]*.validation.json")]:
         stale.unlink()  # an earlier run's policies and their validations
@@ -252,8 +266,9 @@ def _two_rounds(shortlist, problem, budgets, resident, made: dict, method, measu
     retry = search_again(refit, again + _refit_budgets(unfit, budget_of, resident))
     refitted = step_model.CompiledProblem(problem.graph, problem.costs, None, problem.space, loss=problem.loss,
                                               calibration=refit)
-    chosen2, second, _ = _finalists_round(_second_round(retry, made, chosen), 2, refitted, made, method, budget_of,
-                                          resident, measure_methods, progress)
+    standing = {label: first[e.chromosome.actions]["step_s"] for label, e in chosen.items()}
+    chosen2, second, _ = _finalists_round(_second_round(retry, made, chosen, standing, refit.worst_error(), progress),
+                                          2, refitted, made, method, budget_of, resident, measure_methods, progress)
     return _final_choice(labels, chosen, chosen2, progress), [*first.values(), *second.values()]
 
 
@@ -277,10 +292,11 @@ def _finalists_round(finalists, number: int, problem, made: dict, method, budget
     if not timed:
         return {}, {}, {}
     progress(f"  timing {len(timed)} finalists (round {number})")
-    rows = {a: row | {"round": number}
-            for a, row in zip(timed, measure_methods([made[a][0] for a in timed], TUNING_ROUNDS, TUNING_STEPS))}
+    contenders = partial(_contenders, timed, finalists, budget_of, resident)
+    measured = measure_methods([made[a][0] for a in timed], TUNING_ROUNDS, TUNING_STEPS, metered=1, prune=contenders)
+    rows = {a: row | {"round": number} for a, row in zip(timed, measured)}
     chosen, unfit = {}, {}
-    number_of = lambda e: made[e.chromosome.actions][0].knob.rsplit(" ", 1)[-1]  # noqa: E731 ("#3")
+    number_of = lambda e: made[e.chromosome.actions][0].knob.rsplit(" ", 1)[-1]
     for label, evaluated in finalists:
         fits = [e for e in evaluated if rows[e.chromosome.actions]["peak_bytes"] <= budget_of[label] - resident]
         if not fits:
@@ -293,15 +309,39 @@ def _finalists_round(finalists, number: int, problem, made: dict, method, budget
     return chosen, rows, unfit
 
 
-def _second_round(finalists, made: dict, chosen: dict) -> list[tuple[str, list]]:
+def _contenders(timed: list, finalists, budget_of: dict, resident: int, rows: list[dict]) -> set[int]:
+    """The indices in `timed` (actions, in the order of `rows`, their measured rows so far) of the finalists
+    still worth timing: at some budget of theirs (`finalists`: (label, [Evaluated]) pairs) measured at or under
+    it and not clearly slower than the fastest there (its slowest step faster than their fastest, by
+    `SEPARATED`). The others cannot be chosen: over every budget of theirs, or separated by the timings alone."""
+    row_of = dict(zip(timed, rows))
+    keep = set()
+    for label, evaluated in finalists:
+        fits = [e.chromosome.actions for e in evaluated
+                if row_of[e.chromosome.actions]["peak_bytes"] <= budget_of[label] - resident]
+        if fits:
+            best = min(fits, key=lambda a: row_of[a]["step_s"])
+            keep |= {a for a in fits if row_of[a]["step_min"] <= row_of[best]["step_max"] * (1 + SEPARATED)}
+    return {i for i, a in enumerate(timed) if a in keep}
+
+
+def _second_round(finalists, made: dict, chosen: dict, standing: dict | None = None, error: float = 0.0,
+                  progress=lambda line: None) -> list[tuple[str, list]]:
     """The second search's `finalists` that no round compiled yet (`made`), each budget's with the first
     round's choice there (`chosen`: timed again beside them); a budget with none new is dropped (its first
-    choice stands)."""
+    choice stands). A new one predicted (by the refit model, within `error` of its points) slower than the
+    choice there measured (`standing`: label -> seconds) by more than `error` is not compiled: the model
+    that has seen the choice's time would have to err more than it does on its own points for it to win."""
     out = []
     for label, evaluated in finalists:
         new = [e for e in evaluated if e.chromosome.actions not in made]
-        if new:
-            out.append((label, new + ([chosen[label]] if label in chosen else [])))
+        limit = (standing or {}).get(label, float("inf")) * (1 + error)
+        hopeful = [e for e in new if e.step_time <= limit]
+        if len(hopeful) < len(new):
+            progress(f"  at {label}: {len(new) - len(hopeful)} of the second search's new finalists not compiled, "
+                     f"predicted slower than the choice there measured ({limit * 1e3:.2f} ms with the model's error)")
+        if hopeful:
+            out.append((label, hopeful + ([chosen[label]] if label in chosen else [])))
     return out
 
 
@@ -372,11 +412,18 @@ def _program_peak(m: Method, output_bytes: int, loss: str, progress) -> int | No
 
 def _budgets(peaks: list[int], below, resident: int) -> list[tuple[str, int]]:
     """(label, bytes): the distinct `peaks` (highest first), then `below` times the lowest; labelled by what
-    the meter would read (the bytes above `resident`)."""
+    the meter would read (the bytes above `resident`), distinct peaks apart however close
+    (`compare_report.budget_labels`)."""
     peaks = sorted(set(peaks), reverse=True)
-    lowest = peaks[-1]
-    return ([(format_size(p - resident), p) for p in peaks]
-            + [(f"{f:g}x {format_size(lowest - resident)}", resident + int(f * (lowest - resident))) for f in below])
+    labels = budget_labels([p - resident for p in peaks])
+    return ([*zip(labels, peaks)]
+            + [(f"{f:g}x {labels[-1]}", resident + int(f * (peaks[-1] - resident))) for f in below])
+
+
+def _labels_of(budgets: list[tuple[str, int]], peaks: list[int]) -> list[str]:
+    """The label of the budget each of `peaks` became (`_budgets`)."""
+    label_of = {b: label for label, b in reversed(budgets)}
+    return [label_of[p] for p in peaks]
 
 
 def _peak_reached(m: Method, inputs, target, exp, device, progress) -> int:
@@ -385,98 +432,19 @@ def _peak_reached(m: Method, inputs, target, exp, device, progress) -> int:
     return training.metered_peak(partial(m.step, inputs, target, exp.loss, device), device)[0]
 
 
-def _cpu_times(policies_, model, inputs, target, exp, device, rounds: int = 4, steps: int = 3) -> list[float]:
+def _cpu_times(policies_, model, inputs, target, exp, device, progress, rounds: int = 4, steps: int = 3) -> list[float]:
     """Median CPU seconds per training step of `model` compiled under each policy, timed as the methods
     compared are (`compiled_methods.measure`: rotated rounds, each after a metered and an untimed step)."""
     methods = []
     for k, policy in enumerate(policies_):
         m, opt = training.fresh_copy(model, exp.optimizer)
-        methods.append(Method("calibration", str(k), m, partition.compile(m, policy), opt))
-    rows = compiled_methods.measure(methods, inputs, target, exp.loss, device, rounds, steps, lambda _: None)
+        methods.append(Method("calibration", str(k + 1), m, partition.compile(m, policy), opt))
+    rows = compiled_methods.measure(methods, inputs, target, exp.loss, device, rounds, steps, progress, metered=1)
     return [row["step_s"] for row in rows]
 
 
 def _count(chromosome) -> int:
     return sum(1 for a in chromosome.actions if a == Action.RECOMPUTE)
-
-
-# --- output ----------------------------------------------------------------------------------------------
-
-def to_markdown(rows: list[dict], name: str, device: str, tuning: list[dict] = ()) -> str:
-    """The table, and per torch.compile point the fastest gaswap policy at an equal or lower measured peak
-    (allocated bytes; on a CPU also by the resident set); then the finalists timed before, if any.
-    Predictions: the compiled model (`gaswap.compiled.step_model`), then the joint graph's ops one by one; and the
-    peak of the programs inductor generated (`gaswap.compiled.programs`)."""
-    lines = [f"# gaswap compare: {name} ({device})", "",
-             "| method | budget | recomputed | predicted peak (ops one by one) | generated program's peak "
-             "| measured peak allocated | resident | predicted time (ops one by one) "
-             "| CPU time per step (median, range) | vs torch 1.0 |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
-    reference = next(r["step_s"] for r in rows if r["method"] == "torch.compile" and r["knob"] == "1")
-    for r in rows:
-        peak = _pair(r.get("predicted_peak_bytes"), r.get("opwise_peak_bytes"), format_size)
-        step = _pair(r.get("predicted_step_s"), r.get("opwise_step_s"), lambda s: f"{s * 1e3:.2f} ms")
-        rss = "-" if r.get("rss_peak_bytes") is None else format_size(r["rss_peak_bytes"])
-        recomputed = "-" if r["recomputed"] is None else r["recomputed"]
-        program = "-" if r.get("program_peak_bytes") is None else format_size(r["program_peak_bytes"])
-        lines.append(f"| {r['method']}{_origin(r)} | {r['knob']} | {recomputed} | "
-                     f"{peak} | {program} | {format_size(r['peak_bytes'])} | {rss} | {step} | "
-                     f"{r['step_s'] * 1e3:.2f} ms "
-                     f"({r['step_min'] * 1e3:.2f}-{r['step_max'] * 1e3:.2f}) | {r['step_s'] / reference - 1:+.1%} |")
-    lines += ["", "By peak allocated (torch's allocator):", *goal_lines(rows)]
-    if all(r.get("rss_peak_bytes") is not None for r in rows):
-        lines += ["", "By peak resident set (the process's high-water mark):", *goal_lines(rows, "rss_peak_bytes")]
-    if tuning:
-        lines += ["", "Finalists: the gaswap policies fastest in prediction at each budget, and torch's partitions "
-                  "whose measured peak fits it, timed in rounds of their own before the table above; round 2: "
-                  "those of a second search, by the model refit on round 1's times, beside round 1's choice. "
-                  "The fastest whose measured peak is at or under the budget, of the last round there, is "
-                  "compared.", "",
-                  "| finalist | round | recomputed | predicted peak | generated program's peak "
-                  "| measured peak allocated | predicted time | CPU time per step (median, range) |",
-                  "|---|---:|---:|---:|---:|---:|---:|---|"]
-        lines += [f"| {r['knob']}{_origin(r)} | {r.get('round', 1)} | {r['recomputed']} | "
-                  f"{format_size(r['predicted_peak_bytes'])} | "
-                  f"{'-' if r.get('program_peak_bytes') is None else format_size(r['program_peak_bytes'])} | "
-                  f"{format_size(r['peak_bytes'])} | {r['predicted_step_s'] * 1e3:.2f} ms | {r['step_s'] * 1e3:.2f} ms "
-                  f"({r['step_min'] * 1e3:.2f}-{r['step_max'] * 1e3:.2f}) |" for r in tuning]
-    return "\n".join(lines) + "\n"
-
-
-def _origin(row: dict) -> str:
-    """" (torch 0.5's partition)" for a gaswap row that is one of torch's partitions, else ""."""
-    origin = row.get("origin") or "search"
-    return "" if origin == "search" else f" ({origin}'s partition)"
-
-
-def _pair(value, opwise, fmt) -> str:
-    if value is None:
-        return "-"
-    return fmt(value) + ("" if opwise is None else f" ({fmt(opwise)})")
-
-
-def goal_lines(rows: list[dict], peak: str = "peak_bytes") -> list[str]:
-    """Per torch.compile point: the fastest gaswap policy whose measured `peak` (a column) is at or below it,
-    and whether it is at least as fast."""
-    ours = [r for r in rows if r["method"] == "gaswap"]
-    out = []
-    for t in (r for r in rows if r["method"] == "torch.compile"):
-        fits = [r for r in ours if r[peak] <= t[peak]]
-        if not fits:
-            out.append(f"- torch.compile {t['knob']} ({format_size(t[peak])}): no gaswap policy at or below "
-                       f"its peak")
-            continue
-        best = min(fits, key=lambda r: r["step_s"])
-        verdict = "met" if best["step_s"] <= t["step_s"] else "not met"
-        origin = best.get("origin") or "search"
-        if origin == f"torch {t['knob']}":
-            verdict = "a tie: gaswap's timing picked this very partition, faster or slower by noise alone"
-        elif origin != "search":
-            verdict += f" (gaswap's timing picked {origin}'s partition)"
-        out.append(f"- torch.compile {t['knob']} ({format_size(t[peak])}, {t['step_s'] * 1e3:.2f} ms): "
-                   f"gaswap {best['knob']} {format_size(best[peak])}, {best['step_s'] * 1e3:.2f} ms "
-                   f"({best['step_s'] / t['step_s'] - 1:+.1%}): {verdict}")
-    return out
 
 
 def command(args) -> int:

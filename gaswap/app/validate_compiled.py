@@ -43,7 +43,8 @@ def validate_compiled(policy: policies.Policy, policy_path: Path, exp: config.Ex
     if "resident_bytes" not in predicted:
         raise policies.PolicyError(f"{policy_path}: predicted: needs resident_bytes (re-run `gaswap compare`)")
     dev, model, inputs, target, graph = setup(exp, device)
-    policies.check_matches(policy, graph, policy_path)
+    here = {"input_shapes": [(list(x.shape), str(x.dtype).removeprefix("torch.")) for x in inputs]}
+    policies.check_matches(policy, graph, policy_path, provenance=here)
     m, optimizer = training.fresh_copy(model, exp.optimizer)
     step = partial(training.train_step, partition.compile(m, policy), optimizer, inputs, target, exp.loss, dev)
     training.warm_up(step)
@@ -87,5 +88,9 @@ def report(policy: policies.Policy, policy_path: Path, name: str, device: str, s
     r["targets"] = {"peak_within_5pc": abs(r["peak_ratio"] - 1) <= PEAK_TOLERANCE,
                     "peak_within_budget": None if budget is None else r["measured"]["peak_bytes"] <= r["budget_bytes"],
                     "time_within_15pc": abs(r["time_ratio"] - 1) <= TIME_TOLERANCE}
+    r["planned_device"] = policy.provenance.get("device")
+    r["warnings"] = [] if r["planned_device"] else [
+        (f"{policy_path} does not name the device its costs and calibration were timed on (written before gaswap "
+         f"recorded it): its predicted step time holds on that device only; `gaswap compare` here predicts here")]
     write_atomic(out, json.dumps(r, indent=2) + "\n")
     return r

@@ -1,6 +1,7 @@
 """The torch.compile path: `partition` (keep / recompute / swap decisions on the joint graph inductor
 partitions, and the backend that applies them), `step_model` (a torch-free model of the compiled step's cost
-and memory, for the simulator) and `programs` (the memory of the programs inductor generates).
+and memory, for the simulator), `programs` (the memory of the programs inductor generates) and `graph_breaks`
+(why torch.compile cannot compile a model as one graph, in words).
 
 Until gaswap 0.3, names of the former module `gaswap.compiled` (now `gaswap.compiled.partition`) are still
 found here, with a DeprecationWarning."""
@@ -11,7 +12,7 @@ import warnings
 def __getattr__(name: str):
     if name.startswith("__"):
         raise AttributeError(name)
-    if name in ("partition", "step_model", "programs"):
+    if name in ("partition", "step_model", "programs", "graph_breaks", "methods"):
         return importlib.import_module(f"gaswap.compiled.{name}")
     partition = importlib.import_module("gaswap.compiled.partition")
     if not hasattr(partition, name):

@@ -43,14 +43,18 @@ class Method:
 
 def setup(exp: config.Experiment, device="auto") -> tuple:
     """(device, model, inputs, target, joint graph) of an experiment for compiled runs: its intra-op threads on
-    a CPU, the model and inputs made from its seed, torch.compile's joint graph captured."""
+    a CPU, the model and inputs made from its seed, torch.compile's joint graph captured (a model it cannot
+    compile as one graph: `partition.Uncompilable`, naming the experiment file)."""
     dev = resolve_device(device)
     if dev.type == "cpu":
         use_cpu(exp.costs.threads)
     torch.manual_seed(exp.seed)
     model = experiment.build_model(exp, device=str(dev))
     inputs, target = experiment.make_inputs(exp, str(dev), torch.Generator(dev).manual_seed(exp.seed))
-    graph = partition.capture(model, *inputs, optimizer=exp.optimizer, counted=exp.counts)
+    try:
+        graph = partition.capture(model, *inputs, optimizer=exp.optimizer, counted=exp.counts)
+    except partition.Uncompilable as e:
+        raise partition.Uncompilable(f"{exp.path}: {e}") from None
     return dev, model, inputs, target, graph
 
 
@@ -92,33 +96,53 @@ def warm_up(m: Method, inputs, target, loss: str, device, progress) -> None:
     progress(f"  warmed up {m.name} {m.knob} ({m.compile_s:.0f} s)")
 
 
-def measure(methods: list[Method], inputs, target, loss: str, device, rounds: int, steps: int,
-            progress) -> list[dict]:
+def measure(methods: list[Method], inputs, target, loss: str, device, rounds: int, steps: int, progress, *,
+            metered: int | None = None, prune=None) -> list[dict]:
     """Warm up (compile) each method, then `rounds` rounds in rotated order of `training.metered_round` with
-    `steps` timed steps each: a row per method (`gaswap compare`'s columns but the program peak)."""
+    `steps` timed steps each: a row per method (`gaswap compare`'s columns but the program peak). With
+    `metered`, only the first `metered` rounds meter the peak (the allocator's is the same bytes every run),
+    the others run an untimed step in its place; with `prune`, after each round `prune(rows so far)` gives
+    the indices of the methods still worth timing (the others keep the rounds they ran)."""
     allow_recompiles(len(methods))
-    times = {m.name + m.knob: [] for m in methods}
-    cpu_times = {k: [] for k in times}
-    peaks = {k: [] for k in times}
-    rss_peaks = {k: [] for k in times}
-    for m in methods:
+    runs = [{"wall": [], "cpu": [], "peak": [], "rss": []} for _ in methods]
+    cold = [m for m in methods if not m.compile_s]
+    for k, m in enumerate(cold):
+        if m.name != "eager":
+            progress(f"  compiling {m.name} {m.knob} ({k + 1} of {len(cold)}; {len(cold) - k - 1} after it)")
         warm_up(m, inputs, target, loss, device, progress)
+    alive = list(range(len(methods)))
     for r in range(rounds):
-        for m in methods[r % len(methods):] + methods[:r % len(methods)]:
-            peak, rss_peak, timed = training.metered_round(partial(m.step, inputs, target, loss, device), device, steps)
-            peaks[m.name + m.knob].append(peak)
-            rss_peaks[m.name + m.knob].append(rss_peak)
-            times[m.name + m.knob] += [wall for wall, _ in timed]
-            cpu_times[m.name + m.knob] += [cpu for _, cpu in timed]
+        for i in alive[r % len(alive):] + alive[:r % len(alive)]:
+            step = partial(methods[i].step, inputs, target, loss, device)
+            if metered is None or r < metered:
+                peak, rss_peak, timed = training.metered_round(step, device, steps)
+                runs[i]["peak"].append(peak)
+                runs[i]["rss"].append(rss_peak)
+            else:
+                step()
+                timed = [step() for _ in range(steps)]
+            runs[i]["wall"] += [wall for wall, _ in timed]
+            runs[i]["cpu"] += [cpu for _, cpu in timed]
+        if prune is not None and r + 1 < rounds:
+            kept = prune(_rows(methods, runs))
+            if len(kept) < len(alive):
+                progress(f"  {len(alive) - len(kept)} of {len(alive)} no longer timed: clearly slower than another "
+                         f"at the same budget")
+            alive = [i for i in alive if i in kept]
+    return _rows(methods, runs)
+
+
+def _rows(methods: list[Method], runs: list[dict]) -> list[dict]:
     rows = []
-    for m in methods:
-        t, c, p = times[m.name + m.knob], cpu_times[m.name + m.knob], peaks[m.name + m.knob]
+    for m, run in zip(methods, runs):
+        c, p = run["cpu"], run["peak"]
         rows.append({"method": m.name, "knob": m.knob, "predicted_peak_bytes": m.predicted[0],
                      "predicted_step_s": m.predicted[1], "opwise_peak_bytes": m.predicted[2],
                      "opwise_step_s": m.predicted[3], "peak_bytes": int(statistics.median(p)), "peak_min": min(p),
                      "peak_max": max(p), "step_s": statistics.median(c), "step_min": min(c), "step_max": max(c),
-                     "wall_step_s": statistics.median(t), "compile_s": m.compile_s, "recomputed": m.recomputed,
-                     "rss_peak_bytes": _median_or_none(rss_peaks[m.name + m.knob]), "origin": m.origin})
+                     "wall_step_s": statistics.median(run["wall"]), "compile_s": m.compile_s,
+                     "recomputed": m.recomputed, "rss_peak_bytes": _median_or_none(run["rss"]), "origin": m.origin,
+                     "steps_timed": len(c)})
     return rows
 
 

@@ -57,6 +57,7 @@ import torch
 from torch import fx
 from torch._functorch import config as functorch_config
 from torch._functorch.compile_utils import fx_graph_cse, raise_getitems
+from torch._dynamo.exc import ShortenTraceback
 from torch._functorch.partitioners import (
     _extract_fwd_bwd_modules,
     _is_primal,
@@ -70,8 +71,9 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_
 from torch.utils._ordered_set import OrderedSet
 from torch.utils._pytree import arg_tree_leaves
 
-from gaswap.base.errors import GaswapError
+from gaswap.base.errors import BadInput, GaswapError
 from gaswap.base.training_options import OPTIMIZER_STATE
+from gaswap.compiled.graph_breaks import dynamic_shape, explain, module_path
 from gaswap.plan import graph as graphs
 from gaswap.plan import policy as policies
 from gaswap.plan.graph import Graph, Tensor
@@ -87,12 +89,34 @@ class CompiledCaptureError(GaswapError, RuntimeError):
     """torch.compile could not trace the model up to its partitioner; the message says why."""
 
 
+class OtherGraph(PolicyError, ShortenTraceback):
+    """A policy refused by the partitioner inside torch.compile (made for another graph: another batch size,
+    dtype or model), raised to the caller as it is: dynamo wraps what a backend raises in BackendCompilerFailed,
+    except a `ShortenTraceback`, which it re-raises with its own frames cut."""
+
+    first_useful_frame = None  # ShortenTraceback's: no frame to cut the traceback at
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message  # without the lines dynamo appends to the arguments of what passes through it
+
+
+class Uncompilable(BadInput, RuntimeError):
+    """torch.compile can compile the model only in pieces or with dynamic shapes (`graph_breaks`): a graph break,
+    data-dependent control flow, an nn.LSTM, a shape that depends on the data; the message says where and
+    what to do."""
+
+
 @dataclass(frozen=True)
 class Joint:
     """A joint graph as gaswap sees it: the `Graph`, and each fx node's storage (tensor name)."""
 
     graph: Graph
     storage_of: dict[str, str]  # fx node name -> name of the storage its value lives in
+    inputs: list  # [(shape, dtype name)] of the step's inputs (not parameters or buffers), in the graph's order
 
 
 def capture(fn: Callable, *example_args, optimizer: str = "sgd_momentum", counted=graphs.COUNTABLE) -> Graph:
@@ -140,6 +164,11 @@ def _record(recorder: "_Recorder", fn: Callable, example_args) -> "_Recorder":
     try:
         compiled(*example_args)
     except Exception as e:  # noqa: BLE001 - dynamo wraps what the backend raises
+        if recorder.dynamic is not None:
+            raise Uncompilable(recorder.dynamic) from None
+        if recorder.joint is None and isinstance(e, torch._dynamo.exc.TorchDynamoException) and not isinstance(
+                e, torch._dynamo.exc.BackendCompilerFailed):  # dynamo's trace stopped: the model's code
+            raise Uncompilable(explain(e, fn)) from None
         if recorder.joint is None:
             raise CompiledCaptureError(f"torch.compile could not trace {_name(fn)} (fullgraph=True, dynamic=False): "
                                        f"{str(e).strip().splitlines()[0]}") from e
@@ -184,7 +213,14 @@ class PolicyPartitioner(CustomPartitionerFn):
         static_indices = kwargs.get("static_lifetime_input_indices") or []
         joint = _joint(gm, num_fwd_outputs, static_indices, self.policy.provenance.get("optimizer", "sgd_momentum"),
                        self.policy.provenance.get("counts", graphs.COUNTABLE))
-        policies.check_matches(self.policy, joint.graph, "policy")
+        try:
+            policies.check_matches(self.policy, joint.graph, "policy", provenance={"input_shapes": joint.inputs},
+                                   torch_version=torch.__version__)
+        except PolicyError as e:
+            unnamed = "" if "inputs" in self.policy.provenance else (
+                f" The inputs here: {', '.join(f'{shape} {dtype}' for shape, dtype in joint.inputs)}; the policy does "
+                f"not name the inputs it was made for (make_policy(..., provenance={{'inputs': ..., 'batch_size': ...}}))")
+            raise OtherGraph(str(e) + unnamed) from None
         check_recomputable(joint.graph, self.policy.actions)
         swapped = {t for t, a in self.policy.actions.items() if a == "swap"}
         fw, bw = partition(gm, saved_values(gm, joint, self.policy.actions), num_fwd_outputs, static_indices,
@@ -255,7 +291,7 @@ def _joint(gm: fx.GraphModule, num_fwd_outputs: int, static_indices, optimizer: 
             if kind != "grad_output":
                 ran_at[node.name] = -1
         elif node.op == "call_function":
-            op = make_op(node, storage, tensors, node in forward or node in hoisted, _layer(node))
+            op = make_op(node, storage, tensors, node in forward or node in hoisted, module_path(node))
             if op is not None:  # a hoisted op runs right after what it reads
                 at = max((ran_at[storage_of[a.name]] for a in node.all_input_nodes if a.name in storage_of),
                          default=-1) if node in hoisted else i
@@ -275,7 +311,9 @@ def _joint(gm: fx.GraphModule, num_fwd_outputs: int, static_indices, optimizer: 
     sources = {storage_of[n.name] for n in leaves if tensors[storage_of[n.name]].kind == "activation"}
     g = Graph(tuple(ops), tensors, resident={"optimizer_state": OPTIMIZER_STATE[optimizer] * param_bytes},
               counted=frozenset(counted), loss=loss, decidable=(_recomputed_from(ops, tensors) | sources) - {loss})
-    return Joint(g, storage_of)
+    inputs = [(list(n.meta["val"].shape), str(n.meta["val"].dtype).removeprefix("torch.")) for n in primals
+              if tensors.get(n.name) is not None and tensors[n.name].kind == "input"]
+    return Joint(g, storage_of, inputs)
 
 
 def _recomputed_from(ops, tensors: dict[str, Tensor]) -> frozenset:
@@ -341,15 +379,6 @@ def _placeholder_kind(node: fx.Node, primals: list, grads: list, static_indices)
     if i < len(grads) and grads[i] is not None:
         return "param"
     return "buffer" if i in static_indices else "input"
-
-
-def _layer(node: fx.Node) -> str:
-    """The module path of a node (forward ops; backward ops carry their forward op's), as dynamo records it."""
-    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    return path.replace("L['self'].", "").replace("L['self']", "").replace("['", ".").replace("']", "")
 
 
 # --- the policy's partition ----------------------------------------------------------------------------
@@ -439,8 +468,12 @@ class _Recorder(CustomPartitionerFn):
         self.optimizer, self.counted, self.budget = optimizer, counted, budget
         self.joint: Joint | None = None
         self.saved: list[str] = []
+        self.dynamic: str | None = None  # why the joint graph has a shape the data decides (`dynamic_shape`)
 
     def __call__(self, gm, joint_inputs, **kwargs):
+        self.dynamic = dynamic_shape(gm)
+        if self.dynamic is not None:
+            raise _Captured()
         self.joint = _joint(gm, kwargs["num_fwd_outputs"], kwargs.get("static_lifetime_input_indices") or [],
                             self.optimizer, self.counted)
         if self.budget is not None:
