@@ -15,6 +15,8 @@ typical use:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import functools
 import os
 import shlex
@@ -161,9 +163,12 @@ def run(args) -> int:
 
 
 def _error(err, code: int) -> int:
-    text = " ".join(str(err).split("\n"))
-    print(f"error: {text}", file=sys.stderr)
+    print(f"error: {_one_line(err)}", file=sys.stderr)
     return code
+
+
+def _one_line(err) -> str:
+    return " ".join(str(err).split("\n"))
 
 
 def _units_option(parser, default) -> None:
@@ -208,6 +213,8 @@ def _search(args, exp, out) -> int:
         print(f"note: {out / CHECKPOINT} holds an interrupted search; this new search replaces it "
               f"(--resume would continue it)")
     figures = sorted(p.name for p in out.glob("*.png")) if out.is_dir() else []  # a new search outdates them
+    if figures:
+        print(f"{out}/ holds figures ({', '.join(figures)}): drawing them again into the new results")
     print(f"gaswap search {exp.name}: {exp.model.factory}, batch {exp.batch_size}, budget {exp.budget}, "
           f"search space {exp.search_space.name}")
     with tqdm(desc="capture + cost measurement", unit="op", leave=False) as bar:
@@ -226,7 +233,8 @@ def _search(args, exp, out) -> int:
                 gens.set_postfix(best=_ms(record.best_time_s), front=record.front_size, stop=f"{rule} {progress:.0%}")
 
             result, summary = workflow.run_search(prepared, out, on_generation=on_generation, resume=args.resume,
-                                                  force=args.force, stop=stop)
+                                                  force=args.force, stop=stop,
+                                                  finish=_redraw(args.cache) if figures else None)
     except KeyboardInterrupt as err:
         if (out / CHECKPOINT).is_file():
             print(f"\nstopped at once; {out / CHECKPOINT} holds the search as of its last checkpoint (written at "
@@ -239,12 +247,27 @@ def _search(args, exp, out) -> int:
               f"{exp.ga.generations}: wrote the results so far to {out}/ (summary.json: \"complete\": false) "
               f"and the checkpoint {out / CHECKPOINT}\nresume with: {resume_command(args)}")
         return stop.exit_code
-    print(f"wrote {out}/ (policy.yaml, front.csv, history.csv, summary.json, costs.json, policies/)")
-    if figures:
-        print(f"{out}/ held figures of the search it replaces ({', '.join(figures)}); drawing them again:")
-        _plot_folder(out, args.cache, trust_factory=True)  # the experiment this command was given
-    print(next_steps(out, exp, plotted=bool(figures)))
+    drawn = sorted(p.name for p in out.glob("*.png"))
+    print(f"wrote {out}/ (policy.yaml, front.csv, history.csv, summary.json, costs.json, policies/"
+          + "".join(f", {name}" for name in drawn) + ")")
+    print(next_steps(out, exp, plotted=bool(drawn)))
     return 0
+
+
+def _redraw(cache):
+    """What draws the figures into a new results folder before it replaces the old one (`results.write`): a
+    folder killed at any moment then holds the old figures or the new ones, all of them. A failure to draw is a
+    warning: the results are written without figures."""
+    def finish(folder: Path) -> None:
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # the new folder's name is a temporary one
+                _plot_folder(folder, cache, trust_factory=True)  # the experiment this command was given
+        except Exception as err:  # noqa: BLE001 - the search's results matter more than its figures
+            print(f"warning: the figures could not be drawn again ({_one_line(err)}); run `{_prog()} plot` on the "
+                  f"folder", file=sys.stderr)
+            for half in folder.glob("*.png"):  # all of them or none
+                half.unlink()
+    return finish
 
 
 def next_steps(out: Path, exp, *, plotted: bool = False) -> str:

@@ -158,22 +158,24 @@ def check_results_folder(experiment: config.Experiment, out: str | Path, *, resu
 
 
 def run_search(prepared: Prepared, out: str | Path, *, on_generation=None, resume: bool = False,
-               force: bool = False, stop=None) -> tuple[SearchResult, dict]:
+               force: bool = False, stop=None, finish=None) -> tuple[SearchResult, dict]:
     """Search the experiment's policies and write its results folder; raises Infeasible when none fits.
 
     The search checkpoints into `out/.checkpoint.json` (see `search.search`); `resume` continues from there
     (CheckpointError when it is unusable). `stop()` (e.g. the `Stop` of `stop_on_signals`) ends the search
     early: the results so far are written, marked incomplete, beside the checkpoint. `force` replaces a
-    folder made by another experiment (see `check_results_folder`).
+    folder made by another experiment (see `check_results_folder`). `finish(new_folder)` adds to the new
+    results folder before it replaces the old one (`results.write`: figures drawn again).
     """
     exp = prepared.experiment
     with results.locked(out):
         results.recover(out)
         check_results_folder(exp, out, resume=resume, force=force)
-        return _search_and_write(prepared, Path(out), on_generation, resume, stop)
+        return _search_and_write(prepared, Path(out), on_generation, resume, stop, finish)
 
 
-def _search_and_write(prepared: Prepared, out: Path, on_generation, resume: bool, stop) -> tuple[SearchResult, dict]:
+def _search_and_write(prepared: Prepared, out: Path, on_generation, resume: bool, stop,
+                      finish=None) -> tuple[SearchResult, dict]:
     exp, graph, costs = prepared.experiment, prepared.graph, prepared.costs
     reference = planning_problem(prepared).keep_all()
     budget = exp.budget.resolve(reference.peak_bytes)
@@ -212,7 +214,7 @@ def _search_and_write(prepared: Prepared, out: Path, on_generation, resume: bool
     owner = results.owner_of(out) if out.is_dir() else None
     carry = ("bench.csv", "bench.md") if owner and results.same_experiment(owner, exp.name, exp.path) else ()
     carry += () if result.complete else (checkpoints.NAME,)
-    results.write(out, result, make_policy, summary, carry=carry,
+    results.write(out, result, make_policy, summary, carry=carry, finish=finish,
                   extra={costfile.NAME: costfile.dumps(costs, graph.fingerprint())})  # what `plot` re-simulates with
     return result, summary
 
