@@ -16,18 +16,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import functools
+import io
 import os
 import shlex
 import signal
 import sys
+import warnings
 from pathlib import Path
 
 from tqdm import tqdm
 
 from gaswap.base import config, errors, units
 from gaswap.base.config import format_size
+from gaswap.base.signals import from_code, named_interrupts
 
 
 def _at_least(minimum: float, kind=int):
@@ -142,9 +144,15 @@ def run(args) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return errors.BAD_INPUT
+    format_before = warnings.formatwarning
+    warnings.formatwarning = _warning_line
     try:
-        return args.run(args)
+        with named_interrupts():
+            return args.run(args)
     except KeyboardInterrupt as err:  # Ctrl-C outside a search, or a second signal during one
+        if from_code(err):
+            return _error("the code gaswap ran raised KeyboardInterrupt itself, no Ctrl-C came (the model's "
+                          "forward or loss?)", errors.BAD_INPUT)
         signum = getattr(err, "signum", signal.SIGINT)
         print(f"\ninterrupted ({signal.Signals(signum).name})", file=sys.stderr)
         return 128 + signum
@@ -160,6 +168,15 @@ def run(args) -> int:
             raise
         return _error(f"internal error, please report it: {type(err).__name__}: {err} "
                       f"(GASWAP_DEBUG=1 shows the traceback)", errors.INTERNAL)
+    finally:
+        warnings.formatwarning = format_before
+
+
+def _warning_line(message, category, filename, lineno, line=None) -> str:
+    """A warning as gaswap prints it: one `warning:` line, without Python's file, line and category; on a line
+    of its own when a progress bar is drawn."""
+    below_bar = "\n" if tqdm._instances else ""
+    return f"{below_bar}warning: {_one_line(message)}\n"
 
 
 def _error(err, code: int) -> int:
@@ -169,6 +186,14 @@ def _error(err, code: int) -> int:
 
 def _one_line(err) -> str:
     return " ".join(str(err).split("\n"))
+
+
+def _bar(**kwargs) -> tqdm:
+    """A progress bar on stderr. One that goes when done (`leave=False`) stays, ended by a newline, where stderr is
+    no terminal (a log file): what gaswap prints next (an error) then starts a line of its own there."""
+    if not sys.stderr.isatty():
+        kwargs["leave"] = True
+    return tqdm(**kwargs)
 
 
 def _units_option(parser, default) -> None:
@@ -217,14 +242,14 @@ def _search(args, exp, out) -> int:
         print(f"{out}/ holds figures ({', '.join(figures)}): drawing them again into the new results")
     print(f"gaswap search {exp.name}: {exp.model.factory}, batch {exp.batch_size}, budget {exp.budget}, "
           f"search space {exp.search_space.name}")
-    with tqdm(desc="capture + cost measurement", unit="op", leave=False) as bar:
+    with _bar(desc="capture + cost measurement", unit="op", leave=False) as bar:
         prepared = workflow.prepare(exp, cache_dir=args.cache, progress=_progress(bar))
     g = prepared.graph
     print(f"graph: {len(g.ops)} ops, {len(g.tensors)} tensors, {len(g.candidates())} candidate activations "
           f"(captured in {prepared.capture_seconds:.1f} s); costs {prepared.costs.source} on {prepared.costs.device} "
           f"({prepared.costs_seconds:.1f} s)")
     try:
-        with tqdm(total=exp.ga.generations, desc="search", unit="gen") as gens, \
+        with _bar(total=exp.ga.generations, desc="search", unit="gen") as gens, \
                 stop_on_signals(lambda message: gens.write(message, file=sys.stderr)) as stop:
 
             def on_generation(record, nearest):
@@ -394,7 +419,7 @@ def validate(args) -> int:
     from gaswap.plan import planned
     from gaswap.plan import policy as policies
 
-    with tqdm(total=args.steps, desc="validate", unit="step", leave=False) as bar:
+    with _bar(total=args.steps, desc="validate", unit="step", leave=False) as bar:
         r = run_validation(args.policy, args.steps, args.device, experiment=args.experiment,
                            trust_factory=args.trust_factory, progress=_progress(bar), arena=args.arena)
     p, m = r["predicted"], r["measured"]
@@ -427,8 +452,6 @@ def plot(args) -> int:
 
 def _plot_folder(folder: Path, cache, trust_factory: bool = False) -> list[Path]:
     """Draw a results folder's four figures, printing their paths, and loudly when costs had to be got again."""
-    import warnings
-
     # imported when this verb runs: the others, and --help, load neither torch nor these modules
     from gaswap.app.report import plot_results
     from gaswap.app.results import check_plottable
@@ -438,7 +461,7 @@ def _plot_folder(folder: Path, cache, trust_factory: bool = False) -> list[Path]
 
     def measuring(done, total):  # a bar only when costs are measured again (no costs.json)
         if not bars:
-            bars.append(tqdm(desc="plot: measuring costs again", unit="op", leave=False))
+            bars.append(_bar(desc="plot: measuring costs again", unit="op", leave=False))
         _progress(bars[0])(done, total)
 
     with warnings.catch_warnings(record=True) as caught:
@@ -449,7 +472,7 @@ def _plot_folder(folder: Path, cache, trust_factory: bool = False) -> list[Path]
             for bar in bars:
                 bar.close()
     for warning in caught:
-        print(f"WARNING: {warning.message}", file=sys.stderr)
+        print(f"warning: {_one_line(warning.message)}", file=sys.stderr)
     for path in paths:
         print(path)
     return paths
@@ -466,8 +489,8 @@ def bench(args) -> int:
     budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
     methods = [*BASELINES, *(f"ga:{space}" for space in benchmark.SPACES), "milp"]  # the rows of a budget, in order
     with results.locked(results.folder_of(args.results, exp.name)), \
-            tqdm(desc="capture + cost measurement", unit="op", leave=False) as measuring, \
-            tqdm(total=len(budgets) * len(methods), desc="bench", unit="row") as bar:  # locked: refused at once while a search writes there
+            _bar(desc="capture + cost measurement", unit="op", leave=False) as measuring, \
+            _bar(total=len(budgets) * len(methods), desc="bench", unit="row") as bar:  # locked: refused at once while a search writes there
 
         def show(row):
             bar.update()

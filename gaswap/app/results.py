@@ -24,14 +24,13 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
-from gaswap.base.files import umask, write_atomic
+from gaswap.base import config
+from gaswap.base.errors import BadInput, Refusal
+from gaswap.base.files import UnreadableFile, read_text, umask, write_atomic
+from gaswap.base.locate import experiment_file
 from gaswap.plan import checkpoint as checkpoints
 from gaswap.plan import policy as policies
 from gaswap.plan.problem import GENERATION_FIELDS, Evaluated, SearchResult
-from gaswap.base import config
-from gaswap.base.files import UnreadableFile, read_text
-from gaswap.base.locate import experiment_file
-from gaswap.base.errors import BadInput, Refusal
 
 FRONT_COLUMNS = ("policy", "peak_bytes", "step_time_s", "overhead", "keep", "swap", "recompute")
 HISTORY_COLUMNS = GENERATION_FIELDS
@@ -199,7 +198,7 @@ def _acquire(path: Path, folder: Path):
     except ImportError:  # not POSIX: no locking
         fcntl = None
     while True:
-        f = open(path, "a+")
+        f = open(path, "a+")  # an OSError names the path
         if fcntl is None:
             break
         try:
@@ -216,10 +215,15 @@ def _acquire(path: Path, folder: Path):
         except FileNotFoundError:
             pass
         f.close()  # its holder removed it as we locked it: lock the new one
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()}\n")
-    f.flush()
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+    except OSError as err:  # a full disk: no lock file left behind
+        path.unlink(missing_ok=True)
+        f.close()
+        raise OSError(err.errno, err.strerror, str(path)) from None
     return f
 
 

@@ -75,7 +75,28 @@ def capture_step(experiment: config.Experiment):
         check_trainable(captured.graph)
     except CaptureError as err:
         raise CaptureError(f"{experiment.path}: {err}") from None
+    check_target(experiment, captured)
     return captured
+
+
+NLL = ("aten.nll_loss_forward.default", "aten.nll_loss2d_forward.default")  # where cross entropy reads its classes
+
+
+def check_target(experiment: config.Experiment, captured) -> None:
+    """Refuse (ConfigError naming target.high) class indices the model's output has no class for: with cross
+    entropy, the target's `high` must be at most the output's number of classes."""
+    target = experiment.target
+    if experiment.loss != "cross_entropy" or target is None or target.high is None:
+        return
+    for node in captured.gm.graph.nodes:
+        if node.op == "call_function" and str(node.target) in NLL:
+            shape = node.args[0].meta["val"].shape
+            classes = shape[1] if len(shape) >= 2 else shape[0]
+            if target.high > classes:
+                raise config.ConfigError(
+                    f"{experiment.path}: target.high: {target.high}, but the model's output has {classes} classes: "
+                    f"class indices up to {target.high - 1} would be out of range; set target.high to at most "
+                    f"{classes}")
 
 
 def check_trainable(graph: Graph) -> None:
@@ -237,13 +258,21 @@ def describe(prepared: Prepared) -> dict:
         "search_space": exp.search_space.name,
         "seed": exp.seed,
         "device": prepared.costs.device,
-        "cost_source": prepared.costs.source,
+        "cost_source": _cost_source(prepared),
         "torch_version": prepared.torch_version,
         "graph": {"fingerprint": graph.fingerprint(), "ops": len(graph.ops), "tensors": len(graph.tensors),
                   "candidates": len(graph.candidates())},
         "capture_seconds": prepared.capture_seconds,
         "costs_seconds": prepared.costs_seconds,
     })
+
+
+def _cost_source(prepared: Prepared) -> str:
+    """Where the costs come from: "measured", unless no op could be timed (each got a roofline estimate)."""
+    costs = prepared.costs
+    if costs.source == "measured" and len(costs.estimated) == len(prepared.graph.ops):
+        return "estimated (no op could be timed on the device: roofline estimates)"
+    return costs.source
 
 
 def _plain(value: dict) -> dict:
