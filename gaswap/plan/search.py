@@ -244,6 +244,9 @@ class Search:
     def _check_restored(self, seeds: dict, archive: list, fastest: list, population: list, path) -> None:
         """Refuse (CheckpointError) restored points that do not add up (`checkpoint.check_points`): the seeds
         must be this configuration's, the population `mu` strong, the history one record per generation."""
+        checkpoints.check_points({"seed": list(seeds.values()), "population": population, "archive": archive,
+                                  "fastest": fastest}, self.problem.encoding.allowed, self._evaluate,
+                                 self.budget, path)
         if {name: e.chromosome for name, e in seeds.items()} != self.seed_chromosomes:
             raise checkpoints.CheckpointError(f"{path}: the checkpoint's seed policies are not this search's "
                                               f"({', '.join(seeds) or 'none'}); {checkpoints.EDITED}")
@@ -252,9 +255,6 @@ class Search:
                 f"{path}: the checkpoint holds {len(population)} individuals and {len(self.history)} generation "
                 f"records, a search at generation {self.generation} holds {self.mu} and {self.generation}; "
                 f"{checkpoints.EDITED}")
-        checkpoints.check_points({"seed": list(seeds.values()), "population": population, "archive": archive,
-                                  "fastest": fastest}, self.problem.encoding.allowed, self._evaluate,
-                                 self.budget, path)
 
     # --- helpers ---
     def _evaluate(self, chromosomes: list[Chromosome]) -> list[Evaluated]:

@@ -553,7 +553,7 @@ class PolicyStep:
         self._specs = _input_specs(captured)  # the inputs', then the target's
 
     def __call__(self, *inputs_and_target):
-        _check_inputs(inputs_and_target, self._specs, "inputs and a target")
+        _check_inputs(inputs_and_target, self._specs, "tensors (the inputs, then the target)")
         *inputs, target = inputs_and_target
         device = self.runners.device([*inputs, target])
         args = self.captured.arguments(self.model, tuple(inputs), target)
