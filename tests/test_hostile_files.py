@@ -280,6 +280,17 @@ def test_plot_of_a_cut_front_is_exit_4_and_draws_nothing(copied, capsys):
     assert not list(copied.glob("*.png"))
 
 
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d | {"op_time": dict.fromkeys(d["op_time"], -1.0)}, "costs.json: unusable (-1.0 is not a time"),
+    (lambda d: d | {"graph_fingerprint": "0" * 16}, "costs.json: recorded for graph 0000000000000000"),
+    (lambda d: [d], "costs.json: unusable"),
+], ids=["negative op times", "another graph", "not an object"])
+def test_an_edited_costs_json_is_refused_exit_4(copied, capsys, edit, message):
+    path = copied / "costs.json"
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+    expect(capsys, 4, message, "plot", copied)
+
+
 def test_plot_of_a_folder_left_between_its_renames_recovers_it(copied, capsys):
     old = copied.with_name(".exp.old")
     copied.rename(old)  # killed after moving the old folder aside, before the new one came
@@ -473,6 +484,13 @@ def test_the_step_form_still_runs_a_right_batch(step):
 def test_an_experiment_refused_at_search_time(capsys, tmp_path, text, message):
     line = expect(capsys, 2, message, *cli_search(tmp_path, text))
     assert "root:" not in line and not (tmp_path / "results" / "exp").exists()
+
+
+def test_validate_with_a_target_beyond_the_classes_is_exit_2(searched, capsys, tmp_path):
+    """The issue's case: `validate` of such a policy ended in "internal error ... IndexError"."""
+    (tmp_path / "wide.yaml").write_text(patched(BASE, target="{shape: [batch], dtype: int64, high: 19}"))
+    validate(capsys, searched / "exp" / "policy.yaml", 2, "target.high: 19, but the model's output has 4 classes",
+             "--experiment", tmp_path / "wide.yaml")
 
 
 def test_a_budget_of_exactly_the_bound_is_accepted():

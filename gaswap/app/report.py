@@ -22,6 +22,7 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
 
+from gaswap.app.results import check_front
 from gaswap.base import units
 from gaswap.base.config import format_size
 from gaswap.base.files import replacing
@@ -607,8 +608,6 @@ def describe(folders) -> str:
 def plot_results(folder: str | Path, *, cache_dir=None, progress=None, trust_factory: bool = False) -> list[Path]:
     """Write pareto.png, convergence.png, memory_timeline.png and action_map.png into `folder`. The last two
     re-simulate the chosen policy (see `replay`; `progress(done, total)` while costs are measured again)."""
-    from gaswap.app.results import check_front
-
     folder = Path(folder)
     replayed = replay(folder, cache_dir=cache_dir, progress=progress, trust_factory=trust_factory)
     check_front(folder)  # what is drawn must add up with the policy files
