@@ -291,6 +291,12 @@ def test_an_edited_costs_json_is_refused_exit_4(copied, capsys, edit, message):
     expect(capsys, 4, message, "plot", copied)
 
 
+def test_an_oversize_results_table_is_refused_unread(copied, capsys):
+    with open(copied / "history.csv", "ab") as f:
+        f.truncate(results.TABLE_BYTES + 1)  # sparse: nothing written, nothing read
+    expect(capsys, 2, f"history.csv: more than the {results.TABLE_BYTES} bytes", "plot", copied)
+
+
 def test_plot_of_a_folder_left_between_its_renames_recovers_it(copied, capsys):
     old = copied.with_name(".exp.old")
     copied.rename(old)  # killed after moving the old folder aside, before the new one came

@@ -36,6 +36,9 @@ FRONT_COLUMNS = ("policy", "peak_bytes", "step_time_s", "overhead", "keep", "swa
 HISTORY_COLUMNS = GENERATION_FIELDS
 # the allocator model's peaks beside the live one, in policies' `predicted` when the experiment has a `memory` key
 MEMORY_COLUMNS = ("live_bytes", "allocated_bytes", "reserved_bytes")
+# Bounds on what is read of a results folder (files beyond are refused unread): a search's summary.json is a
+# few KB, its front.csv and history.csv grow by ~100 bytes a policy or a generation.
+SUMMARY_BYTES, TABLE_BYTES = 16 * 2**20, 64 * 2**20
 
 
 def overhead(e: Evaluated, keep_all: Evaluated) -> float:
@@ -268,8 +271,8 @@ def check_folder(name: str, experiment_file: str, out: str | Path, *, resume: bo
 def owner_of(out: Path) -> tuple[str, str | None] | None:
     """(experiment, experiment file) of a results folder, from its summary.json or else its checkpoint."""
     try:
-        summary = json.loads((out / "summary.json").read_text())
-    except (OSError, ValueError):
+        summary = json.loads(read_text(out / "summary.json", SUMMARY_BYTES))
+    except (OSError, ValueError):  # UnreadableFile is a ValueError
         summary = None
     if not (isinstance(summary, dict) and isinstance(summary.get("experiment"), str)):
         summary = checkpoints.about(out / checkpoints.NAME) if (out / checkpoints.NAME).is_file() else None
@@ -297,7 +300,7 @@ def discard_checkpoint(out: Path) -> None:
     (those of its own interrupted runs), or the folder the checkpoint alone made."""
     (out / checkpoints.NAME).unlink(missing_ok=True)
     try:
-        summary = json.loads((out / "summary.json").read_text())
+        summary = json.loads(read_text(out / "summary.json", SUMMARY_BYTES))
         partial = summary.get("complete") is False and summary.get("best") is None
     except (OSError, ValueError, AttributeError):
         partial = False
@@ -339,8 +342,11 @@ def check_plottable(folder: str | Path, *, trust_factory: bool = False) -> None:
     if missing:
         raise ResultsError(f"{folder}: not a gaswap results folder (no {', '.join(missing)}); run "
                            f"`python -m gaswap search EXPERIMENT` to make one")
+    too_big = [name for name in ("front.csv", "history.csv") if (folder / name).stat().st_size > TABLE_BYTES]
+    if too_big:
+        raise ResultsError(f"{folder / too_big[0]}: more than the {TABLE_BYTES} bytes a results table may have")
     try:
-        summary = json.loads(read_text(folder / "summary.json", 2**24))
+        summary = json.loads(read_text(folder / "summary.json", SUMMARY_BYTES))
     except UnreadableFile as err:
         raise ResultsError(str(err)) from None
     except ValueError as err:
@@ -372,8 +378,8 @@ def check_front(folder: str | Path) -> None:
     folder = Path(folder)
     where = folder / "front.csv"
     try:
-        rows = list(csv.DictReader(io.StringIO(read_text(where, policies.MAX_BYTES))))
-        summary = json.loads(read_text(folder / "summary.json", 2**24))
+        rows = list(csv.DictReader(io.StringIO(read_text(where, TABLE_BYTES))))
+        summary = json.loads(read_text(folder / "summary.json", SUMMARY_BYTES))
     except (UnreadableFile, ValueError, csv.Error) as err:
         raise Refused(f"{where}: not readable with its summary.json ({_first_line(err)})") from None
     names = [row.get("policy") for row in rows]

@@ -199,8 +199,8 @@ def load(path: str | Path, fingerprint: dict) -> dict:
 def about(path: str | Path) -> dict | None:
     """What a checkpoint says it belongs to, or None when it cannot be read (never raises)."""
     try:
-        body = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
+        body = json.loads(read_text(path, MAX_BYTES))
+    except (OSError, ValueError):  # UnreadableFile is a ValueError
         return None
     ok = isinstance(body, dict) and body.get("format") == FORMAT and isinstance(body.get("about"), dict)
     return body["about"] if ok else None
