@@ -551,6 +551,18 @@ def test_main_formats_warnings_as_gaswap_lines_and_restores_python_s(monkeypatch
     assert seen == ["warning: odd\n"] and warnings.formatwarning is before
 
 
+def test_a_logged_warning_is_one_gaswap_line(monkeypatch, capsys):
+    """What the op timer logs (an op that cannot run standalone, with its exception's lines) is one line."""
+    import logging
+
+    monkeypatch.setattr(cli, "speed", lambda args: logging.getLogger("gaswap.run.measure").warning(
+        "cannot run %s standalone (%s); using a roofline estimate", "aten.mm", "RuntimeError: a\nb"))
+    main(["speed"])
+    assert capsys.readouterr().err == ("warning: cannot run aten.mm standalone (RuntimeError: a b); using a "
+                                       "roofline estimate\n")
+    assert not logging.getLogger("gaswap").handlers  # let go after the verb
+
+
 def test_an_error_after_a_progress_bar_starts_its_own_line(capsys, tmp_path):
     assert main(cli_search(tmp_path, patched(BASE, model="{factory: hostile_models:raises}"))) == 2
     err = capsys.readouterr().err

@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import functools
 import io
+import logging
 import os
 import shlex
 import signal
@@ -146,6 +147,8 @@ def run(args) -> int:
         return errors.BAD_INPUT
     format_before = warnings.formatwarning
     warnings.formatwarning = _warning_line
+    logged = _LogLines()
+    logging.getLogger("gaswap").addHandler(logged)
     try:
         with named_interrupts():
             return args.run(args)
@@ -170,6 +173,19 @@ def run(args) -> int:
                       f"(GASWAP_DEBUG=1 shows the traceback)", errors.INTERNAL)
     finally:
         warnings.formatwarning = format_before
+        logging.getLogger("gaswap").removeHandler(logged)
+
+
+class _LogLines(logging.Handler):
+    """gaswap's log records (warnings and above) as one `warning:` or `error:` line each, as warnings are."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        kind = "warning" if record.levelno < logging.ERROR else "error"
+        print(_warning_line(record.getMessage(), None, "", 0).replace("warning:", f"{kind}:", 1), end="",
+              file=sys.stderr)
 
 
 def _warning_line(message, category, filename, lineno, line=None) -> str:
