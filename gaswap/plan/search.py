@@ -212,8 +212,9 @@ class Search:
 
     def restore(self, plain: dict, path="checkpoint") -> None:
         """Continue from `plain` (a `state()`, already matched to this configuration) instead of `initial()`;
-        CheckpointError (naming `path`) when it is malformed or past `ga.generations`. A checkpoint written
-        before searches kept their fastest policies (no "fastest") starts them from its archive."""
+        CheckpointError (naming `path`) when it is malformed, past `ga.generations`, or does not add up
+        (`_check_restored`: genes out of range, stored figures the simulator does not give). A checkpoint
+        written before searches kept their fastest policies (no "fastest") starts them from its archive."""
         if plain["generation"] > self.ga.generations:
             raise checkpoints.CheckpointError(
                 f"{path}: the checkpoint is at generation {plain['generation']}, past ga.generations "
