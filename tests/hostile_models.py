@@ -38,6 +38,14 @@ def interrupts():
     raise KeyboardInterrupt
 
 
+def sleeps():
+    """A factory that takes its time (a real Ctrl-C comes meanwhile): says so in ./sleeping, then sleeps."""
+    import time
+
+    open("sleeping", "w").close()
+    time.sleep(60)
+
+
 def touch(path: str):
     """A factory with a side effect: runs only when the user trusts the experiment."""
     open(path, "w").close()

@@ -177,8 +177,8 @@ def test_malformed_experiment(tmp_path, patch, fragment):
 
 @pytest.mark.parametrize("text, fragment", [
     ("model: {factory: m:f\nbudget: 4GB\n", "line 2: invalid YAML"),
-    ("- a\n- b\n", "top level must be a mapping, got ['a', 'b']"),
-    ("", "top level must be a mapping, got None"),
+    ("- a\n- b\n", "top level must be a mapping, got a list"),
+    ("", "top level must be a mapping, got nothing (an empty file)"),
     ("budget: 4GB\nseed: 1\nbudget: 8GB\n", "line 3: invalid YAML: key 'budget' is given twice"),
     ("ga: {population: 8, population: 16}\n", "line 1: invalid YAML: key 'population' is given twice"),
 ])

@@ -24,7 +24,7 @@ BEFORE = {
     "gaswap.app.workflow.Infeasible": 3,
     "gaswap.plan.policy.PolicyError": 4, "gaswap.app.results.Refused": 4, "gaswap.plan.checkpoint.CheckpointError": 4,
     "gaswap.base.files.UnreadableFile": 1, "gaswap.base.program.ProgramSyntaxError": 1,
-    "gaswap.plan.graph.GraphError": 1, "gaswap.plan.costfile.CostFileError": 1,
+    "gaswap.plan.graph.GraphError": 1, "gaswap.plan.costfile.CostFileError": 4,  # a user's edit (issue 31): refused
     "gaswap.plan.simulator.Unrealizable": 1, "gaswap.plan.memory.allocator.OutOfMemory": 1,
     "gaswap.plan.solvers.milp.TooLarge": 1, "gaswap.run.runtime.ProgramError": 1, "gaswap.run.measure.DeviceError": 1,
     "gaswap.compiled.partition.CompiledCaptureError": 1, "gaswap.compiled.partition._Captured": 1,

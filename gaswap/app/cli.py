@@ -15,17 +15,22 @@ typical use:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import io
+import logging
 import os
 import shlex
 import signal
 import sys
+import warnings
 from pathlib import Path
 
 from tqdm import tqdm
 
 from gaswap.base import config, errors, units
 from gaswap.base.config import format_size
+from gaswap.base.signals import from_code, named_interrupts
 
 
 def _at_least(minimum: float, kind=int):
@@ -140,9 +145,17 @@ def run(args) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return errors.BAD_INPUT
+    format_before = warnings.formatwarning
+    warnings.formatwarning = _warning_line
+    logged = _LogLines()
+    logging.getLogger("gaswap").addHandler(logged)
     try:
-        return args.run(args)
+        with named_interrupts():
+            return args.run(args)
     except KeyboardInterrupt as err:  # Ctrl-C outside a search, or a second signal during one
+        if from_code(err):
+            return _error("the code gaswap ran raised KeyboardInterrupt itself, no Ctrl-C came (the model's "
+                          "forward or loss?)", errors.BAD_INPUT)
         signum = getattr(err, "signum", signal.SIGINT)
         print(f"\ninterrupted ({signal.Signals(signum).name})", file=sys.stderr)
         return 128 + signum
@@ -158,12 +171,45 @@ def run(args) -> int:
             raise
         return _error(f"internal error, please report it: {type(err).__name__}: {err} "
                       f"(GASWAP_DEBUG=1 shows the traceback)", errors.INTERNAL)
+    finally:
+        warnings.formatwarning = format_before
+        logging.getLogger("gaswap").removeHandler(logged)
+
+
+class _LogLines(logging.Handler):
+    """gaswap's log records (warnings and above) as one `warning:` or `error:` line each, as warnings are."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        kind = "warning" if record.levelno < logging.ERROR else "error"
+        print(_warning_line(record.getMessage(), None, "", 0).replace("warning:", f"{kind}:", 1), end="",
+              file=sys.stderr)
+
+
+def _warning_line(message, category, filename, lineno, line=None) -> str:
+    """A warning as gaswap prints it: one `warning:` line, without Python's file, line and category; on a line
+    of its own when a progress bar is drawn."""
+    below_bar = "\n" if tqdm._instances else ""
+    return f"{below_bar}warning: {_one_line(message)}\n"
 
 
 def _error(err, code: int) -> int:
-    text = " ".join(str(err).split("\n"))
-    print(f"error: {text}", file=sys.stderr)
+    print(f"error: {_one_line(err)}", file=sys.stderr)
     return code
+
+
+def _one_line(err) -> str:
+    return " ".join(str(err).split("\n"))
+
+
+def _bar(**kwargs) -> tqdm:
+    """A progress bar on stderr. One that goes when done (`leave=False`) stays, ended by a newline, where stderr is
+    no terminal (a log file): what gaswap prints next (an error) then starts a line of its own there."""
+    if not sys.stderr.isatty():
+        kwargs["leave"] = True
+    return tqdm(**kwargs)
 
 
 def _units_option(parser, default) -> None:
@@ -208,16 +254,18 @@ def _search(args, exp, out) -> int:
         print(f"note: {out / CHECKPOINT} holds an interrupted search; this new search replaces it "
               f"(--resume would continue it)")
     figures = sorted(p.name for p in out.glob("*.png")) if out.is_dir() else []  # a new search outdates them
+    if figures:
+        print(f"{out}/ holds figures ({', '.join(figures)}): drawing them again into the new results")
     print(f"gaswap search {exp.name}: {exp.model.factory}, batch {exp.batch_size}, budget {exp.budget}, "
           f"search space {exp.search_space.name}")
-    with tqdm(desc="capture + cost measurement", unit="op", leave=False) as bar:
+    with _bar(desc="capture + cost measurement", unit="op", leave=False) as bar:
         prepared = workflow.prepare(exp, cache_dir=args.cache, progress=_progress(bar))
     g = prepared.graph
     print(f"graph: {len(g.ops)} ops, {len(g.tensors)} tensors, {len(g.candidates())} candidate activations "
           f"(captured in {prepared.capture_seconds:.1f} s); costs {prepared.costs.source} on {prepared.costs.device} "
           f"({prepared.costs_seconds:.1f} s)")
     try:
-        with tqdm(total=exp.ga.generations, desc="search", unit="gen") as gens, \
+        with _bar(total=exp.ga.generations, desc="search", unit="gen") as gens, \
                 stop_on_signals(lambda message: gens.write(message, file=sys.stderr)) as stop:
 
             def on_generation(record, nearest):
@@ -226,7 +274,8 @@ def _search(args, exp, out) -> int:
                 gens.set_postfix(best=_ms(record.best_time_s), front=record.front_size, stop=f"{rule} {progress:.0%}")
 
             result, summary = workflow.run_search(prepared, out, on_generation=on_generation, resume=args.resume,
-                                                  force=args.force, stop=stop)
+                                                  force=args.force, stop=stop,
+                                                  finish=_redraw(args.cache) if figures else None)
     except KeyboardInterrupt as err:
         if (out / CHECKPOINT).is_file():
             print(f"\nstopped at once; {out / CHECKPOINT} holds the search as of its last checkpoint (written at "
@@ -239,12 +288,27 @@ def _search(args, exp, out) -> int:
               f"{exp.ga.generations}: wrote the results so far to {out}/ (summary.json: \"complete\": false) "
               f"and the checkpoint {out / CHECKPOINT}\nresume with: {resume_command(args)}")
         return stop.exit_code
-    print(f"wrote {out}/ (policy.yaml, front.csv, history.csv, summary.json, costs.json, policies/)")
-    if figures:
-        print(f"{out}/ held figures of the search it replaces ({', '.join(figures)}); drawing them again:")
-        _plot_folder(out, args.cache, trust_factory=True)  # the experiment this command was given
-    print(next_steps(out, exp, plotted=bool(figures)))
+    drawn = sorted(p.name for p in out.glob("*.png"))
+    print(f"wrote {out}/ (policy.yaml, front.csv, history.csv, summary.json, costs.json, policies/"
+          + "".join(f", {name}" for name in drawn) + ")")
+    print(next_steps(out, exp, plotted=bool(drawn)))
     return 0
+
+
+def _redraw(cache):
+    """What draws the figures into a new results folder before it replaces the old one (`results.write`): a
+    folder killed at any moment then holds the old figures or the new ones, all of them. A failure to draw is a
+    warning: the results are written without figures."""
+    def finish(folder: Path) -> None:
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # the new folder's name is a temporary one
+                _plot_folder(folder, cache, trust_factory=True)  # the experiment this command was given
+        except Exception as err:  # noqa: BLE001 - the search's results matter more than its figures
+            print(f"warning: the figures could not be drawn again ({_one_line(err)}); run `{_prog()} plot` on the "
+                  f"folder", file=sys.stderr)
+            for half in folder.glob("*.png"):  # all of them or none
+                half.unlink()
+    return finish
 
 
 def next_steps(out: Path, exp, *, plotted: bool = False) -> str:
@@ -371,7 +435,7 @@ def validate(args) -> int:
     from gaswap.plan import planned
     from gaswap.plan import policy as policies
 
-    with tqdm(total=args.steps, desc="validate", unit="step", leave=False) as bar:
+    with _bar(total=args.steps, desc="validate", unit="step", leave=False) as bar:
         r = run_validation(args.policy, args.steps, args.device, experiment=args.experiment,
                            trust_factory=args.trust_factory, progress=_progress(bar), arena=args.arena)
     p, m = r["predicted"], r["measured"]
@@ -404,8 +468,6 @@ def plot(args) -> int:
 
 def _plot_folder(folder: Path, cache, trust_factory: bool = False) -> list[Path]:
     """Draw a results folder's four figures, printing their paths, and loudly when costs had to be got again."""
-    import warnings
-
     # imported when this verb runs: the others, and --help, load neither torch nor these modules
     from gaswap.app.report import plot_results
     from gaswap.app.results import check_plottable
@@ -415,7 +477,7 @@ def _plot_folder(folder: Path, cache, trust_factory: bool = False) -> list[Path]
 
     def measuring(done, total):  # a bar only when costs are measured again (no costs.json)
         if not bars:
-            bars.append(tqdm(desc="plot: measuring costs again", unit="op", leave=False))
+            bars.append(_bar(desc="plot: measuring costs again", unit="op", leave=False))
         _progress(bars[0])(done, total)
 
     with warnings.catch_warnings(record=True) as caught:
@@ -426,7 +488,7 @@ def _plot_folder(folder: Path, cache, trust_factory: bool = False) -> list[Path]
             for bar in bars:
                 bar.close()
     for warning in caught:
-        print(f"WARNING: {warning.message}", file=sys.stderr)
+        print(f"warning: {_one_line(warning.message)}", file=sys.stderr)
     for path in paths:
         print(path)
     return paths
@@ -443,8 +505,8 @@ def bench(args) -> int:
     budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
     methods = [*BASELINES, *(f"ga:{space}" for space in benchmark.SPACES), "milp"]  # the rows of a budget, in order
     with results.locked(results.folder_of(args.results, exp.name)), \
-            tqdm(desc="capture + cost measurement", unit="op", leave=False) as measuring, \
-            tqdm(total=len(budgets) * len(methods), desc="bench", unit="row") as bar:  # locked: refused at once while a search writes there
+            _bar(desc="capture + cost measurement", unit="op", leave=False) as measuring, \
+            _bar(total=len(budgets) * len(methods), desc="bench", unit="row") as bar:  # locked: refused at once while a search writes there
 
         def show(row):
             bar.update()

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from gaswap.base.files import write_atomic
+
 EXPERIMENTS = ("experiments/alexnet_4gb.yaml", "experiments/gpt_bench.yaml")
 SHORT_GA = {"population": 32, "generations": 15, "workers": 1}  # a search that fits the check's time
 COMPARE = "experiments/compare_cnn_cpu.yaml"  # the head-to-head's smallest experiment (it runs on CUDA when present)
@@ -66,8 +68,7 @@ def _stage(report: dict, name: str, fn):
 
 def _write(out: Path, report: dict, started: float) -> dict:
     report["seconds"] = round(time.monotonic() - started, 1)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    write_atomic(out, json.dumps(report, indent=2, default=str) + "\n")  # a reader never sees half a report
     return report
 
 
@@ -100,7 +101,7 @@ def derived_experiment(path: str | Path, work: Path, device: str = "cuda") -> Pa
         raw["search_space"] = str((Path(path).parent / space).resolve())
     work.mkdir(parents=True, exist_ok=True)
     derived = work / f"{raw['name']}.yaml"
-    derived.write_text(yaml.safe_dump(raw, sort_keys=False))
+    write_atomic(derived, yaml.safe_dump(raw, sort_keys=False))
     return derived
 
 

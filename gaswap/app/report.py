@@ -22,8 +22,10 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
 
+from gaswap.app.results import check_front
 from gaswap.base import units
 from gaswap.base.config import format_size
+from gaswap.base.files import replacing
 from gaswap.base.program import Verb
 from gaswap.plan import costfile
 from gaswap.plan import policy as policies
@@ -608,6 +610,7 @@ def plot_results(folder: str | Path, *, cache_dir=None, progress=None, trust_fac
     re-simulate the chosen policy (see `replay`; `progress(done, total)` while costs are measured again)."""
     folder = Path(folder)
     replayed = replay(folder, cache_dir=cache_dir, progress=progress, trust_factory=trust_factory)
+    check_front(folder)  # what is drawn must add up with the policy files
     figures = {
         "pareto": pareto(folder),
         "convergence": convergence(folder),
@@ -617,6 +620,7 @@ def plot_results(folder: str | Path, *, cache_dir=None, progress=None, trust_fac
     paths = []
     for name, fig in figures.items():
         path = folder / f"{name}.png"
-        fig.savefig(path, dpi=150)
+        with replacing(path, binary=True) as f:  # a reader, or a kill, finds the old figure or the new one
+            fig.savefig(f, dpi=150, format="png")
         paths.append(path)
     return paths

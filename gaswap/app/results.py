@@ -24,19 +24,21 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
-from gaswap.base.files import umask
+from gaswap.base import config
+from gaswap.base.errors import BadInput, Refusal
+from gaswap.base.files import UnreadableFile, read_text, umask, write_atomic
+from gaswap.base.locate import experiment_file
 from gaswap.plan import checkpoint as checkpoints
 from gaswap.plan import policy as policies
 from gaswap.plan.problem import GENERATION_FIELDS, Evaluated, SearchResult
-from gaswap.base import config
-from gaswap.base.files import UnreadableFile, read_text
-from gaswap.base.locate import experiment_file
-from gaswap.base.errors import BadInput, Refusal
 
 FRONT_COLUMNS = ("policy", "peak_bytes", "step_time_s", "overhead", "keep", "swap", "recompute")
 HISTORY_COLUMNS = GENERATION_FIELDS
 # the allocator model's peaks beside the live one, in policies' `predicted` when the experiment has a `memory` key
 MEMORY_COLUMNS = ("live_bytes", "allocated_bytes", "reserved_bytes")
+# Bounds on what is read of a results folder (files beyond are refused unread): a search's summary.json is a
+# few KB, its front.csv and history.csv grow by ~100 bytes a policy or a generation.
+SUMMARY_BYTES, TABLE_BYTES = 16 * 2**20, 64 * 2**20
 
 
 def overhead(e: Evaluated, keep_all: Evaluated) -> float:
@@ -49,7 +51,8 @@ def point(e: Evaluated, keep_all: Evaluated) -> dict:
     return {"peak_bytes": e.peak_bytes, "step_time_s": e.step_time, "overhead": overhead(e, keep_all)} | e.counts()
 
 
-def write(folder: str | Path, result: SearchResult, make_policy, summary: dict, *, carry=(), extra=None) -> Path:
+def write(folder: str | Path, result: SearchResult, make_policy, summary: dict, *, carry=(), extra=None,
+          finish=None) -> Path:
     """Write the results of `result` into `folder`, replacing what was there.
 
     `make_policy(evaluated)` turns a front point into a `Policy`; `summary` holds the experiment's
@@ -57,7 +60,8 @@ def write(folder: str | Path, result: SearchResult, make_policy, summary: dict, 
     the seeds, the evaluations, the search time, whether the search ran to its end (`complete`,
     `generations_done`) and what stopped it (`stopped_by`: "generations", "evaluations", "seconds",
     "converged" or "interrupted"). Files named in `carry` (bench tables, a checkpoint) are copied from the
-    old folder into the new; `extra` maps more file names to their text (costs.json).
+    old folder into the new; `extra` maps more file names to their text (costs.json); `finish(new_folder)` adds
+    to the new folder, complete but not yet in place (figures drawn again), before it replaces the old one.
     """
     folder = Path(folder)
     keep_all = result.seeds["keep_all"]
@@ -66,11 +70,11 @@ def write(folder: str | Path, result: SearchResult, make_policy, summary: dict, 
         recover(folder)
         tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.tmp-"))
         os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes an owner-only folder
-        _fill(tmp, folder, result, make_policy, summary, keep_all, carry, extra or {})
+        _fill(tmp, folder, result, make_policy, summary, keep_all, carry, extra or {}, finish)
     return folder
 
 
-def _fill(tmp: Path, folder: Path, result, make_policy, summary: dict, keep_all, carry, extra) -> None:
+def _fill(tmp: Path, folder: Path, result, make_policy, summary: dict, keep_all, carry, extra, finish) -> None:
     """Write the results into `tmp`, then replace `folder` by it."""
     try:
         rows = []
@@ -94,12 +98,14 @@ def _fill(tmp: Path, folder: Path, result, make_policy, summary: dict, keep_all,
             "generations_done": result.generations_done,
             "stopped_by": result.stopped_by,
         }
-        (tmp / "summary.json").write_text(json.dumps(body, indent=2, default=_plain) + "\n")
+        write_atomic(tmp / "summary.json", json.dumps(body, indent=2, default=_plain) + "\n")
         for name, text in extra.items():
-            (tmp / name).write_text(text)
+            write_atomic(tmp / name, text)
         for name in carry:
             if (folder / name).is_file():
                 shutil.copy2(folder / name, tmp / name)
+        if finish is not None:
+            finish(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -116,7 +122,7 @@ def _write_csv(path: Path, columns, rows) -> None:
     writer = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
     writer.writerows(rows)
-    path.write_text(out.getvalue())
+    write_atomic(path, out.getvalue())
 
 
 def _aside(folder: Path, what: str) -> Path:
@@ -195,7 +201,7 @@ def _acquire(path: Path, folder: Path):
     except ImportError:  # not POSIX: no locking
         fcntl = None
     while True:
-        f = open(path, "a+")
+        f = open(path, "a+")  # an OSError names the path
         if fcntl is None:
             break
         try:
@@ -212,10 +218,15 @@ def _acquire(path: Path, folder: Path):
         except FileNotFoundError:
             pass
         f.close()  # its holder removed it as we locked it: lock the new one
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()}\n")
-    f.flush()
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+    except OSError as err:  # a full disk: no lock file left behind
+        path.unlink(missing_ok=True)
+        f.close()
+        raise OSError(err.errno, err.strerror, str(path)) from None
     return f
 
 
@@ -260,8 +271,8 @@ def check_folder(name: str, experiment_file: str, out: str | Path, *, resume: bo
 def owner_of(out: Path) -> tuple[str, str | None] | None:
     """(experiment, experiment file) of a results folder, from its summary.json or else its checkpoint."""
     try:
-        summary = json.loads((out / "summary.json").read_text())
-    except (OSError, ValueError):
+        summary = json.loads(read_text(out / "summary.json", SUMMARY_BYTES))
+    except (OSError, ValueError):  # UnreadableFile is a ValueError
         summary = None
     if not (isinstance(summary, dict) and isinstance(summary.get("experiment"), str)):
         summary = checkpoints.about(out / checkpoints.NAME) if (out / checkpoints.NAME).is_file() else None
@@ -289,7 +300,7 @@ def discard_checkpoint(out: Path) -> None:
     (those of its own interrupted runs), or the folder the checkpoint alone made."""
     (out / checkpoints.NAME).unlink(missing_ok=True)
     try:
-        summary = json.loads((out / "summary.json").read_text())
+        summary = json.loads(read_text(out / "summary.json", SUMMARY_BYTES))
         partial = summary.get("complete") is False and summary.get("best") is None
     except (OSError, ValueError, AttributeError):
         partial = False
@@ -315,11 +326,15 @@ SUMMARY_KEYS = {"experiment": str, "experiment_file": str, "budget_bytes": int, 
 def check_plottable(folder: str | Path, *, trust_factory: bool = False) -> None:
     """Refuse, in one line, a folder `plot` cannot draw: missing, not a folder, no results files, a broken
     summary.json (ResultsError); or one whose experiment builds its model with code outside gaswap's zoo,
-    named only by these files, unless `trust_factory` (Refused)."""
+    named only by these files, unless `trust_factory` (Refused). A folder a killed search left between its
+    renames is recovered first (`recover`)."""
     # the zoo imports torch; reading a results folder does not need it
     from gaswap.zoo import shipped
 
     folder = Path(folder)
+    if not folder.exists() and (_aside(folder, "new").is_dir() or _aside(folder, "old").is_dir()):
+        with locked(folder):  # refused while a search replaces it; else finish what a killed one left
+            recover(folder)
     if not folder.is_dir():
         raise ResultsError(f"{folder}: {'no such folder' if not folder.exists() else 'not a folder'}; "
                            f"give a results folder, e.g. results/alexnet_4gb")
@@ -327,8 +342,11 @@ def check_plottable(folder: str | Path, *, trust_factory: bool = False) -> None:
     if missing:
         raise ResultsError(f"{folder}: not a gaswap results folder (no {', '.join(missing)}); run "
                            f"`python -m gaswap search EXPERIMENT` to make one")
+    too_big = [name for name in ("front.csv", "history.csv") if (folder / name).stat().st_size > TABLE_BYTES]
+    if too_big:
+        raise ResultsError(f"{folder / too_big[0]}: more than the {TABLE_BYTES} bytes a results table may have")
     try:
-        summary = json.loads(read_text(folder / "summary.json", 2**24))
+        summary = json.loads(read_text(folder / "summary.json", SUMMARY_BYTES))
     except UnreadableFile as err:
         raise ResultsError(str(err)) from None
     except ValueError as err:
@@ -347,3 +365,54 @@ def check_plottable(folder: str | Path, *, trust_factory: bool = False) -> None:
     if not shipped(exp.model.factory) and not trust_factory:
         raise Refused(f"{folder}: its experiment {file} builds the model with {exp.model.factory}, code named only "
                       f"by these results; if you trust it, pass --trust-factory")
+
+
+FRONT_CHECKED = ("peak_bytes", "step_time_s")  # front.csv's figures that must be its policy's predicted ones
+
+
+def check_front(folder: str | Path) -> None:
+    """Refuse (`Refused`) a results folder whose front.csv does not add up with policies/ and summary.json: the
+    rows must name exactly the policy files of policies/, as many as summary.json's front_size, each with its
+    policy's predicted peak and step time; summary.json's best must be policy.yaml's prediction. Each policy
+    file is read as `policy.load` reads one (bounded, checksum checked)."""
+    folder = Path(folder)
+    where = folder / "front.csv"
+    try:
+        rows = list(csv.DictReader(io.StringIO(read_text(where, TABLE_BYTES))))
+        summary = json.loads(read_text(folder / "summary.json", SUMMARY_BYTES))
+    except (UnreadableFile, ValueError, csv.Error) as err:
+        raise Refused(f"{where}: not readable with its summary.json ({_first_line(err)})") from None
+    names = [row.get("policy") for row in rows]
+    held = sorted(f"policies/{p.name}" for p in (folder / "policies").glob("*.yaml"))
+    if sorted(map(str, names)) != held or summary.get("front_size") not in (None, len(rows)):
+        raise Refused(f"{where} lists {len(rows)} policies, {folder / 'policies'}/ holds {len(held)} and "
+                      f"summary.json says {summary.get('front_size')}: {UNEVEN}")
+    for k, row in enumerate(rows):
+        predicted = policies.load(folder / row["policy"]).predicted
+        wrong = [c for c in FRONT_CHECKED if _number(row.get(c)) != predicted.get(c)]
+        if wrong:
+            raise Refused(f"{where}: row {k + 1} ({row['policy']}): {wrong[0]} {_number(row.get(wrong[0]))}, but the "
+                          f"policy predicts {predicted.get(wrong[0])}: {UNEVEN}")
+    best = summary.get("best")
+    if isinstance(best, dict) and (folder / "policy.yaml").is_file():
+        predicted = policies.load(folder / "policy.yaml").predicted
+        if any(best.get(c) != predicted.get(c) for c in FRONT_CHECKED):
+            raise Refused(f"{folder / 'summary.json'}: best says {best.get('peak_bytes')} bytes and "
+                          f"{best.get('step_time_s')} s, policy.yaml predicts {predicted.get('peak_bytes')} bytes and "
+                          f"{predicted.get('step_time_s')} s: {UNEVEN}")
+
+
+UNEVEN = "the folder was cut or edited; run the search again (or restore the folder)"
+
+
+def _number(text):
+    """A CSV cell as the number it holds (int when whole), or the text itself when it holds none."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        return text
+    return int(value) if value.is_integer() and "." not in str(text) and "e" not in str(text).lower() else value
+
+
+def _first_line(err: Exception) -> str:
+    return " ".join(str(err).split())[:200]

@@ -30,7 +30,7 @@ from gaswap.app import results
 from gaswap.base import config
 from gaswap.base.config import format_size
 from gaswap.base.errors import NO_FIT
-from gaswap.base.files import umask
+from gaswap.base.files import umask, write_atomic
 from gaswap.base.training_options import HOST_STEP_TRAFFIC
 from gaswap.plan import torchtitan
 from gaswap.plan.costs import estimate, load_profile
@@ -279,7 +279,7 @@ def write_folder(exp: config.Experiment, out: Path, files: dict, *, force: bool)
         tmp.chmod(0o777 & ~umask())
         try:
             for name, text in files.items():
-                (tmp / name).write_text(text)
+                write_atomic(tmp / name, text)  # an OSError names the file
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

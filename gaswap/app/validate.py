@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from gaswap.app import workflow
 from gaswap.app.results import Refused
 from gaswap.base import config
 from gaswap.base.files import write_atomic
@@ -109,6 +110,7 @@ def _captured(policy: policies.Policy, policy_path: Path, exp: config.Experiment
     inputs, target = make_inputs(exp, str(dev), torch.Generator(dev).manual_seed(exp.seed))
     captured = capture(model, inputs, target, exp.loss, optimizer=exp.optimizer, counted=exp.counts,
                        autocast=exp.autocast)
+    workflow.check_target(exp, captured)
     if exp.loss == "external":  # the loss is computed outside the step: stand in a fixed gradient of the output
         target = output_gradient(captured, dev, exp.seed)
     here = {"model": {"factory": exp.model.factory, "kwargs": exp.model.kwargs}, "batch_size": exp.batch_size,

@@ -75,7 +75,28 @@ def capture_step(experiment: config.Experiment):
         check_trainable(captured.graph)
     except CaptureError as err:
         raise CaptureError(f"{experiment.path}: {err}") from None
+    check_target(experiment, captured)
     return captured
+
+
+NLL = ("aten.nll_loss_forward.default", "aten.nll_loss2d_forward.default")  # where cross entropy reads its classes
+
+
+def check_target(experiment: config.Experiment, captured) -> None:
+    """Refuse (ConfigError naming target.high) class indices the model's output has no class for: with cross
+    entropy, the target's `high` must be at most the output's number of classes."""
+    target = experiment.target
+    if experiment.loss != "cross_entropy" or target is None or target.high is None:
+        return
+    for node in captured.gm.graph.nodes:
+        if node.op == "call_function" and str(node.target) in NLL:
+            shape = node.args[0].meta["val"].shape
+            classes = shape[1] if len(shape) >= 2 else shape[0]
+            if target.high > classes:
+                raise config.ConfigError(
+                    f"{experiment.path}: target.high: {target.high}, but the model's output has {classes} classes: "
+                    f"class indices up to {target.high - 1} would be out of range; set target.high to at most "
+                    f"{classes}")
 
 
 def check_trainable(graph: Graph) -> None:
@@ -158,22 +179,24 @@ def check_results_folder(experiment: config.Experiment, out: str | Path, *, resu
 
 
 def run_search(prepared: Prepared, out: str | Path, *, on_generation=None, resume: bool = False,
-               force: bool = False, stop=None) -> tuple[SearchResult, dict]:
+               force: bool = False, stop=None, finish=None) -> tuple[SearchResult, dict]:
     """Search the experiment's policies and write its results folder; raises Infeasible when none fits.
 
     The search checkpoints into `out/.checkpoint.json` (see `search.search`); `resume` continues from there
     (CheckpointError when it is unusable). `stop()` (e.g. the `Stop` of `stop_on_signals`) ends the search
     early: the results so far are written, marked incomplete, beside the checkpoint. `force` replaces a
-    folder made by another experiment (see `check_results_folder`).
+    folder made by another experiment (see `check_results_folder`). `finish(new_folder)` adds to the new
+    results folder before it replaces the old one (`results.write`: figures drawn again).
     """
     exp = prepared.experiment
     with results.locked(out):
         results.recover(out)
         check_results_folder(exp, out, resume=resume, force=force)
-        return _search_and_write(prepared, Path(out), on_generation, resume, stop)
+        return _search_and_write(prepared, Path(out), on_generation, resume, stop, finish)
 
 
-def _search_and_write(prepared: Prepared, out: Path, on_generation, resume: bool, stop) -> tuple[SearchResult, dict]:
+def _search_and_write(prepared: Prepared, out: Path, on_generation, resume: bool, stop,
+                      finish=None) -> tuple[SearchResult, dict]:
     exp, graph, costs = prepared.experiment, prepared.graph, prepared.costs
     reference = planning_problem(prepared).keep_all()
     budget = exp.budget.resolve(reference.peak_bytes)
@@ -212,7 +235,7 @@ def _search_and_write(prepared: Prepared, out: Path, on_generation, resume: bool
     owner = results.owner_of(out) if out.is_dir() else None
     carry = ("bench.csv", "bench.md") if owner and results.same_experiment(owner, exp.name, exp.path) else ()
     carry += () if result.complete else (checkpoints.NAME,)
-    results.write(out, result, make_policy, summary, carry=carry,
+    results.write(out, result, make_policy, summary, carry=carry, finish=finish,
                   extra={costfile.NAME: costfile.dumps(costs, graph.fingerprint())})  # what `plot` re-simulates with
     return result, summary
 
@@ -235,13 +258,21 @@ def describe(prepared: Prepared) -> dict:
         "search_space": exp.search_space.name,
         "seed": exp.seed,
         "device": prepared.costs.device,
-        "cost_source": prepared.costs.source,
+        "cost_source": _cost_source(prepared),
         "torch_version": prepared.torch_version,
         "graph": {"fingerprint": graph.fingerprint(), "ops": len(graph.ops), "tensors": len(graph.tensors),
                   "candidates": len(graph.candidates())},
         "capture_seconds": prepared.capture_seconds,
         "costs_seconds": prepared.costs_seconds,
     })
+
+
+def _cost_source(prepared: Prepared) -> str:
+    """Where the costs come from: "measured", unless no op could be timed (each got a roofline estimate)."""
+    costs = prepared.costs
+    if costs.source == "measured" and len(costs.estimated) == len(prepared.graph.ops):
+        return "estimated (no op could be timed on the device: roofline estimates)"
+    return costs.source
 
 
 def _plain(value: dict) -> dict:

@@ -35,6 +35,7 @@ CROSSOVERS = ("uniform", "two_point")
 MEMORY_TARGETS = ("live", "reserved")  # what a budget bounds: live tensor bytes, or the allocator's reservations
 BATCH = "batch"  # the shape entry replaced by the batch size
 MAX_FRACTION = 10  # the largest budget accepted as a fraction of the keep-all peak ("10x")
+MAX_SIZE = 2**60  # the largest budget in bytes (1 EiB): far beyond any machine, small enough to stay exact
 SEARCH_SPACES_DIR = Path(__file__).resolve().parents[2] / "search_spaces"
 DEFAULT_SEARCH_SPACE = "hybrid"
 MAX_FILE_BYTES = 2**20  # an experiment or search-space file is a few hundred bytes; larger ones are refused unread
@@ -97,7 +98,8 @@ def _read_yaml(path: Path) -> dict:
     except UnreadableFile as err:
         raise ConfigError(str(err)) from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: top level must be a mapping, got {_show(raw)}")
+        got = "nothing (an empty file)" if raw is None else f"a {type(raw).__name__}"  # no content echoed
+        raise ConfigError(f"{path}: top level must be a mapping, got {got}")
     return raw
 
 
@@ -276,6 +278,9 @@ def _find_space(text: str, root: Path, base: Path | None) -> Path:
     """The file of a search space: a path (relative to `base` if given) or a name in `root`."""
     if text.endswith((".yaml", ".yml")) or "/" in text or "\\" in text:
         path = base / text if base is not None else Path(text)
+        if not text.endswith((".yaml", ".yml")):  # another file is not read, nor a line of it shown
+            raise ConfigError(f"search space file {text!r}: must be a .yaml or .yml file (or a search space name: "
+                              f"{', '.join(sorted(p.stem for p in root.glob('*.yaml')))})")
         if not path.is_file():
             raise ConfigError(f"search space file {str(path)!r} not found")
         return path
@@ -492,7 +497,8 @@ class Experiment:
     batch_size: int = key(_POSITIVE, f"replaces `{BATCH}` in shapes (at most {MAX_INT32})")
     optimizer: str = key(_choice(OPTIMIZERS), f"one of {', '.join(OPTIMIZERS)} (its state counts toward the "
                                               "budget)", DEFAULT_OPTIMIZER)
-    budget: Budget = key(_size, "memory budget: `4GB`, `3.5GiB`, `4096MiB`, bytes, or `0.5x` of the keep-all peak")
+    budget: Budget = key(_size, f"memory budget: `4GB`, `3.5GiB`, `4096MiB`, bytes (at most 2^60, 1 EiB), or `0.5x` "
+                                f"of the keep-all peak (at most {MAX_FRACTION}x)")
     counts: tuple[str, ...] = key(_list(_choice(COUNTABLE), unique=True), f"persistent memory counted toward the "
                                                                           f"budget: any of {', '.join(COUNTABLE)}",
                                   COUNTABLE)
@@ -532,7 +538,20 @@ def parse_size(text: str | int) -> Budget:
     size = number * _UNITS[unit]
     if size != size.to_integral_value():
         raise ConfigError(f"invalid size {text!r}: not a whole number of bytes")
+    if size > MAX_SIZE:
+        raise ConfigError(f"invalid size {text!r}: at most {MAX_SIZE} bytes (1 EiB)")
     return Budget(bytes=int(size))
+
+
+def _name_from(path: Path, where: _Where) -> str:
+    """The experiment's name taken from its file name; refused, saying how to set `name:`, when the file name
+    is no such name (a space, an emoji...)."""
+    try:
+        return _NAME(where["name"], path.stem)
+    except ConfigError:
+        fixed = re.sub(r"[^\w.-]+", "_", path.stem).strip("._-")[:100] or "experiment"
+        where.fail(f"the file name {path.name!r} gives no experiment name (it names the results folder: letters, "
+                   f"digits, '_', '.' and '-' only); add a `name:` key, e.g. `name: {fixed}`, or rename the file")
 
 
 def format_size(size: int) -> str:
@@ -550,7 +569,8 @@ def load_experiment(path: str | Path) -> Experiment:
     path = Path(path)
     where = _Where(str(path))
     raw = _read_yaml(path)
-    raw.setdefault("name", path.stem)  # the defaults `shown` in the schema
+    if "name" not in raw:  # the defaults `shown` in the schema
+        raw["name"] = _name_from(path, where)
     raw.setdefault("search_space", DEFAULT_SEARCH_SPACE)
     experiment = _build(where, raw, Experiment, {"search_space": _space_check(path.parent)}, path=str(path))
     if experiment.loss in NO_TARGET and experiment.target is not None:

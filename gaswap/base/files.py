@@ -10,6 +10,7 @@ import csv
 import io
 import os
 import tempfile
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -91,19 +92,42 @@ def load_yaml(path: str | Path, limit: int) -> Any:
 
 def write_atomic(path: str | Path, text: str) -> None:
     """Write `text` to `path` through a temporary file in the same folder, fsync, and a rename."""
+    with replacing(path) as f:
+        f.write(text)
+
+
+@contextmanager
+def replacing(path: str | Path, *, binary: bool = False):
+    """A new file, open for writing, that replaces `path` when the block ends: written as a temporary file in
+    the same folder, flushed, fsynced and renamed over `path`, so a reader (or a process killed at any moment)
+    finds the old file or the new one, whole. On an error the temporary file goes and `path` is untouched;
+    an OSError that names no file names `path`."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as err:
+        raise _naming(err, path) from None
+    try:
+        with os.fdopen(fd, "wb" if binary else "w") as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~umask())  # mkstemp makes owner-only files; give the usual permissions
         os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
+    except BaseException as err:
+        with suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(err, OSError):
+            raise _naming(err, path) from None
         raise
+
+
+def _naming(err: OSError, path: Path) -> OSError:
+    """`err`, or the same error naming `path` when it names no file (a full disk's ENOSPC names none)."""
+    if err.filename is not None:
+        return err
+    return OSError(err.errno, err.strerror or str(err), str(path))
 
 
 def umask() -> int:

@@ -61,3 +61,43 @@ def stop_on_signals(notify=None, signals=(signal.SIGINT, signal.SIGTERM)):
     finally:
         for s, handler_before in previous.items():
             signal.signal(s, handler_before if handler_before is not None else signal.SIG_DFL)
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) as `named_interrupts` raises it: a KeyboardInterrupt that says which signal came."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+_NAMING = [False]  # whether `named_interrupts` is in force
+
+
+@contextmanager
+def named_interrupts():
+    """Within the block, Ctrl-C raises `Interrupted` (its `signum` set) instead of a bare KeyboardInterrupt,
+    so that `from_code` can tell a KeyboardInterrupt some code raised (a model factory) from a real Ctrl-C.
+    Only on the main thread; forked processes keep Python's own behaviour."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    owner = os.getpid()
+
+    def handler(signum, frame):
+        if os.getpid() != owner:
+            raise KeyboardInterrupt
+        raise Interrupted(signum)
+
+    previous = signal.signal(signal.SIGINT, handler)
+    _NAMING[0] = True
+    try:
+        yield
+    finally:
+        _NAMING[0] = False
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+
+
+def from_code(err: KeyboardInterrupt) -> bool:
+    """Whether `err` was raised by code, not by a signal (known only within `named_interrupts`)."""
+    return _NAMING[0] and getattr(err, "signum", None) is None

@@ -141,6 +141,46 @@ def _count(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf
 
 
+EDITED = ("the checkpoint was edited (its checksum detects corruption, not edits); start the search afresh "
+          "(without --resume)")
+FEASIBLE = ("archive", "fastest")  # groups of points that fit the budget by construction
+
+
+def check_points(groups: dict[str, list], allowed, evaluate, budget: int | None, path) -> None:
+    """Refuse (CheckpointError) restored points (`Evaluated`, by group name) that do not add up: a key that is
+    not finite, an action gene the search space does not allow for its candidate (`allowed`, per candidate),
+    an archive or fastest point over the budget, or a stored step time, peak or validity other than what
+    `evaluate` (a list of chromosomes -> their `Evaluated`, the simulator now) gives. Each distinct chromosome
+    is simulated once."""
+    for group, points in groups.items():
+        for k, e in enumerate(points):
+            problem = _gene_problem(e.chromosome, allowed) or (
+                "over the budget" if group in FEASIBLE and budget is not None and not e.feasible(budget) else None)
+            if problem:
+                raise CheckpointError(f"{path}: {group} point {k}: {problem}; {EDITED}")
+    distinct = list(dict.fromkeys(e.chromosome for points in groups.values() for e in points))
+    now = dict(zip(distinct, evaluate(distinct)))
+    for group, points in groups.items():
+        for k, e in enumerate(points):
+            n = now[e.chromosome]
+            if (e.step_time, e.peak_bytes, e.valid) != (n.step_time, n.peak_bytes, n.valid):
+                raise CheckpointError(
+                    f"{path}: {group} point {k} says step time {e.step_time:.6g} s and peak {e.peak_bytes} bytes"
+                    f"{'' if e.valid else ' (invalid)'}, but the simulator gives {n.step_time:.6g} s and "
+                    f"{n.peak_bytes} bytes{'' if n.valid else ' (invalid)'}; {EDITED}")
+
+
+def _gene_problem(chromosome, allowed) -> str | None:
+    """What is out of range in a chromosome: a key that is not a finite number, or a disallowed action."""
+    if not all(math.isfinite(key) for key in chromosome.keys):
+        return "an order key is not a finite number"
+    for k, (action, ok) in enumerate(zip(chromosome.actions, allowed)):
+        if action not in ok:
+            return (f"action gene {k} is {action}, but this search space allows "
+                    f"{', '.join(f'{int(a)} ({a.name.lower()})' for a in ok)} there")
+    return None
+
+
 def load(path: str | Path, fingerprint: dict) -> dict:
     """The state of a checkpoint made under `fingerprint`; otherwise CheckpointError naming what differs."""
     body = read(path)
@@ -159,8 +199,8 @@ def load(path: str | Path, fingerprint: dict) -> dict:
 def about(path: str | Path) -> dict | None:
     """What a checkpoint says it belongs to, or None when it cannot be read (never raises)."""
     try:
-        body = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
+        body = json.loads(read_text(path, MAX_BYTES))
+    except (OSError, ValueError):  # UnreadableFile is a ValueError
         return None
     ok = isinstance(body, dict) and body.get("format") == FORMAT and isinstance(body.get("about"), dict)
     return body["about"] if ok else None

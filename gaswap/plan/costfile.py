@@ -10,15 +10,18 @@ import json
 import math
 from pathlib import Path
 
-from gaswap.base.errors import GaswapError
+from gaswap.base.errors import Refusal
+from gaswap.base.files import UnreadableFile, read_text
 from gaswap.plan.costs import Costs
 
 NAME = "costs.json"
 FORMAT = 1
+MAX_BYTES = 64 * 2**20  # a 4,500-op graph's costs.json is a few hundred KB; larger ones are refused unread
 
 
-class CostFileError(GaswapError, ValueError):
-    """A costs.json that cannot be used: damaged, or made for another graph."""
+class CostFileError(Refusal, ValueError):
+    """A costs.json that cannot be used: damaged, edited, or made for another graph (refused, exit 4: the
+    results folder it is in does not add up)."""
 
 
 def dumps(costs: Costs, fingerprint: str) -> str:
@@ -45,7 +48,7 @@ def load(folder: str | Path, fingerprint: str, op_names) -> Costs | None:
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_text(path, MAX_BYTES))
         if data.get("format") != FORMAT:
             raise ValueError(f"format {data.get('format')!r}, expected {FORMAT}")
         op_time = {str(k): _seconds(v) for k, v in data["op_time"].items()}
@@ -55,6 +58,8 @@ def load(folder: str | Path, fingerprint: str, op_names) -> Costs | None:
                       measured=int(data["measured"]), estimated=tuple(str(n) for n in data["estimated"]),
                       copies_overlap=bool(data["copies_overlap"]))
         recorded = data["graph_fingerprint"]
+    except UnreadableFile as err:
+        raise CostFileError(f"unusable: {err}") from None
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise CostFileError(f"{path}: unusable ({err})") from None
     if recorded != fingerprint or set(op_time) != set(op_names):

@@ -24,6 +24,7 @@ from gaswap.base.errors import Refusal
 from gaswap.base.files import UnreadableFile, load_yaml, write_atomic
 from gaswap.base.program import Action, ProgramSyntaxError, parse_program
 from gaswap.plan.graph import Graph
+from gaswap.plan.memory import allocator
 from gaswap.plan.walker import Hooks, ProgramFault, Walker
 
 VERSION = 1
@@ -264,7 +265,7 @@ def _program_problem(policy: Policy, graph: Graph) -> str | None:
     except ProgramFault as err:
         return str(err)
     return _runs_problem(policy, graph, walked) or _actions_vs_program(policy.actions, uses) or \
-        _peak_problem(policy, walked.peak)
+        _predicted_problem(policy, graph, walked.peak)
 
 
 class _Uses(Hooks):
@@ -315,7 +316,33 @@ def _actions_vs_program(action: dict[str, str], uses: _Uses) -> str | None:
     return None
 
 
-def _peak_problem(policy: Policy, peak: int) -> str | None:
-    if peak > policy.predicted.get("peak_bytes", math.inf):
-        return f"program: holds {peak} bytes at its peak, more than the {policy.predicted['peak_bytes']} predicted"
+def _predicted_problem(policy: Policy, graph: Graph, live: int) -> str | None:
+    """The figures a policy predicts agree with its program: the live peak is the replay's (`live`), to the
+    byte; with an experiment `memory` key, the allocated and reserved peaks are the allocator model's replay
+    of the program; the peak is the live or the reserved one; the action counts are the actions'; the
+    overhead is above -100 %."""
+    predicted = policy.predicted
+    said = {"live_bytes": predicted.get("live_bytes", predicted.get("peak_bytes"))}
+    expected = {"live_bytes": live}
+    memory = policy.provenance.get("memory")
+    if "reserved_bytes" in predicted or "allocated_bytes" in predicted:
+        if not isinstance(memory, dict):
+            return "predicted: allocator peaks without the experiment's `memory` key in its provenance"
+        peaks = allocator.replay(graph, policy, steps=2, expandable_segments=bool(memory.get("expandable_segments")),
+                                 optimizer=policy.provenance.get("optimizer"))
+        said |= {k: predicted.get(k) for k in ("allocated_bytes", "reserved_bytes")}
+        expected |= {"allocated_bytes": peaks.allocated, "reserved_bytes": peaks.reserved}
+    for key, value in said.items():
+        if value != expected[key]:
+            return (f"predicted: {key.replace('_bytes', ' peak')} {_short(value)} bytes, but replaying its program "
+                    f"gives {expected[key]} bytes")
+    if predicted.get("peak_bytes") not in (expected["live_bytes"], expected.get("reserved_bytes")):
+        return f"predicted: peak_bytes {_short(predicted.get('peak_bytes'))} is neither its live nor its reserved peak"
+    counts = policy.counts()
+    wrong = [a for a in counts if a in predicted and predicted[a] != counts[a]]
+    if wrong:
+        return f"predicted: {wrong[0]} {_short(predicted[wrong[0]])}, but its actions {wrong[0]} {counts[wrong[0]]}"
+    overhead = predicted.get("overhead", 0.0)
+    if not (isinstance(overhead, (int, float)) and not isinstance(overhead, bool) and -1 < overhead < math.inf):
+        return f"predicted: overhead {_short(overhead)} is no step-time overhead (a number above -1)"
     return None

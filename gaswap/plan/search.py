@@ -212,8 +212,9 @@ class Search:
 
     def restore(self, plain: dict, path="checkpoint") -> None:
         """Continue from `plain` (a `state()`, already matched to this configuration) instead of `initial()`;
-        CheckpointError (naming `path`) when it is malformed or past `ga.generations`. A checkpoint written
-        before searches kept their fastest policies (no "fastest") starts them from its archive."""
+        CheckpointError (naming `path`) when it is malformed, past `ga.generations`, or does not add up
+        (`_check_restored`: genes out of range, stored figures the simulator does not give). A checkpoint
+        written before searches kept their fastest policies (no "fastest") starts them from its archive."""
         if plain["generation"] > self.ga.generations:
             raise checkpoints.CheckpointError(
                 f"{path}: the checkpoint is at generation {plain['generation']}, past ga.generations "
@@ -225,18 +226,36 @@ class Search:
             self.generation, self.evaluations = int(plain["generation"]), int(plain["evaluations"])
             self.smallest_peak, self.seconds_before = int(plain["smallest_peak"]), float(plain["seconds"])
             self.history = [Generation(**h) for h in plain["history"]]
-            self.seeds = {str(name): _evaluated(row, encoding) for name, row in plain["seeds"].items()}
-            self.front = Front(_evaluated(row, encoding) for row in plain["archive"])
-            self.fastest = Fastest(_evaluated(row, encoding) for row in plain.get("fastest", plain["archive"]))
-            self.population = []
-            for row in plain["population"]:
-                ind = _individual(_evaluated(row[:5], encoding), self.budget)
-                ind.fitness.crowding_dist = float(row[5])
-                self.population.append(ind)
+            seeds = {str(name): _evaluated(row, encoding) for name, row in plain["seeds"].items()}
+            archive = [_evaluated(row, encoding) for row in plain["archive"]]
+            fastest = [_evaluated(row, encoding) for row in plain.get("fastest", plain["archive"])]
+            population = [(_evaluated(row[:5], encoding), float(row[5])) for row in plain["population"]]
         except (KeyError, IndexError, TypeError, ValueError) as err:
             raise checkpoints.CheckpointError(f"{path}: malformed checkpoint ({err})") from None
+        self._check_restored(seeds, archive, fastest, [e for e, _ in population], path)
+        self.seeds, self.front, self.fastest = seeds, Front(archive), Fastest(fastest)
+        self.population = []
+        for e, crowding in population:
+            ind = _individual(e, self.budget)
+            ind.fitness.crowding_dist = crowding
+            self.population.append(ind)
         self.started = time.perf_counter()
         self.reference = _reference_point(self.seeds, self.budget)
+
+    def _check_restored(self, seeds: dict, archive: list, fastest: list, population: list, path) -> None:
+        """Refuse (CheckpointError) restored points that do not add up (`checkpoint.check_points`): the seeds
+        must be this configuration's, the population `mu` strong, the history one record per generation."""
+        checkpoints.check_points({"seed": list(seeds.values()), "population": population, "archive": archive,
+                                  "fastest": fastest}, self.problem.encoding.allowed, self._evaluate,
+                                 self.budget, path)
+        if {name: e.chromosome for name, e in seeds.items()} != self.seed_chromosomes:
+            raise checkpoints.CheckpointError(f"{path}: the checkpoint's seed policies are not this search's "
+                                              f"({', '.join(seeds) or 'none'}); {checkpoints.EDITED}")
+        if len(population) != self.mu or len(self.history) != self.generation:
+            raise checkpoints.CheckpointError(
+                f"{path}: the checkpoint holds {len(population)} individuals and {len(self.history)} generation "
+                f"records, a search at generation {self.generation} holds {self.mu} and {self.generation}; "
+                f"{checkpoints.EDITED}")
 
     # --- helpers ---
     def _evaluate(self, chromosomes: list[Chromosome]) -> list[Evaluated]:

@@ -6,12 +6,13 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
-from gaswap.base import config
+from gaswap.base import config, signals
 
 
 def build_model(experiment: config.Experiment, device: str = "meta"):
     """The experiment's model, with parameters on `device` ("meta" allocates nothing). Whatever the factory
-    raises (SystemExit included) becomes a ConfigError naming it; so does a factory returning no nn.Module."""
+    raises (SystemExit, and KeyboardInterrupt without a Ctrl-C, included) becomes a ConfigError naming it; so
+    does a factory returning no nn.Module."""
     import torch
 
     # torch loads when a model is built: `app.workflow` imports this module without it
@@ -30,6 +31,11 @@ def build_model(experiment: config.Experiment, device: str = "meta"):
     except (Exception, SystemExit) as err:
         raise config.ConfigError(f"{experiment.path}: model: {path}(**kwargs) failed: {type(err).__name__}: "
                                  f"{_one_line(err)}") from None
+    except KeyboardInterrupt as err:
+        if not signals.from_code(err):  # Ctrl-C
+            raise
+        raise config.ConfigError(f"{experiment.path}: model: {path}(**kwargs) failed: it raised KeyboardInterrupt "
+                                 f"itself (no Ctrl-C came)") from None
     try:
         return check_model(path, model)
     except ValueError as err:

@@ -550,8 +550,10 @@ class PolicyStep:
     def __init__(self, model, captured: Captured, program, autocast: str | None = None):
         self.model, self.captured = model, captured
         self.runners = _Runners(model, captured, program, autocast)
+        self._specs = _input_specs(captured)  # the inputs', then the target's
 
     def __call__(self, *inputs_and_target):
+        _check_inputs(inputs_and_target, self._specs, "tensors (the inputs, then the target)")
         *inputs, target = inputs_and_target
         device = self.runners.device([*inputs, target])
         args = self.captured.arguments(self.model, tuple(inputs), target)
@@ -583,9 +585,7 @@ class PolicyModule(nn.Module):
         self.captured = captured
         self.autocast = autocast  # the mixed precision the policy was searched with: its casts are in the graph
         self._runners = _Runners(model, captured, program, autocast)
-        traced = {n.name: n.meta["val"] for n in captured.gm.graph.nodes if n.op == "placeholder"}
-        self._input_specs = [(tuple(traced[name].shape), traced[name].dtype)
-                             for name, kind, _ in captured.placeholders if kind == "input"]
+        self._input_specs = _input_specs(captured)
         self._trainable = [src for _, kind, src in captured.placeholders if kind == "param"]
         # state_dict keys are the model's own (no "model." prefix): checkpoints load with or without the policy
         self.register_state_dict_post_hook(_strip_model_prefix)
@@ -594,7 +594,7 @@ class PolicyModule(nn.Module):
     def forward(self, *inputs):
         if not (self.training and torch.is_grad_enabled()):
             return self.model(*inputs)
-        self._check(inputs)
+        _check_inputs(inputs, self._input_specs, "input(s)")
         device = self._runners.device(inputs)
         params = dict(self.model.named_parameters(remove_duplicate=False))
         with torch.autocast(device.type, enabled=False):  # the graph has its casts already
@@ -609,20 +609,32 @@ class PolicyModule(nn.Module):
                 raise
             return getattr(self.model, name)
 
-    def _check(self, inputs) -> None:
-        """Refuse inputs other than those the policy was searched for, saying what differs."""
-        if len(inputs) != len(self._input_specs):
-            raise PolicyError(f"the policy was searched for {len(self._input_specs)} input(s), got {len(inputs)}")
-        for i, (x, (shape, dtype)) in enumerate(zip(inputs, self._input_specs)):
-            if not isinstance(x, torch.Tensor):
-                raise PolicyError(f"input {i} is {type(x).__name__}, not a tensor")
-            if (tuple(x.shape), x.dtype) != (shape, dtype):
-                raise PolicyError(
-                    f"input {i} has shape {tuple(x.shape)} and dtype {x.dtype}, but the policy was searched for "
-                    f"shape {shape} and dtype {dtype}. Feed batches of that shape (e.g. DataLoader(drop_last=True)), "
-                    f"or search a policy for these shapes")
-            if x.requires_grad:
-                raise PolicyError(f"input {i} requires grad, but the policy's step computes parameter gradients only")
+
+def _input_specs(captured: Captured) -> list[tuple[str, tuple, torch.dtype]]:
+    """(name, shape, dtype) of what a caller passes to a policy's step: the inputs ("input k"), then the loss's
+    target ("the target") where the step takes one."""
+    traced = {n.name: n.meta["val"] for n in captured.gm.graph.nodes if n.op == "placeholder"}
+    return [(f"input {src.removeprefix('inputs.')}" if src.startswith("inputs.") else "the target",
+             tuple(traced[name].shape), traced[name].dtype)
+            for name, kind, src in captured.placeholders if kind == "input"]
+
+
+def _check_inputs(given, specs, what: str) -> None:
+    """Refuse (PolicyError) tensors other than those the policy was searched for, saying what differs: their
+    number, a value that is no tensor, a shape or dtype, or one that requires grad. (Their device is checked
+    against the model's by `_Runners.device`.)"""
+    if len(given) != len(specs):
+        raise PolicyError(f"the policy was searched for {len(specs)} {what}, got {len(given)}")
+    for x, (name, shape, dtype) in zip(given, specs):
+        if not isinstance(x, torch.Tensor):
+            raise PolicyError(f"{name} is {type(x).__name__}, not a tensor")
+        if (tuple(x.shape), x.dtype) != (shape, dtype):
+            raise PolicyError(
+                f"{name} has shape {tuple(x.shape)} and dtype {x.dtype}, but the policy was searched for "
+                f"shape {shape} and dtype {dtype}. Feed batches of that shape (e.g. DataLoader(drop_last=True)), "
+                f"or search a policy for these shapes")
+        if x.requires_grad:
+            raise PolicyError(f"{name} requires grad, but the policy's step computes parameter gradients only")
 
 
 class _PolicyFunction(torch.autograd.Function):
