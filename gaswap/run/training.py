@@ -151,20 +151,21 @@ def resident(captured, args: list, optimizer: torch.optim.Optimizer, counts, ext
 
 def runtime_step(runner, args: list, held: list, optimizer: torch.optim.Optimizer, params, device, *,
                  metered: bool = True, clock=time.perf_counter) -> RuntimeStep:
-    """One step of gaswap's runtime: `runner(args)` runs the forward and backward (timed by `clock`), under the
-    step meter (`DeviceMemory`, counting `held` as resident) when `metered`; then the optimizer steps
-    `params` with the gradients it gave. `args` and `held` are emptied: the step owns its inputs (an input
-    the policy swaps out must be free to go)."""
+    """One step of gaswap's runtime: `runner(args)` runs the forward and backward (timed by `clock`, the device
+    synchronized before and after: the step alone, the meter's entry and exit outside), under the step meter
+    (`DeviceMemory`, counting `held` as resident) when `metered`; then the optimizer steps `params` with the
+    gradients it gave. `args` and `held` are emptied: the step owns its inputs (an input the policy swaps out
+    must be free to go)."""
     device = torch.device(device)
-    sync(device)
-    started = clock()
     with DeviceMemory(device) if metered else nullcontext() as memory:
         if memory is not None:
             memory.hold(held)
         held.clear()
+        sync(device)
+        started = clock()
         loss, *grads = runner(args)
-    sync(device)
-    seconds = clock() - started
+        sync(device)
+        seconds = clock() - started
     return RuntimeStep(loss, memory, seconds, optimizer_step(optimizer, params, grads, device))
 
 
