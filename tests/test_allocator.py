@@ -251,6 +251,6 @@ def test_lazy_optimizer_state_is_made_at_the_first_optimizer_step_hand_worked():
 
 
 def test_a_one_step_reserved_search_holds_the_optimizer_state_two_steps_make_it():
-    graph, sim, encoding = _setup()
+    graph, sim, _ = _setup()
     assert ReservedProblem(graph, sim.costs).options == {"steps": 1, "optimizer_state": "resident"}
     assert ReservedProblem(graph, sim.costs, steps=2).options == {"steps": 2, "optimizer_state": "lazy"}

@@ -83,7 +83,7 @@ def settings() -> dict:
     and the path compiled swaps take on this torch. The allocator model assumes the defaults (no variable set)."""
     import torch
 
-    from gaswap.compiled import offload_ops
+    from gaswap.compiled import offload_ops  # imported when the check runs: the CLI lists `check-gpu` without torch
 
     env = {k: os.environ[k] for k in SETTINGS_ENV if k in os.environ}
     return {"env": env, "allocator_defaults": not any(k.startswith(("PYTORCH_", "CUBLAS")) for k in env),
