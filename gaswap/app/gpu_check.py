@@ -87,7 +87,7 @@ def settings() -> dict:
 
     env = {k: os.environ[k] for k in SETTINGS_ENV if k in os.environ}
     return {"env": env, "allocator_defaults": not any(k.startswith(("PYTORCH_", "CUBLAS")) for k in env),
-            "cuda_runtime": torch.version.cuda, "cudnn_version": torch.backends.cudnn.version(),
+            "cuda_runtime": torch.version.cuda, "cudnn_version": _reading(torch.backends.cudnn.version),
             "cudnn_enabled": torch.backends.cudnn.enabled, "cudnn_benchmark": torch.backends.cudnn.benchmark,
             "cudnn_deterministic": torch.backends.cudnn.deterministic,
             "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
@@ -95,6 +95,14 @@ def settings() -> dict:
             "float32_matmul_precision": torch.get_float32_matmul_precision(),
             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
             "compiled_swaps": offload_ops.offload_path(cuda=True)}
+
+
+def _reading(fn):
+    """fn(), or what it failed with (cuDNN's version where the library cannot load): a setting is a record."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - recorded, not raised
+        return f"{type(e).__name__}: {e}"[:200]
 
 
 def _stage(report: dict, name: str, left: float, fn):
