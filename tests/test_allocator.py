@@ -254,3 +254,27 @@ def test_a_one_step_reserved_search_holds_the_optimizer_state_two_steps_make_it(
     graph, sim, _ = _setup()
     assert ReservedProblem(graph, sim.costs).options == {"steps": 1, "optimizer_state": "resident"}
     assert ReservedProblem(graph, sim.costs, steps=2).options == {"steps": 2, "optimizer_state": "lazy"}
+
+
+def test_a_workspace_and_an_ops_transient_are_held_beside_the_graphs_tensors_hand_worked():
+    """cuBLAS's workspace (32 MiB, kept) takes a segment of its own; an op's 6 MiB transient (a cuDNN workspace)
+    is allocated after the op's outputs and freed at once. Graph: w 4 MiB (param), x 1 MiB (input), y 10 MiB
+    (f), l 512 B (h), gw 4 MiB (b); SGD, no state. Without either: w A[0,4) of a 20 MiB segment A; x, l in a
+    2 MiB small segment; y A[4,14); gw A[14,18): 22 MiB reserved, allocated peak 19 MiB + 512 B (w x y l gw).
+    With them: the workspace's own 32 MiB segment; f's transient A[14,20) (6 MiB fits the 6 MiB hole exactly)
+    while y is alive: allocated peak 4+1+10+6+32 = 53 MiB at f, then 19 MiB + 512 B + 32 MiB at b; 54 MiB
+    reserved, 3 segments."""
+    from gaswap.plan.graph import Graph, Op, Tensor
+
+    tensors = {"w": Tensor("w", 4 * MiB, "param"), "x": Tensor("x", MiB, "input"),
+               "y": Tensor("y", 10 * MiB, "activation", "f"), "l": Tensor("l", 512, "activation", "h"),
+               "gw": Tensor("gw", 4 * MiB, "grad", "b")}
+    ops = (Op("f", "f", ("x", "w"), ("y",)), Op("h", "h", ("y",), ("l",)), Op("b", "b", ("y", "x"), ("gw",), "bwd"))
+    graph = Graph(ops, tensors, loss="l")
+    result = Simulator(graph, Costs({"f": 1.0, "h": 1.0, "b": 1.0}, 1e9, 1e9, "t", "t")).run([0, 1, 2], [], trace=True)
+    plain = replay(graph, result, steps=1)
+    assert (plain.reserved, plain.allocated, plain.segments) == (22 * MiB, 19 * MiB + 512, 2)
+    held = replay(graph, result, steps=1, workspace=32 * MiB, transients={"f": 6 * MiB})
+    assert (held.reserved, held.allocated, held.segments) == (54 * MiB, 53 * MiB, 3)
+    assert held.requested == (4 + 1 + 10 + 6 + 32) * MiB  # at f: w, x, y, the transient, the workspace
+    assert replay(graph, result, steps=2, workspace=32 * MiB, transients={"f": 6 * MiB}).reserved == 54 * MiB

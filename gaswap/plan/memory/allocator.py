@@ -314,7 +314,8 @@ OPTIMIZER_TEMPORARIES = {"sgd": 0, "sgd_momentum": 0, "adam": 1}
 
 def replay(graph: Graph, result, *, steps: int = 2, expandable_segments: bool = False, swap_in_stream: str = "compute",
            swap_out_free: str = "event", optimizer: str | None = None, capacity: int | None = None,
-           optimizer_state: str = "lazy") -> AllocatorPeaks:
+           optimizer_state: str = "lazy", workspace: int = 0, transients: dict[str, int] | None = None
+           ) -> AllocatorPeaks:
     """Replay a traced SimResult's program (or a policy's: anything with a `program`) through the allocator
     model for `steps` training steps.
 
@@ -333,13 +334,21 @@ def replay(graph: Graph, result, *, steps: int = 2, expandable_segments: bool = 
     does (`_init_group` at the first `step()`: Adam's exp_avg and exp_avg_sq, SGD's momentum buffers), during
     the first step's optimizer step, while the gradients are alive, parameter by parameter (each parameter's
     slots in turn), before the step's temporaries, so the first step's forward and backward run without it;
-    "resident": allocated first with the parameters, slot by slot (a steady state with no first step)."""
+    "resident": allocated first with the parameters, slot by slot (a steady state with no first step).
+
+    What the device holds beyond the graph's tensors (docs/gpu_memory.md, "Memory the graph does not hold"):
+    `workspace` bytes made once and kept (cuBLAS's workspace, made through the allocator at the first matmul:
+    a block of 10 MiB or more takes a segment of its own, so it is modelled as made before the first step), and
+    `transients` (op name -> bytes an op allocates and frees while it runs: cuDNN's workspaces, temporaries
+    inside an op, as measured on the device by `gaswap.run.measure.op_transients`), each allocated after the
+    op's outputs and freed before the next instruction."""
     if optimizer_state not in ("lazy", "resident"):
         raise ValueError(f"optimizer_state must be 'lazy' or 'resident', got {optimizer_state!r}")
     alloc = CachingAllocator(expandable_segments=expandable_segments, capacity=capacity)
-    _, events = step_events(graph, result, swap_in_stream=swap_in_stream, swap_out_free=swap_out_free)
+    _, events = step_events(graph, result, swap_in_stream=swap_in_stream, swap_out_free=swap_out_free,
+                            transients=transients)
     lazy = optimizer_state == "lazy"
-    for nbytes in _resident(graph) + ([] if lazy else _optimizer_state(graph)):
+    for nbytes in _resident(graph) + ([] if lazy else _optimizer_state(graph)) + ([workspace] if workspace else []):
         alloc.malloc(nbytes)
     optimizer_peak = 0
     for step in range(steps):
@@ -368,16 +377,18 @@ def replay(graph: Graph, result, *, steps: int = 2, expandable_segments: bool = 
                           alloc.segment_allocs)
 
 
-def step_events(graph: Graph, result, *, swap_in_stream: str = "compute", swap_out_free: str = "event"):
+def step_events(graph: Graph, result, *, swap_in_stream: str = "compute", swap_out_free: str = "event",
+                transients: dict[str, int] | None = None):
     """The allocations of one step of a traced SimResult, as `replay` describes them: (resident, events).
 
     `resident` lists the bytes of what is there before the step (parameters, buffers, optimizer state;
     not the inputs); `events` are ("malloc", key, bytes, stream, time, tensor, instruction) and ("free", key,
     0, "", reusable_at or None, tensor, instruction) in program order, keys unique per allocation, `instruction`
-    the index in `result.program` (-1: before it). Keys never freed are alive at the step's end."""
+    the index in `result.program` (-1: before it). Keys never freed are alive at the step's end. An op with
+    `transients` bytes allocates them after its outputs and frees them at once (the tensor named is "")."""
     if not result.program:
         raise ValueError("allocator replay needs a traced SimResult (Simulator.run(..., trace=True))")
-    allocations = _Allocations(graph, result, swap_in_stream, swap_out_free)
+    allocations = _Allocations(graph, result, swap_in_stream, swap_out_free, transients or {})
     Walker(graph, allocations).walk(result.program)
     return _resident(graph) + _optimizer_state(graph), allocations.events
 
@@ -390,8 +401,9 @@ def _resident(graph: Graph) -> list[int]:
 class _Allocations(Hooks):
     """The hooks of `step_events`: each instruction's mallocs and frees, keyed per allocation."""
 
-    def __init__(self, graph: Graph, result, swap_in_stream: str, swap_out_free: str):
+    def __init__(self, graph: Graph, result, swap_in_stream: str, swap_out_free: str, transients: dict[str, int]):
         self.size = {t.name: (t.size if graph.counts(t) else 0) for t in graph.tensors.values()}
+        self.transients = transients
         self.swap_in_stream, self.record_stream = swap_in_stream, swap_out_free == "record_stream"
         self.times = _instruction_times(result)
         self.timed = bool(getattr(result, "timeline", ()))
@@ -405,9 +417,9 @@ class _Allocations(Hooks):
         self.retired: dict[str, list[int]] = {}
         self.d2h_queued = 0.0  # when the d2h work issued so far ends
 
-    def malloc(self, name: str, stream: str, when: float) -> int:
+    def malloc(self, name: str, stream: str, when: float, nbytes: int | None = None) -> int:
         key = next(self.keys)
-        self.events.append(("malloc", key, self.size[name], stream, when, name, self.at))
+        self.events.append(("malloc", key, self.size[name] if nbytes is None else nbytes, stream, when, name, self.at))
         return key
 
     def free(self, key: int, reusable_at: float | None = None) -> None:
@@ -415,12 +427,17 @@ class _Allocations(Hooks):
 
     def on_run(self, k: int, op, made: list[str]) -> None:
         self.at, start = k, self.times[k][0]
+        dropped = []
         for t in op.outputs:
             key = self.malloc(t, "compute", start)
             if t in made:
                 self.live[t] = key
-            else:  # re-produced while kept: the copy is dropped
-                self.free(key)
+            else:  # re-produced while kept: the copy is dropped after the op
+                dropped.append(key)
+        if self.transients.get(op.name):  # the op's own temporaries, while it runs
+            dropped.insert(0, self.malloc("", "compute", start, self.transients[op.name]))
+        for key in dropped:
+            self.free(key)
 
     on_recompute = on_run
 
