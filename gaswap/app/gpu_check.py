@@ -83,7 +83,8 @@ def settings() -> dict:
     and the path compiled swaps take on this torch. The allocator model assumes the defaults (no variable set)."""
     import torch
 
-    from gaswap.compiled import offload_ops  # imported when the check runs: the CLI lists `check-gpu` without torch
+    # imported when the check runs: the CLI lists `check-gpu` without loading torch
+    from gaswap.compiled import offload_ops
 
     env = {k: os.environ[k] for k in SETTINGS_ENV if k in os.environ}
     return {"env": env, "allocator_defaults": not any(k.startswith(("PYTORCH_", "CUBLAS")) for k in env),
@@ -249,7 +250,7 @@ def memory_run(policy_path: str | Path, steps: int = 3, device: str = "cuda", *,
     from gaswap.base import config
     from gaswap.plan import policy as policies
     from gaswap.plan.memory import allocator
-    from gaswap.run import experiment, training
+    from gaswap.run import experiment, training, workspace
     from gaswap.run.arena_runtime import ArenaRunner, arena_figures
     from gaswap.run.capture import capture
     from gaswap.run.runtime import StepRunner
@@ -290,18 +291,33 @@ def memory_run(policy_path: str | Path, steps: int = 3, device: str = "cuda", *,
         _record_history(False)
         recorded = allocator.replay_recorded(trace)
     predicted = allocator.replay(captured.graph, policy, optimizer=exp.optimizer)  # the program the runner ran
-    pairs = (("requested", "requested_bytes", predicted.requested),
-             ("allocated", "allocated_bytes", predicted.allocated), ("reserved", "reserved_bytes", predicted.reserved),
-             ("optimizer_step", "optimizer_step_allocated_bytes", predicted.optimizer_step))
-    ratios = {k: figures[m] / v for k, m, v in pairs if v}
+    # what the device holds beyond the graph's tensors, measured here (docs/gpu_memory.md): with it, the model's
+    # peaks are those of everything the allocator serves
+    device_extra = {"workspace": workspace.workspace_bytes(dev), "transients": workspace.op_transients(captured.graph,
+                                                                                                         dev)}
+    beside = allocator.replay(captured.graph, policy, optimizer=exp.optimizer, **device_extra)
+    ratios, ratios_beside = _ratios(figures, predicted), _ratios(figures, beside)
     # the same program with swap-ins allocated on the h2d stream and frees by record_stream (the runtime before
     # issue 16's fixes): which of the two the GPU matches says which runtime ran
     older = allocator.replay(captured.graph, policy, optimizer=exp.optimizer, swap_in_stream="h2d",
                              swap_out_free="record_stream")
+    largest = max(device_extra["transients"].values(), default=0)
     return {"measured": figures, "predicted": predicted.as_dict(), "ratios": ratios, "recorded_replay": recorded,
+            "predicted_with_device_memory": beside.as_dict(), "ratios_with_device_memory": ratios_beside,
+            "device_memory": {"workspace_bytes": device_extra["workspace"], "largest_transient_bytes": largest,
+                              "ops_with_transients": len(device_extra["transients"]),
+                              "margin_bytes": device_extra["workspace"] + largest},
             "predicted_h2d_record_stream": older.as_dict(), **({"arena": arena_figures(runner)} if arena else {}),
             "note": "measured allocated/reserved also hold what the model leaves out (cuBLAS/cuDNN workspaces); "
                     "optimizer step: absolute allocated peak, predicted: the model's allocated peak then"}
+
+
+def _ratios(figures: dict, predicted) -> dict:
+    """Measured over predicted, for each peak the model predicts."""
+    pairs = (("requested", "requested_bytes", predicted.requested),
+             ("allocated", "allocated_bytes", predicted.allocated), ("reserved", "reserved_bytes", predicted.reserved),
+             ("optimizer_step", "optimizer_step_allocated_bytes", predicted.optimizer_step))
+    return {k: figures[m] / v for k, m, v in pairs if v}
 
 
 def _record_history(on: bool) -> None:
