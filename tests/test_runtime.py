@@ -13,6 +13,7 @@ from gaswap.plan import policy as policies
 from gaswap.plan.costs import estimate, load_profile
 from gaswap.plan.encoding import Action, Encoding
 from gaswap.plan.simulator import Simulator
+from gaswap.run import workspace
 from gaswap.run.capture import capture, make_inputs
 from gaswap.run.dropout import BERNOULLI_STRIDED
 from gaswap.run.runtime import HOST_ALIGNMENT, Codegen, ProgramError, StepRunner
@@ -401,6 +402,10 @@ def test_cuda_swaps_give_the_same_values_and_the_allocator_sees_the_predicted_pe
     torch.manual_seed(5)
     with torch.no_grad():
         expected = cap.gm_on("cuda")(*fresh_args(cap, model, inputs, target))
+    # the tolerance follows from what the device holds beyond the graph's tensors (docs/gpu_memory.md): the
+    # meter counts requested bytes (no rounding) above a baseline taken after cuBLAS's workspace is made, so only
+    # an op's transients (cuDNN's workspaces) come on top of the simulator's peak; at most one runs at a time
+    margin = max(workspace.op_transients(cap.graph, "cuda").values(), default=0)
     for name, (order, actions) in policies_for(cap.graph).items():
         sim = Simulator(cap.graph, costs).run(order, actions, trace=True)
         runner = StepRunner(cap, sim.program, "cuda")
@@ -409,8 +414,7 @@ def test_cuda_swaps_give_the_same_values_and_the_allocator_sees_the_predicted_pe
         with DeviceMemory("cuda") as memory:
             got = runner(args)
         assert all(torch.equal(a, b) for a, b in zip(expected, got)), name
-        # the allocator rounds blocks up (512 B) and convolutions take workspace: allow 5 %
-        assert memory.peak <= 1.05 * sim.peak_bytes, name
+        assert memory.peak <= sim.peak_bytes + margin, (name, memory.peak, sim.peak_bytes, margin)
 
 
 @pytest.mark.cuda
