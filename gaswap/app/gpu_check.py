@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from gaswap.base.errors import GaswapError
+
 EXPERIMENTS = ("experiments/alexnet_4gb.yaml", "experiments/gpt_bench.yaml")
 SHORT_GA = {"population": 32, "generations": 15, "workers": 1}  # a search that fits the check's time
 COMPARE = "experiments/compare_cnn_cpu.yaml"  # the head-to-head's smallest experiment (it runs on CUDA when present)
@@ -142,8 +144,8 @@ def run_stage(stage: str, path: str | Path, work: Path, steps: int, timeout: flo
     return json.loads(result.read_text())
 
 
-class StageFailed(RuntimeError):
-    """A stage's process ended with an error: its last line."""
+class StageFailed(GaswapError, RuntimeError):
+    """A stage's process ended with an error: its last line (a finding the report lists; internal if raised)."""
 
 
 def _write(out: Path, report: dict, started: float) -> dict:
