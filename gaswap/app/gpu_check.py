@@ -121,10 +121,21 @@ def _stage(report: dict, name: str, left: float, fn):
     try:
         return fn(limit)
     except subprocess.TimeoutExpired:
-        line = f"{name}: timed out after {limit:.0f} s (its limit)"
         report["timed_out"].append(name)
+        return _failed(report, f"{name}: timed out after {limit:.0f} s (its limit)")
     except Exception as e:  # noqa: BLE001 - a failed stage is a finding of the check, not its end
-        line = f"{name}: {type(e).__name__}: {e}".splitlines()[0][:500]
+        return _failed(report, f"{name}: {type(e).__name__}: {e}".splitlines()[0][:500])
+
+
+def _part(name: str, fn) -> dict:
+    """fn(), or {"error": ...}: a part of a stage whose failure leaves the stage's other figures standing."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - recorded in the part's entry
+        return {"error": f"{name}: {type(e).__name__}: {e}".splitlines()[0][:500]}
+
+
+def _failed(report: dict, line: str) -> dict:
     report["errors"].append(line)
     return {"error": line}
 
@@ -209,7 +220,7 @@ def check_experiment(path: str | Path, work: Path, steps: int, device: str = "cu
            "search_s": round(result.seconds, 1), "validation": validation, "memory": memory}
     out["goals"] = goals(validation, memory)
     # a failed arena run is recorded in its own entry ("error"); the experiment's other figures stand
-    out["arena"] = _stage({"errors": []}, "arena", lambda: arena_run(policy, memory, device))
+    out["arena"] = _part("arena", lambda: arena_run(policy, memory, device))
     return out
 
 
