@@ -217,3 +217,64 @@ def test_a_policy_files_program_replays_without_a_timeline():
     # record_stream: a retired block comes back at its `free` (untimed) or when the d2h queue drains (timed)
     untimed = replay(graph, bare, swap_out_free="record_stream")
     assert untimed.reserved >= replay(graph, bare).reserved
+
+
+def test_lazy_optimizer_state_is_made_at_the_first_optimizer_step_hand_worked():
+    """Adam over w (4 MiB): torch.optim makes exp_avg and exp_avg_sq at the first `step()`, in the holes the
+    first step's activations left, which the second step's activation then cannot use.
+
+    Resident (state first): w, exp_avg, exp_avg_sq take A[0,12) of a 20 MiB segment A; x and l share a 2 MiB
+    small segment S; y (10 MiB) fits in no cached block: its own 10 MiB segment B; gw A[12,16), the sqrt
+    temporary A[16,20). Step 2 reuses all of it: 20 + 10 + 2 = 32 MiB in 3 segments.
+    Lazy: w A[0,4); step 1: y A[4,14), gw A[14,18); y freed; exp_avg A[4,8), exp_avg_sq A[8,12) (best fit in
+    the 10 MiB hole); the 4 MiB temporary fits nowhere (two 2 MiB holes): segment C of 20 MiB. Step 2: y C[0,10),
+    gw A[12,16), temporary A[16,20): 20 + 20 + 2 = 42 MiB in 3 segments. Allocated peaks are equal."""
+    from gaswap.plan.graph import Graph, Op, Tensor
+
+    tensors = {"w": Tensor("w", 4 * MiB, "param"), "x": Tensor("x", MiB, "input"),
+               "y": Tensor("y", 10 * MiB, "activation", "f"), "l": Tensor("l", 512, "activation", "h"),
+               "gw": Tensor("gw", 4 * MiB, "grad", "b")}
+    ops = (Op("f", "f", ("x", "w"), ("y",)), Op("h", "h", ("y",), ("l",)), Op("b", "b", ("y", "x"), ("gw",), "bwd"))
+    graph = Graph(ops, tensors, resident={"optimizer_state": 8 * MiB}, loss="l")
+    result = Simulator(graph, Costs({"f": 1.0, "h": 1.0, "b": 1.0}, 1e9, 1e9, "t", "t")).run([0, 1, 2], [], trace=True)
+    assert [str(verb) for verb, _ in result.program] == ["run", "run", "run", "free"]
+    lazy = replay(graph, result, optimizer="adam")
+    resident = replay(graph, result, optimizer="adam", optimizer_state="resident")
+    assert (resident.reserved, resident.segments) == (32 * MiB, 3)
+    assert (lazy.reserved, lazy.segments) == (42 * MiB, 3)
+    assert lazy.allocated == resident.allocated == 27 * MiB + 512  # w, state, x, y, l, gw, the temporary
+    # one step, lazy: the forward and backward ran without the state; the optimizer step holds it and the grads
+    first = replay(graph, result, optimizer="adam", steps=1)
+    assert first.optimizer_step == (4 + 8 + 1 + 4 + 4) * MiB + 512  # w, state, x, gw, temporary; l (y is gone)
+    with pytest.raises(ValueError, match="optimizer_state"):
+        replay(graph, result, optimizer_state="eager")
+
+
+def test_a_one_step_reserved_search_holds_the_optimizer_state_two_steps_make_it():
+    graph, sim, _ = _setup()
+    assert ReservedProblem(graph, sim.costs).options == {"steps": 1, "optimizer_state": "resident"}
+    assert ReservedProblem(graph, sim.costs, steps=2).options == {"steps": 2, "optimizer_state": "lazy"}
+
+
+def test_a_workspace_and_an_ops_transient_are_held_beside_the_graphs_tensors_hand_worked():
+    """cuBLAS's workspace (32 MiB, kept) takes a segment of its own; an op's 6 MiB transient (a cuDNN workspace)
+    is allocated after the op's outputs and freed at once. Graph: w 4 MiB (param), x 1 MiB (input), y 10 MiB
+    (f), l 512 B (h), gw 4 MiB (b); SGD, no state. Without either: w A[0,4) of a 20 MiB segment A; x, l in a
+    2 MiB small segment; y A[4,14); gw A[14,18): 22 MiB reserved, allocated peak 19 MiB + 512 B (w x y l gw).
+    With them: the workspace's own 32 MiB segment; f's transient A[14,20) (6 MiB fits the 6 MiB hole exactly)
+    while y is alive: allocated peak 4+1+10+6+32 = 53 MiB at f, then 19 MiB + 512 B + 32 MiB at b; 54 MiB
+    reserved, 3 segments."""
+    from gaswap.plan.graph import Graph, Op, Tensor
+
+    tensors = {"w": Tensor("w", 4 * MiB, "param"), "x": Tensor("x", MiB, "input"),
+               "y": Tensor("y", 10 * MiB, "activation", "f"), "l": Tensor("l", 512, "activation", "h"),
+               "gw": Tensor("gw", 4 * MiB, "grad", "b")}
+    ops = (Op("f", "f", ("x", "w"), ("y",)), Op("h", "h", ("y",), ("l",)), Op("b", "b", ("y", "x"), ("gw",), "bwd"))
+    graph = Graph(ops, tensors, loss="l")
+    result = Simulator(graph, Costs({"f": 1.0, "h": 1.0, "b": 1.0}, 1e9, 1e9, "t", "t")).run([0, 1, 2], [], trace=True)
+    plain = replay(graph, result, steps=1)
+    assert (plain.reserved, plain.allocated, plain.segments) == (22 * MiB, 19 * MiB + 512, 2)
+    held = replay(graph, result, steps=1, workspace=32 * MiB, transients={"f": 6 * MiB})
+    assert (held.reserved, held.allocated, held.segments) == (54 * MiB, 53 * MiB, 3)
+    assert held.requested == (4 + 1 + 10 + 6 + 32) * MiB  # at f: w, x, y, the transient, the workspace
+    assert replay(graph, result, steps=2, workspace=32 * MiB, transients={"f": 6 * MiB}).reserved == 54 * MiB

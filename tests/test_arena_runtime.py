@@ -2,7 +2,7 @@
 runtime, the arena the size of its plan, and what is allocated outside it measured (CPU, tiny models)."""
 import pytest
 import torch
-from test_runtime import fresh_args, policies_for, setup, train
+from test_runtime import _Dropping, fresh_args, policies_for, setup, train
 
 from gaswap.plan.costs import estimate, load_profile
 from gaswap.plan.encoding import Action, Encoding
@@ -11,7 +11,7 @@ from gaswap.run.arena_runtime import ArenaRunner, OutsideArena, arena_figures, o
 from gaswap.run.capture import capture, make_inputs
 from gaswap.run.runtime import StepRunner
 from gaswap.run.step_memory import DeviceMemory
-from gaswap.run.streams import LaggingStreams
+from gaswap.run.streams import LaggingStreams, StreamRace
 from tiny_models import MODELS
 
 
@@ -139,6 +139,18 @@ def test_copies_that_lag_as_far_as_cuda_lets_them_land_in_the_right_slots(prompt
         for _ in range(2):
             got = run(runner, cap, model, inputs, target)
             assert all(torch.equal(a, b) for a, b in zip(expected, got)), (name, prompt)
+
+
+@pytest.mark.parametrize("dropped", [("to_device", "h2d", "compute"), ("to_host", "d2h", "compute"),
+                                     ("release", "compute", "d2h")])
+def test_in_an_arena_a_missing_wait_is_a_race_on_a_reused_slot(dropped):
+    """In the arena a slot is reused within the step, so a swap-in that does not wait for compute writes a slot
+    an earlier op may still read (on a GPU); the stand-in names the race."""
+    model, inputs, target, cap = setup("gpt")
+    runner = ArenaRunner(cap, dict(programs(cap))["swap"], streams=_Dropping(*dropped))
+    with pytest.raises(StreamRace):
+        run(runner, cap, model, inputs, target)
+    assert runner.streams.dropped_count > 0
 
 
 def test_with_the_loss_outside_the_output_handed_out_is_not_in_the_arena():

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from gaswap import zoo
-from gaswap.compiled import partition
+from gaswap.compiled import offload_ops, partition
 from gaswap.plan import graph as graphs
 from gaswap.plan.policy import PolicyError
 
@@ -299,6 +299,12 @@ def test_a_policy_recomputing_what_may_not_run_twice_is_refused():
     assert partition.make_policy(g, {"r": "keep"}).actions == {"r": "keep"}
 
 
+NEEDS_ASYNC_OFFLOAD = pytest.mark.skipif(not offload_ops.has_async_offload(), reason=(
+    f"torch {torch.__version__} has no torch.ops.ao offloading: compiled swaps on CUDA are refused "
+    f"(tests/test_offload_ops.py)"))
+
+
+@NEEDS_ASYNC_OFFLOAD
 def test_cuda_offloading_uses_torchs_async_copies_and_prefetched_reloads_on_fake_cuda_tensors():
     """The CUDA branch of `partition.offload`, on a CPU: graphs whose values are fake CUDA tensors (as inductor's
     partitioner sees them) get torch's asynchronous offload (`ao.offload`, waited on) after the saved value's
@@ -330,6 +336,7 @@ def test_cuda_offloading_uses_torchs_async_copies_and_prefetched_reloads_on_fake
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@NEEDS_ASYNC_OFFLOAD
 def test_on_cuda_swapped_activations_leave_the_gpu_and_gradients_stay_the_same():
     """On CUDA the offloaded activations are copied to pinned host buffers on a side stream and freed on the GPU:
     between the forward and the backward the allocator holds less than keep-all's by what they take, and the

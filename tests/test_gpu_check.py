@@ -3,12 +3,15 @@ import json
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from gaswap.app import gpu_check
 from gaswap.base import config
+from gaswap.compiled import offload_ops
 
 
 def test_without_cuda_the_check_writes_a_report_saying_so(tmp_path, monkeypatch):
@@ -35,24 +38,87 @@ def test_goals_from_a_validation_and_a_memory_run():
         "step_time_within_10pct": False}
 
 
-def test_report_assembly_goes_on_after_a_failed_stage(tmp_path, monkeypatch):
+def _stand_in_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Stand-in GPU")
     monkeypatch.setattr(gpu_check, "cuda_tests", lambda timeout: {"rc": 0, "summary": "1 passed"})
+    monkeypatch.setattr(gpu_check, "compare", lambda experiment, work, timeout: {"skipped": "no compare verb"})
 
-    def check(path, work, steps):
+
+def test_report_assembly_goes_on_after_a_failed_stage(tmp_path, monkeypatch):
+    _stand_in_gpu(monkeypatch)
+    for name in gpu_check.SETTINGS_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    limits = {}
+
+    def stage(kind, path, work, steps, timeout):
+        limits[path] = timeout
         if "alexnet" in path:
-            raise RuntimeError("CUDA error: out of memory\nmore lines")
+            raise gpu_check.StageFailed("RuntimeError: CUDA error: out of memory")
         return {"goals": {"peak_within_5pct": True}}
 
-    monkeypatch.setattr(gpu_check, "check_experiment", check)
-    monkeypatch.setattr(gpu_check, "compare", lambda experiment, work, timeout: {"skipped": "no compare verb"})
+    monkeypatch.setattr(gpu_check, "run_stage", stage)
     report = gpu_check.run(tmp_path / "r.json")
     written = json.loads((tmp_path / "r.json").read_text())
     assert written["device"] == "Stand-in GPU" and written["tests"]["rc"] == 0
-    assert written["experiments"]["alexnet_4gb"] == {"error": "alexnet_4gb: RuntimeError: CUDA error: out of memory"}
+    assert written["experiments"]["alexnet_4gb"] == {
+        "error": "alexnet_4gb: StageFailed: RuntimeError: CUDA error: out of memory"}
     assert written["experiments"]["gpt_bench"]["goals"] == {"peak_within_5pct": True}
-    assert report["errors"] == ["alexnet_4gb: RuntimeError: CUDA error: out of memory"]
+    assert report["errors"] == ["alexnet_4gb: StageFailed: RuntimeError: CUDA error: out of memory"]
+    assert report["timed_out"] == []
+    assert limits == {p: gpu_check.STAGES[Path(p).stem] for p in gpu_check.EXPERIMENTS}  # each its own limit
+    settings = written["settings"]
+    assert settings["env"] == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert settings["allocator_defaults"] is False
+    assert settings["compiled_swaps"] == ("async" if offload_ops.has_async_offload() else "refused")
+    assert {"cudnn_benchmark", "cudnn_deterministic", "matmul_allow_tf32", "cudnn_version"} <= set(settings)
+    assert written["torch"] == torch.__version__ and written["python"] == sys.executable
+
+
+def test_a_stage_past_its_limit_is_killed_and_named_and_the_check_goes_on(tmp_path, monkeypatch):
+    _stand_in_gpu(monkeypatch)
+    monkeypatch.setitem(gpu_check.STAGES, "alexnet_4gb", 10.0)
+    started = {}
+
+    def stage(kind, path, work, steps, timeout):
+        started[Path(path).stem] = time.monotonic()
+        if "alexnet" in path:  # a process that would run for a minute, killed at its limit
+            subprocess.run([sys.executable, "-c", "import time; time.sleep(60)"], check=False, timeout=timeout)
+        return {"goals": {}}
+
+    monkeypatch.setattr(gpu_check, "run_stage", stage)
+    report = gpu_check.run(tmp_path / "r.json")
+    assert report["timed_out"] == ["alexnet_4gb"]
+    assert report["errors"] == ["alexnet_4gb: timed out after 10 s (its limit)"]
+    assert 9 <= started["gpt_bench"] - started["alexnet_4gb"] < 30
+    assert report["experiments"]["gpt_bench"] == {"goals": {}}
+
+
+def test_a_stage_left_with_too_little_time_is_skipped_and_named(tmp_path, monkeypatch):
+    _stand_in_gpu(monkeypatch)
+    monkeypatch.setattr(gpu_check, "run_stage", lambda *a: {"goals": {}})
+    report = gpu_check.run(tmp_path / "r.json", deadline_s=5)
+    assert report["errors"][0].startswith("tests: skipped") and len(report["errors"]) == 4
+
+
+def test_failed_cuda_tests_fail_the_check(tmp_path, monkeypatch):
+    _stand_in_gpu(monkeypatch)
+    monkeypatch.setattr(gpu_check, "cuda_tests", lambda timeout: {"rc": 1, "summary": "1 failed, 9 passed"})
+    monkeypatch.setattr(gpu_check, "run_stage", lambda *a: {"goals": {}})
+    report = gpu_check.run(tmp_path / "r.json")
+    assert report["errors"] == ["tests: StageFailed: exit 1: 1 failed, 9 passed"]
+
+
+def test_a_stage_runs_in_a_process_of_this_interpreter(tmp_path):
+    """The stage's process is this interpreter's (`sys.executable`): its own one-line error comes back."""
+    with pytest.raises(gpu_check.StageFailed, match="unknown stage 'nothing'"):
+        gpu_check.run_stage("nothing", "experiments/tiny_cnn_cpu.yaml", tmp_path, 3, timeout=120)
+
+
+def test_the_stage_limits_fit_eight_minutes():
+    assert list(gpu_check.STAGES) == ["tests", *(Path(p).stem for p in gpu_check.EXPERIMENTS), "compare"]
+    assert sum(gpu_check.STAGES.values()) + 5 * len(gpu_check.STAGES) <= gpu_check.DEADLINE_S <= 8 * 60 - 20
 
 
 @pytest.mark.slow
@@ -86,20 +152,40 @@ def _cli_lists(verb: str) -> bool:
     return verb in out.getvalue()
 
 
+def _script_env(tmp_path, hide: str) -> dict:
+    """An environment where `python3` on PATH cannot import anything gaswap needs and `hide` cannot be imported;
+    the script is told to run `sys.executable` (PYTHON), as from a venv that is not activated."""
+    hidden = tmp_path / "hide" / hide
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text(f"raise ImportError('{hide} is hidden by the test')\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text("#!/bin/sh\necho 'not this python' >&2\nexit 1\n")
+    (bin_dir / "python3").chmod(0o755)
+    return os.environ | {"PYTHONPATH": str(hidden.parent), "PYTHON": sys.executable,
+                         "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
 def test_the_script_runs_with_deap_but_without_moocore(tmp_path):
     """deap 1.4.2+ imports moocore in deap.tools; the lent GPU machine has deap only (a wheel): the script stands
-    a module in for moocore, so the check starts (here, without CUDA, it writes its skip report)."""
-    hide = tmp_path / "hide" / "moocore"
-    hide.mkdir(parents=True)
-    (hide / "__init__.py").write_text("raise ImportError('moocore is hidden by the test')\n")
-    env = os.environ | {"PYTHONPATH": str(hide.parent)}
-    plain = subprocess.run([sys.executable, "-c", "from deap import tools"], env=env, capture_output=True)
+    a module in for moocore, so the check starts (here, without CUDA, it writes its skip report), with the
+    interpreter it is given, not the `python3` on PATH."""
+    env = _script_env(tmp_path, "moocore")
+    plain = subprocess.run([sys.executable, "-c", "from deap import tools"], env=env, check=False, capture_output=True)
     assert plain.returncode != 0  # without the stand-in deap.tools does not import
     report = tmp_path / "report.json"
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh", str(report)], env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", str(report)], env=env, check=False, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-500:]
-    assert "no CUDA device" in json.loads(report.read_text())["skipped"]
+    written = json.loads(report.read_text())
+    assert "no CUDA device" in written["skipped"] and written["python"] == sys.executable
+
+
+def test_the_script_exits_2_without_deap_or_a_wheel_of_it(tmp_path):
+    env = _script_env(tmp_path, "deap") | {"GASWAP_WHEELS": str(tmp_path / "no_wheels")}
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", str(tmp_path / "r.json")], env=env, check=False,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "no deap wheel" in proc.stderr and proc.stderr.count("\n") == 1
 
 
 def test_only_the_files_with_cuda_tests_are_collected():

@@ -1,21 +1,24 @@
 """Policies run for real: same values bit for bit, and the predicted memory, on tiny models (CPU)."""
 import random
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import MODELS, policy_set
 
 from gaswap import zoo
+from gaswap.base.program import Instruction, Verb
 from gaswap.plan import policy as policies
 from gaswap.plan.costs import estimate, load_profile
 from gaswap.plan.encoding import Action, Encoding
 from gaswap.plan.simulator import Simulator
+from gaswap.run import workspace
 from gaswap.run.capture import capture, make_inputs
 from gaswap.run.dropout import BERNOULLI_STRIDED
-from gaswap.run.runtime import HOST_ALIGNMENT, ProgramError, StepRunner, _Copies
+from gaswap.run.runtime import HOST_ALIGNMENT, Codegen, ProgramError, StepRunner
 from gaswap.run.step_memory import DeviceMemory
-from gaswap.run.streams import LaggingStreams
-from tiny_models import MODELS, policy_set
+from gaswap.run.streams import LaggingStreams, StreamRace
 
 
 def setup(name, batch=4):
@@ -164,36 +167,124 @@ def test_copies_that_lag_as_far_as_cuda_lets_them_give_the_same_values(model_nam
                 assert all(torch.equal(a, b) for a, b in zip(expected, got)), (name, prompt)
 
 
-def _no_wait_on_h2d(monkeypatch):
-    wait_event = LaggingStreams.wait_event
-    monkeypatch.setattr(LaggingStreams, "wait_event",
-                        lambda self, stream, event: None if stream is self.h2d else wait_event(self, stream, event))
+class _Dropping(LaggingStreams):
+    """The stand-in with one of the runtime's waits planted out: the wait `caller` (a method of `_Copies`) makes
+    of stream `waiter` for stream `waited`."""
+
+    def __init__(self, caller, waiter, waited, prompt=()):
+        super().__init__(prompt)
+        self.dropped, self.dropped_count = (caller, waiter, waited), 0
+
+    def wait_stream(self, stream, other):
+        if not self._drop(stream, other):
+            super().wait_stream(stream, other)
+
+    def wait_event(self, stream, event):
+        if not self._drop(stream, event.stream):
+            super().wait_event(stream, event)
+
+    def _drop(self, stream, source) -> bool:
+        caller = sys._getframe(2).f_code.co_name
+        drop = (caller, stream.name, source.name) == self.dropped
+        self.dropped_count += drop
+        return drop
 
 
-def _skip(method: str):
-    return lambda monkeypatch: monkeypatch.setattr(_Copies, method, lambda self, name: None)
+def _codegen_skips_the_wait(hook):
+    """Plant a missing `wait_for` in the generated code: before an op reads a swap-in ("on_run"), or before an
+    unread swap-in is freed ("on_free")."""
+    def plant(monkeypatch):
+        original = getattr(Codegen, hook)
+
+        def planted(self, k, first, *rest):
+            names = first.inputs if hook == "on_run" else [first] if not rest[0] else []
+            self.pending.difference_update(names)
+            monkeypatch.setattr(Codegen, "planted", getattr(Codegen, "planted", 0) + len(names), raising=False)
+            return original(self, k, first, *rest)
+        monkeypatch.setattr(Codegen, hook, planted)
+    return plant
 
 
-MISSING_WAITS = {  # a defect of the runtime's stream logic -> how to plant it, and the schedule that shows it
-    "free while the copy to the host may read": (_skip("release"), ()),
-    "read before the copy to the device lands": (_skip("wait_for"), ()),
-    "copy back before the host has the data": (_no_wait_on_h2d, ("h2d",)),
+def crafted(cap, shape):
+    """The "swap" program, changed so that a wait the simulator's programs never need alone is needed: "swap" as
+    it is; "unread swap-in": its first swap-in freed unread, then swapped in again; "ends copying out" / "ends
+    copying in": a gradient the step returns copied to the host at the end (and back)."""
+    program = list(program_for(cap, "swap"))
+    if shape == "unread swap-in":
+        k, name = next((k, name) for k, (verb, name) in enumerate(program) if verb == Verb.SWAP_IN)
+        program[k + 1:k + 1] = [Instruction(Verb.FREE, name), Instruction(Verb.SWAP_IN, name)]
+    elif shape != "swap":
+        grad = next(n.name for n in cap.gm.graph.output_node().args[0][1:] if n.name in cap.graph.tensors)
+        verbs = [Verb.SWAP_OUT] + ([Verb.RETIRE, Verb.FREE, Verb.SWAP_IN] if shape == "ends copying in" else [])
+        program += [Instruction(verb, grad) for verb in verbs]
+    return program
+
+
+MISSING_WAITS = {  # a wait of the runtime -> the stand-in without it (or a plant in the generated code), the program
+    "d2h waits for compute before copying to the host": (("to_host", "d2h", "compute"), "swap"),
+    "h2d waits for compute before copying back": (("to_device", "h2d", "compute"), "swap"),
+    "h2d waits for the copy to the host": (("to_device", "h2d", "d2h"), "swap"),
+    "compute waits for the copy to the host before a free": (("release", "compute", "d2h"), "swap"),
+    "compute waits for a copy back before reading it": (_codegen_skips_the_wait("on_run"), "swap"),
+    "compute waits for a copy back before freeing it unread": (_codegen_skips_the_wait("on_free"), "unread swap-in"),
+    "the step's end waits for the copies to the host": (("finish", "compute", "d2h"), "ends copying out"),
+    "the step's end waits for the copies back": (("finish", "compute", "h2d"), "ends copying in"),
 }
 
 
+@pytest.mark.parametrize("model_name", ["cnn", "gpt"])
 @pytest.mark.parametrize("defect", sorted(MISSING_WAITS))
-def test_the_lagging_streams_catch_a_missing_wait(defect, monkeypatch):
-    model, inputs, target, cap = setup("cnn")
+def test_the_lagging_streams_catch_each_missing_wait(defect, model_name, monkeypatch):
+    """Each wait of the runtime planted out, one at a time: the stand-in names the race under every schedule;
+    with the wait, the same program gives the plain step's values under every schedule."""
+    model, inputs, target, cap = setup(model_name)
+    plant, shape = MISSING_WAITS[defect]
+    program = crafted(cap, shape)
     expected = plain_step(cap, model, inputs, target)
-    plant, prompt = MISSING_WAITS[defect]
-    plant(monkeypatch)
-    runner = StepRunner(cap, program_for(cap, "swap"), streams=LaggingStreams(prompt))
-    torch.manual_seed(5)
-    try:
-        got = runner(fresh_args(cap, model, inputs, target))
-    except (RuntimeError, IndexError):  # a poisoned integer tensor (a target out of range) fails loudly: caught too
-        return
-    assert not all(torch.equal(a, b) for a, b in zip(expected, got))
+    for prompt in ((), ("h2d",), ("d2h",), ("d2h", "h2d")):
+        torch.manual_seed(5)
+        got = StepRunner(cap, program, streams=LaggingStreams(prompt))(fresh_args(cap, model, inputs, target))
+        assert all(torch.equal(a, b) for a, b in zip(expected, got)), prompt
+    if callable(plant):
+        plant(monkeypatch)
+    for prompt in ((), ("h2d",), ("d2h",), ("d2h", "h2d")):
+        streams = LaggingStreams(prompt) if callable(plant) else _Dropping(*plant, prompt=prompt)
+        runner = StepRunner(cap, program, streams=streams)
+        with pytest.raises(StreamRace):
+            runner(fresh_args(cap, model, inputs, target))
+        assert getattr(streams, "dropped_count", getattr(Codegen, "planted", 1)) > 0
+
+
+def test_the_stand_in_catches_a_copy_into_memory_compute_may_still_read():
+    """A swap-in lands in memory an op queued before it still reads (on a GPU: the block of a tensor just
+    freed): the copy stream must wait for compute first. Also compute freeing a copy's destination before
+    waiting for it, and compute overwriting a tensor the copy to the host still reads."""
+    streams, host = LaggingStreams(), torch.arange(4.0)
+    with pytest.raises(StreamRace, match="writes memory compute's op"), streams.running(done=False):
+        slot = torch.zeros(4)
+        _ = slot + 1  # compute reads the slot
+        streams.copy(streams.h2d, slot, host)  # no wait for compute
+    streams = LaggingStreams()
+    with pytest.raises(StreamRace, match="freed memory the h2d copy"), streams.running(done=False):
+        dst = torch.empty(4)
+        streams.wait_stream(streams.h2d, streams.compute())
+        streams.copy(streams.h2d, dst, host)
+        del dst
+        _ = host + 1
+    streams, src, buffer = LaggingStreams(), torch.ones(4), torch.empty(4)
+    with pytest.raises(StreamRace, match=r"compute's op #\d+ \(aten.mul_.Tensor\) writes memory the d2h copy"), \
+            streams.running(done=False):
+        streams.wait_stream(streams.d2h, streams.compute())
+        streams.copy(streams.d2h, buffer, src)
+        src.mul_(2)
+    streams = LaggingStreams()  # the same, ordered: no race, and the copy has the values before the write
+    with streams.running(done=True):
+        src = torch.ones(4)
+        streams.wait_stream(streams.d2h, streams.compute())
+        streams.copy(streams.d2h, buffer, src)
+        streams.wait_stream(streams.compute(), streams.d2h)
+        src.mul_(2)
+    assert torch.equal(buffer, torch.ones(4))
 
 
 def test_a_non_dense_input_is_swapped_and_comes_back_in_its_layout():
@@ -311,6 +402,10 @@ def test_cuda_swaps_give_the_same_values_and_the_allocator_sees_the_predicted_pe
     torch.manual_seed(5)
     with torch.no_grad():
         expected = cap.gm_on("cuda")(*fresh_args(cap, model, inputs, target))
+    # the tolerance follows from what the device holds beyond the graph's tensors (docs/gpu_memory.md): the
+    # meter counts requested bytes (no rounding) above a baseline taken after cuBLAS's workspace is made, so only
+    # an op's transients (cuDNN's workspaces) come on top of the simulator's peak; at most one runs at a time
+    margin = max(workspace.op_transients(cap.graph, "cuda").values(), default=0)
     for name, (order, actions) in policies_for(cap.graph).items():
         sim = Simulator(cap.graph, costs).run(order, actions, trace=True)
         runner = StepRunner(cap, sim.program, "cuda")
@@ -319,8 +414,7 @@ def test_cuda_swaps_give_the_same_values_and_the_allocator_sees_the_predicted_pe
         with DeviceMemory("cuda") as memory:
             got = runner(args)
         assert all(torch.equal(a, b) for a, b in zip(expected, got)), name
-        # the allocator rounds blocks up (512 B) and convolutions take workspace: allow 5 %
-        assert memory.peak <= 1.05 * sim.peak_bytes, name
+        assert memory.peak <= sim.peak_bytes + margin, (name, memory.peak, sim.peak_bytes, margin)
 
 
 @pytest.mark.cuda

@@ -12,7 +12,7 @@ import warnings
 def __getattr__(name: str):
     if name.startswith("__"):
         raise AttributeError(name)
-    if name in ("partition", "step_model", "programs", "graph_breaks", "methods"):
+    if name in ("partition", "step_model", "programs", "graph_breaks", "methods", "offload_ops"):
         return importlib.import_module(f"gaswap.compiled.{name}")
     partition = importlib.import_module("gaswap.compiled.partition")
     if not hasattr(partition, name):

@@ -73,6 +73,7 @@ from torch.utils._pytree import arg_tree_leaves
 
 from gaswap.base.errors import BadInput, GaswapError
 from gaswap.base.training_options import OPTIMIZER_STATE
+from gaswap.compiled import offload_ops
 from gaswap.compiled.graph_breaks import dynamic_shape, explain, module_path
 from gaswap.plan import graph as graphs
 from gaswap.plan import policy as policies
@@ -431,6 +432,8 @@ def offload(fw: fx.GraphModule, bw: fx.GraphModule, names: set[str], num_fwd_out
     for node in chosen:
         node.meta["should_offload"] = True
     cuda = any(isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].is_cuda for n in chosen)
+    if chosen:
+        offload_ops.require_offload(cuda, chosen[0].name)  # torch 2.11 on CUDA: refused (gaswap.compiled.offload_ops)
     with functorch_config.patch(activation_offload_separate_stream=cuda, activation_offload_sink_wait=cuda,
                                 activation_reload_prefetch=cuda):
         enable_activation_offloading(fw, bw, num_fwd_outputs, static)

@@ -120,14 +120,21 @@ _SDPA_CPU = "aten._scaled_dot_product_flash_attention_for_cpu.default"
 def _device_neutral(node: fx.Node, device: torch.device):
     """The replacement of a CPU-dispatch op for another device, or a CaptureError."""
     target = str(node.target)
-    if target in (_SDPA_CPU, _SDPA_CPU.replace(".default", "_backward.default")):
+    replacement = device_neutral(target)
+    if replacement is not None:
         dropout = node.args[3] if target == _SDPA_CPU else node.args[6]
         if dropout:
             raise CaptureError(f"op {node.name}: scaled_dot_product_attention with dropout {dropout} was traced with "
                                f"the CPU's kernel and cannot be replayed on {device}; use dropout_p=0 in attention")
-        return sdpa_forward if target == _SDPA_CPU else sdpa_backward
+        return replacement
     raise CaptureError(f"op {node.name} ({target}) was traced with the CPU's dispatch and has no equivalent on "
                        f"{device} here; rewrite the layer with ops that are not device-specific")
+
+
+def device_neutral(target: str):
+    """What runs on another device in place of the CPU-dispatch op `target` (`*_for_cpu`, same arguments), or None:
+    the runtime's replacement, which op timing on that device times too (gaswap.run.measure)."""
+    return {_SDPA_CPU: sdpa_forward, _SDPA_CPU.replace(".default", "_backward.default"): sdpa_backward}.get(target)
 
 
 def _attention_scores(query, key, is_causal, attn_mask, scale):

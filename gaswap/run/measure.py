@@ -4,12 +4,17 @@ Each distinct op signature is timed once per (device, torch version, cost-model 
 live in a `CostCache` (see costs.py), so measuring the same graph again times nothing. Inputs are
 rebuilt from the signature `{"target": "aten.mm.default", "args": [...], "kwargs": {...}}`:
  - a tensor `{"shape": [...], "dtype": "float32", "stride": [...]?}` becomes random normal values for
-   floating/complex dtypes and zeros otherwise (so integer tensors are always valid indices);
+   floating/complex dtypes (uniform in [0, 1) where the op reads probabilities or rates: `multinomial`,
+   `bernoulli`, `poisson`, `binomial`), and for integer dtypes indices drawn uniformly within the range the op
+   gives them (`index_bounds`: an embedding's rows, a loss's classes, the size of a gather's dimension, ...) or
+   zeros where no rule names one (always a valid index); bools are False;
  - a string naming a torch dtype, layout or memory format ("torch.float16", "float16") becomes that
    object, and a device string ("cuda:0", "cpu") becomes the device being measured;
  - other JSON values (numbers, lists, null, other strings) are passed as they are.
-An op that cannot run standalone gets a roofline estimate from a shipped profile and is logged and
-listed in `Costs.estimated`; the failure is cached, so it is not retried.
+On a device other than the CPU, an op the CPU's dispatch chose (`*_for_cpu`) is timed as the runtime runs it
+there: its device-neutral replacement (`capture.device_neutral`, e.g. SDPA's math). An op that cannot run
+standalone gets a roofline estimate from a shipped profile and is logged and listed in `Costs.estimated`; the
+failure is cached, so it is not retried.
 
 Note: ops are measured at their real shapes; on a CPU a huge op may take a while (once per cache).
 """
@@ -37,6 +42,7 @@ from gaswap.plan.encoding import Action, Encoding
 from gaswap.plan.graph import Graph
 from gaswap.plan.simulator import Simulator
 from gaswap.plan.walker import Hooks, Walker
+from gaswap.run.capture import device_neutral
 from gaswap.run.runtime import CLOCK_NAMES, StepRunner, device_clock
 
 log = logging.getLogger(__name__)
@@ -272,28 +278,84 @@ def _reporter(progress, total: int):
 def time_signature(signature: str, device: str | torch.device = "auto", warmup=2, repeats=5) -> float:
     """Median seconds per call of the op a signature describes, on random inputs of its shapes."""
     dev = resolve_device(device)
-    spec = json.loads(signature)
-    fn = _resolve_target(spec["target"])
-    args = [_decode(a, dev) for a in spec.get("args", [])]
-    kwargs = {k: _decode(v, dev) for k, v in spec.get("kwargs", {}).items()}
+    fn, args, kwargs = op_call(signature, dev)
     with torch.no_grad():
         return _median_time(lambda: fn(*args, **kwargs), dev, warmup, repeats)
 
 
-def _resolve_target(target: str):
-    """"aten.convolution.default" -> torch.ops.aten.convolution.default."""
+def op_call(signature: str, dev: torch.device) -> tuple:
+    """(function, args, kwargs) of the call a signature describes on `dev`, inputs drawn like real ones."""
+    spec = json.loads(signature)
+    target, raw = spec["target"], spec.get("args", [])
+    fn = _resolve_target(target, dev)
+    bounds, unit = index_bounds(target, raw), target.split(".")[1] in UNIT_INPUTS
+    args = [_decode(a, dev, bounds.get(i), unit and i == 0) for i, a in enumerate(raw)]
+    kwargs = {k: _decode(v, dev) for k, v in spec.get("kwargs", {}).items()}
+    return fn, args, kwargs
+
+
+def _resolve_target(target: str, dev: torch.device):
+    """"aten.convolution.default" -> torch.ops.aten.convolution.default; off the CPU, a CPU-dispatch op's
+    replacement (what the runtime runs there)."""
+    if dev.type != "cpu" and "_for_cpu" in target:
+        replacement = device_neutral(target)
+        if replacement is None:
+            raise ValueError(f"{target} is the CPU's kernel and has no replacement on {dev.type}")
+        return replacement
     fn = torch.ops
     for part in target.split("."):
         fn = getattr(fn, part)
     return fn
 
 
-def _decode(value, dev: torch.device):
-    """A signature value as a call argument (see the module docstring)."""
+UNIT_INPUTS = frozenset({"multinomial", "bernoulli", "poisson", "binomial"})  # first input: probabilities, rates
+
+
+def _dim_size(tensor_at: int, dim_at: int):
+    return lambda args: args[tensor_at]["shape"][args[dim_at]]
+
+
+def _classes(tensor_at: int):
+    """A loss's classes: the input's dimension 1 (dimension 0 for one sample)."""
+    return lambda args: args[tensor_at]["shape"][1 if len(args[tensor_at]["shape"]) > 1 else 0]
+
+
+# op -> (position of its integer index argument, its exclusive upper bound from the signature's arguments)
+INDEX_ARGUMENTS = {
+    "embedding": (1, lambda args: args[0]["shape"][0]),
+    "embedding_dense_backward": (1, lambda args: args[2]),
+    "embedding_backward": (1, lambda args: args[2]),
+    "_embedding_bag": (1, lambda args: args[0]["shape"][0]),
+    "nll_loss_forward": (1, _classes(0)), "nll_loss2d_forward": (1, _classes(0)),
+    "nll_loss_backward": (2, _classes(1)), "nll_loss2d_backward": (2, _classes(1)),
+    "index_select": (2, _dim_size(0, 1)), "gather": (2, _dim_size(0, 1)), "scatter": (2, _dim_size(0, 1)),
+    "scatter_add": (2, _dim_size(0, 1)), "scatter_reduce": (2, _dim_size(0, 1)), "index_add": (2, _dim_size(0, 1)),
+    "index": (1, lambda args: args[0]["shape"]), "index_put": (1, lambda args: args[0]["shape"]),
+}
+
+
+def index_bounds(target: str, args: list) -> dict:
+    """{argument position: exclusive upper bound} of the integer index arguments of an op (a list of bounds, one
+    per dimension, for `index`'s list of indices); {} for an op no rule names, or arguments it cannot read."""
+    rule = INDEX_ARGUMENTS.get(target.split(".")[1] if target.count(".") >= 2 else "")
+    if rule is None:
+        return {}
+    position, bound = rule
+    try:
+        return {position: bound(args)}
+    except (IndexError, KeyError, TypeError):
+        return {}
+
+
+def _decode(value, dev: torch.device, high=None, unit: bool = False):
+    """A signature value as a call argument (see the module docstring); `high`: an index's exclusive bound (a
+    list of them for a list of tensors), `unit`: probabilities."""
     if isinstance(value, dict) and "shape" in value and "dtype" in value:
-        return _random_tensor(value["shape"], _torch_attr(value["dtype"]), value.get("stride"), dev)
+        return _random_tensor(value["shape"], _torch_attr(value["dtype"]), value.get("stride"), dev,
+                              high if isinstance(high, int) else None, unit)
     if isinstance(value, list):
-        return [_decode(v, dev) for v in value]
+        highs = high if isinstance(high, list) else [None] * len(value)
+        return [_decode(v, dev, h) for v, h in zip(value, highs + [None] * (len(value) - len(highs)))]
     if isinstance(value, str):
         obj = _torch_attr(value)
         if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
@@ -307,14 +369,18 @@ def _torch_attr(name: str):
     return getattr(torch, name.removeprefix("torch."), None)
 
 
-def _random_tensor(shape, dtype: torch.dtype, stride, dev: torch.device) -> torch.Tensor:
-    """Random normal floats (or complex), zeros for integers and bools, laid out with `stride` if given."""
+def _random_tensor(shape, dtype: torch.dtype, stride, dev: torch.device, high: int | None = None,
+                   unit: bool = False) -> torch.Tensor:
+    """Random normal floats (or complex; uniform in [0, 1) if `unit`), integers uniform in [0, `high`) (zeros
+    without a bound), False for bools; laid out with `stride` if given."""
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype in signature: {dtype!r}")
     stride = stride or torch.empty(shape, device="meta").stride()
     numel = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, stride))
     if dtype.is_floating_point or dtype.is_complex:
-        storage = torch.randn(numel, dtype=dtype, device=dev)
+        storage = (torch.rand if unit else torch.randn)(numel, dtype=dtype, device=dev)
+    elif high and dtype != torch.bool:
+        storage = torch.randint(0, high, (numel,), dtype=dtype, device=dev)
     else:
         storage = torch.zeros(numel, dtype=dtype, device=dev)
     return storage.as_strided(shape, stride)

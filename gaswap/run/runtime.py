@@ -7,7 +7,7 @@ order: an op is a call of its ATen target, a view it reads is rebuilt from its b
 op that reads it and dropped with that base (so a tensor dropped by the program is really gone), a copy is
 a call of the step's `_Copies`, a free is a `del`. There is no interpreter loop: a keep-all program costs
 about what the captured graph costs run plainly (scripts/runtime_overhead.py measures it). Copies go through the
-runner's streams (gaswap/streams.py): on CUDA one stream per direction, events and one pinned host arena
+runner's streams (gaswap/run/streams.py): on CUDA one stream per direction, events and one pinned host arena
 sized from the program; on the CPU the same code copies into a host arena at once.
 
 Two forms: `apply` wraps a model whose policy was searched with loss "external" into a `PolicyModule`,
@@ -101,7 +101,8 @@ class StepRunner:
         The step takes ownership of `args` (the list is emptied): an input the policy swaps out can only
         leave the device if nothing else holds it.
         """
-        return self._functions["step"](args, _Copies(self.streams, self.host))
+        with self.streams.running(done=True):
+            return self._functions["step"](args, _Copies(self.streams, self.host))
 
     @torch.no_grad()
     def forward(self, args: list) -> tuple[torch.Tensor, "StepState"]:
@@ -112,7 +113,8 @@ class StepRunner:
         if self.grad_output is None:
             raise ProgramError("this step computes its own loss: run it whole (runner(args)), not in two parts")
         copies = _Copies(self.streams, self.host)
-        output, env = self._functions["forward"](args, copies)
+        with self.streams.running(done=False):  # copies may be in flight until the backward part
+            output, env = self._functions["forward"](args, copies)
         return output, StepState(env, copies)
 
     @torch.no_grad()
@@ -120,7 +122,8 @@ class StepRunner:
         """The rest of the step, from the gradient of the output: the gradients of the parameters.
         The state is used up (its tensors are released)."""
         grad_output = grad_output.contiguous()  # the layout it was traced with
-        return self._functions["backward"](state.env, state.copies, grad_output)
+        with self.streams.running(done=True):
+            return self._functions["backward"](state.env, state.copies, grad_output)
 
     def _host_buffers(self) -> dict[str, torch.Tensor]:
         """A contiguous host buffer for each tensor the program swaps out, all carved from one arena (pinned

@@ -4,24 +4,30 @@ A runner copies through one of these backends, made once per runner for its devi
  - `CudaStreams`: the compute stream current on the runner's device, and one copy stream per direction
    made once; events are `torch.cuda.Event`s; copies are non-blocking; host memory is pinned.
  - `SyncStreams`: the CPU, where the host store is the same RAM: a copy runs at once and waits are nothing.
- - `LaggingStreams`: a CPU stand-in for CUDA that lags as far as CUDA may. Work queued on a copy stream
-   runs only when a wait forces it (or, for the streams named `prompt`, as soon as it is queued, after
-   what it waits for); a copy's destination holds poison (NaN, or the dtype's largest value) until the
-   copy runs; a copy whose source or destination tensor was freed before it ran copies nothing. Each
-   setting is a schedule CUDA may choose: a runtime that forgets a wait, or frees a tensor before the copy
-   that reads it, gives wrong values under one of them, which the bitwise CPU tests see.
+ - `LaggingStreams`: a CPU stand-in for CUDA that checks every wait the runtime relies on (gaswap.run.stream_check)
+   and runs copy-stream work as late as CUDA may (`prompt`: as soon as it is queued).
 
-The compute stream is synchronous in all three as far as the copies can tell (the copy streams wait for
-it, never the reverse without an event). Every copy is host memory for an active CPU `DeviceMemory`.
+A runner runs each part of a step inside `streams.running(done)` (`done`: the part ends the step, after which no
+copy may be in flight); only the stand-in does anything there. Every copy is host memory for an active CPU
+`DeviceMemory`.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections import deque
 
 import torch
 
 from gaswap.run.step_memory import host_memory
+from gaswap.run.stream_check import (
+    COMPUTE,
+    Event,
+    LaggingStream,
+    StreamCheck,
+    StreamRace,
+)
+
+__all__ = ["CudaStreams", "LaggingStreams", "StreamRace", "SyncStreams", "for_device"]
 
 
 def for_device(device: torch.device):
@@ -35,6 +41,10 @@ class CudaStreams:
     def __init__(self, device: torch.device):
         self.device = device
         self.d2h, self.h2d = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    def running(self, done: bool):
+        """Around a part of a step: nothing to do on CUDA."""
+        return contextlib.nullcontext()
 
     def compute(self):
         """The stream the step's ops run on: the one current on this device now."""
@@ -66,6 +76,9 @@ class SyncStreams:
 
     d2h = h2d = None
 
+    def running(self, done: bool):
+        return contextlib.nullcontext()
+
     def compute(self):
         return None
 
@@ -87,72 +100,65 @@ class SyncStreams:
 
 
 class LaggingStreams:
-    """A CPU stand-in for CUDA streams that runs copy-stream work as late as CUDA may, except on the copy
-    streams named in `prompt` ("d2h", "h2d"), which run their work as soon as it is queued (see the module
-    docstring)."""
+    """A CPU stand-in for CUDA streams, with CUDA's ordering rules checked.
+
+    Values: work queued on a copy stream runs only when a wait forces it (or, on the streams named in `prompt`,
+    "d2h" / "h2d", as soon as it is queued, after what it waits for); a copy's destination holds poison (NaN, or
+    the dtype's largest value) until the copy runs, so a read that comes too early gives wrong values.
+
+    Order: compute ops run at once on the host, yet on a GPU they run late too, and the caching allocator hands
+    memory freed on the compute stream to the next compute allocation at once. Inside `running`, every aten op
+    is a step of the compute stream, and `StreamCheck` keeps each stream's vector clock (what it has waited
+    for): a copy that reads what compute wrote after the copy's stream last waited for it, that writes memory
+    compute touched (made, read, wrote) since, or that reads a host buffer the other copy stream writes without
+    its event; compute reading, writing or freeing memory of a copy it has not waited for; a step that ends with
+    copies compute has not waited for: each raises `StreamRace` at once, under every schedule.
+    """
 
     def __init__(self, prompt: tuple[str, ...] = ()):
-        self.d2h, self.h2d = _LaggingStream("d2h", "d2h" in prompt), _LaggingStream("h2d", "h2d" in prompt)
+        self.d2h, self.h2d = LaggingStream("d2h", "d2h" in prompt), LaggingStream("h2d", "h2d" in prompt)
+        self._compute = LaggingStream(COMPUTE)  # never queued on: compute work runs at once
+        self.check = StreamCheck(self._compute, self.d2h, self.h2d)
+
+    def running(self, done: bool):
+        """Count the aten ops run inside as compute work; with `done`, refuse to end with copies in flight."""
+        return self.check.running(done)
 
     def compute(self):
-        return _COMPUTE
+        return self._compute
 
     def wait_stream(self, stream, other) -> None:
-        if other is not _COMPUTE:
-            self.wait_event(stream, self.record(other))
+        self.wait_event(stream, self.record(other))
 
-    def wait_event(self, stream, event) -> None:
-        source, mark = event
-        if source is _COMPUTE:
-            return
-        if stream is _COMPUTE:
-            source.run_to(mark)
+    def wait_event(self, stream, event: Event) -> None:
+        self.check.wait(stream, event)
+        source = event.stream
+        if source is self._compute:
+            return  # compute's work ran when it was called
+        if stream is self._compute:
+            source.run_to(event.mark)
         else:
-            stream.queue(lambda: source.run_to(mark))
+            stream.queue(lambda: source.run_to(event.mark))
 
-    def record(self, stream):
-        return (stream, stream.queued if stream is not _COMPUTE else 0)
+    def record(self, stream) -> Event:
+        return self.check.record(stream)
 
     def copy(self, stream, dst: torch.Tensor, src: torch.Tensor) -> None:
-        with host_memory():
+        self.check.copy(stream, dst, src)
+        with self.check.side(), host_memory():
             _poison(dst)
         dst_ref, src_ref = weakref.ref(dst), weakref.ref(src)
 
         def run():
             dst, src = dst_ref(), src_ref()
             if dst is not None and src is not None:
-                with host_memory():
+                with self.check.side(), host_memory():
                     dst.copy_(src)
 
         stream.queue(run)
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
-
-
-class _LaggingStream:
-    """Work queued in order, run up to a mark when a wait asks for it (marks count from the first item), or
-    at once if `prompt`."""
-
-    def __init__(self, name: str, prompt: bool = False):
-        self.name, self.prompt = name, prompt
-        self.pending: deque = deque()
-        self.done = 0  # items run
-        self.queued = 0  # items queued
-
-    def queue(self, work) -> None:
-        self.pending.append(work)
-        self.queued += 1
-        if self.prompt:
-            self.run_to(self.queued)
-
-    def run_to(self, mark: int) -> None:
-        while self.done < mark:
-            self.done += 1
-            self.pending.popleft()()
-
-
-_COMPUTE = _LaggingStream("compute")  # never queued on: compute work runs at once
 
 
 def _poison(t: torch.Tensor) -> None:

@@ -86,19 +86,22 @@ def split_step(model, optimizer: torch.optim.Optimizer, inputs, *, loss: str = "
                device="cpu", metered: bool = False, before_step=None) -> SplitStep:
     """One step of `model` (e.g. wrapped by `fully_shard`): forward, loss and backward (inside a `PeakMeter`
     when `metered`), then `before_step(model)` if given (e.g. reading the gradients; timed with the step),
-    the optimizer step and its zero_grad, each timed in CPU seconds. `loss` of the result: the loss, detached."""
-    started = time.process_time()
+    the optimizer step and its zero_grad, each timed in CPU seconds (the meter's entry and exit outside). `loss`
+    of the result: the loss, detached."""
     meter = PeakMeter(device) if metered else nullcontext()
     with meter:
+        started = time.process_time()
         value = loss_fn(loss, output_tensor(model(*inputs)), target)
         value.backward()
-    middle = time.process_time()
+        middle = time.process_time()
+    resumed = time.process_time()
     if before_step is not None:
         before_step(model)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return SplitStep(middle - started, time.process_time() - started, meter.peak if metered else None,
-                     value.detach())
+    forward_backward = middle - started
+    return SplitStep(forward_backward, forward_backward + time.process_time() - resumed,
+                     meter.peak if metered else None, value.detach())
 
 
 def warm_up(step, first=None, steps: int = WARM_UP_STEPS) -> float:
@@ -151,20 +154,21 @@ def resident(captured, args: list, optimizer: torch.optim.Optimizer, counts, ext
 
 def runtime_step(runner, args: list, held: list, optimizer: torch.optim.Optimizer, params, device, *,
                  metered: bool = True, clock=time.perf_counter) -> RuntimeStep:
-    """One step of gaswap's runtime: `runner(args)` runs the forward and backward (timed by `clock`), under the
-    step meter (`DeviceMemory`, counting `held` as resident) when `metered`; then the optimizer steps
-    `params` with the gradients it gave. `args` and `held` are emptied: the step owns its inputs (an input
-    the policy swaps out must be free to go)."""
+    """One step of gaswap's runtime: `runner(args)` runs the forward and backward (timed by `clock`, the device
+    synchronized before and after: the step alone, the meter's entry and exit outside), under the step meter
+    (`DeviceMemory`, counting `held` as resident) when `metered`; then the optimizer steps `params` with the
+    gradients it gave. `args` and `held` are emptied: the step owns its inputs (an input the policy swaps out
+    must be free to go)."""
     device = torch.device(device)
-    sync(device)
-    started = clock()
     with DeviceMemory(device) if metered else nullcontext() as memory:
         if memory is not None:
             memory.hold(held)
         held.clear()
+        sync(device)
+        started = clock()
         loss, *grads = runner(args)
-    sync(device)
-    seconds = clock() - started
+        sync(device)
+        seconds = clock() - started
     return RuntimeStep(loss, memory, seconds, optimizer_step(optimizer, params, grads, device))
 
 

@@ -313,7 +313,9 @@ OPTIMIZER_TEMPORARIES = {"sgd": 0, "sgd_momentum": 0, "adam": 1}
 
 
 def replay(graph: Graph, result, *, steps: int = 2, expandable_segments: bool = False, swap_in_stream: str = "compute",
-           swap_out_free: str = "event", optimizer: str | None = None, capacity: int | None = None) -> AllocatorPeaks:
+           swap_out_free: str = "event", optimizer: str | None = None, capacity: int | None = None,
+           optimizer_state: str = "lazy", workspace: int = 0, transients: dict[str, int] | None = None
+           ) -> AllocatorPeaks:
     """Replay a traced SimResult's program (or a policy's: anything with a `program`) through the allocator
     model for `steps` training steps.
 
@@ -326,19 +328,39 @@ def replay(graph: Graph, result, *, steps: int = 2, expandable_segments: bool = 
     "record_stream" (freed at `retire`, reusable once the d2h work queued by then is done). At the end of
     a step the loss and gradients go (after the optimizer step's temporaries, if `optimizer` is given);
     the next step allocates its inputs again. The peaks are over all steps (the allocator caches segments
-    across steps, so the second step shows the steady state)."""
+    across steps, so the second step shows the steady state).
+
+    `optimizer_state` says when the optimizer state (as the graph counts it) is made: "lazy", as torch.optim
+    does (`_init_group` at the first `step()`: Adam's exp_avg and exp_avg_sq, SGD's momentum buffers), during
+    the first step's optimizer step, while the gradients are alive, parameter by parameter (each parameter's
+    slots in turn), before the step's temporaries, so the first step's forward and backward run without it;
+    "resident": allocated first with the parameters, slot by slot (a steady state with no first step).
+
+    What the device holds beyond the graph's tensors (docs/gpu_memory.md, "Memory the graph does not hold"):
+    `workspace` bytes made once and kept (cuBLAS's workspace, made through the allocator at the first matmul:
+    a block of 10 MiB or more takes a segment of its own, so it is modelled as made before the first step), and
+    `transients` (op name -> bytes an op allocates and frees while it runs: cuDNN's workspaces, temporaries
+    inside an op, as measured on the device by `gaswap.run.measure.op_transients`), each allocated after the
+    op's outputs and freed before the next instruction."""
+    if optimizer_state not in ("lazy", "resident"):
+        raise ValueError(f"optimizer_state must be 'lazy' or 'resident', got {optimizer_state!r}")
     alloc = CachingAllocator(expandable_segments=expandable_segments, capacity=capacity)
-    resident, events = step_events(graph, result, swap_in_stream=swap_in_stream, swap_out_free=swap_out_free)
-    for nbytes in resident:
+    _, events = step_events(graph, result, swap_in_stream=swap_in_stream, swap_out_free=swap_out_free,
+                            transients=transients)
+    lazy = optimizer_state == "lazy"
+    for nbytes in _resident(graph) + ([] if lazy else _optimizer_state(graph)) + ([workspace] if workspace else []):
         alloc.malloc(nbytes)
     optimizer_peak = 0
-    for _ in range(steps):
+    for step in range(steps):
         handles: dict[int, int] = {}
         for kind, key, nbytes, stream, when, *_ in events:
             if kind == "malloc":
                 handles[key] = alloc.malloc(nbytes, stream, when)
             else:
                 alloc.free(handles.pop(key), when)
+        if lazy and step == 0:
+            for nbytes in _optimizer_state(graph, by_parameter=True):
+                alloc.malloc(nbytes)
         if optimizer:
             before, alloc.peak_allocated = alloc.peak_allocated, alloc.allocated
             temps = [alloc.malloc(t.size if graph.counts(t) else 0) for t in graph.tensors.values()
@@ -355,27 +377,33 @@ def replay(graph: Graph, result, *, steps: int = 2, expandable_segments: bool = 
                           alloc.segment_allocs)
 
 
-def step_events(graph: Graph, result, *, swap_in_stream: str = "compute", swap_out_free: str = "event"):
+def step_events(graph: Graph, result, *, swap_in_stream: str = "compute", swap_out_free: str = "event",
+                transients: dict[str, int] | None = None):
     """The allocations of one step of a traced SimResult, as `replay` describes them: (resident, events).
 
     `resident` lists the bytes of what is there before the step (parameters, buffers, optimizer state;
     not the inputs); `events` are ("malloc", key, bytes, stream, time, tensor, instruction) and ("free", key,
     0, "", reusable_at or None, tensor, instruction) in program order, keys unique per allocation, `instruction`
-    the index in `result.program` (-1: before it). Keys never freed are alive at the step's end."""
+    the index in `result.program` (-1: before it). Keys never freed are alive at the step's end. An op with
+    `transients` bytes allocates them after its outputs and frees them at once (the tensor named is "")."""
     if not result.program:
         raise ValueError("allocator replay needs a traced SimResult (Simulator.run(..., trace=True))")
-    resident = [t.size if graph.counts(t) else 0 for t in graph.tensors.values()
-                if t.producer is None and t.kind != "input"]
-    allocations = _Allocations(graph, result, swap_in_stream, swap_out_free)
+    allocations = _Allocations(graph, result, swap_in_stream, swap_out_free, transients or {})
     Walker(graph, allocations).walk(result.program)
-    return resident + _optimizer_state(graph), allocations.events
+    return _resident(graph) + _optimizer_state(graph), allocations.events
+
+
+def _resident(graph: Graph) -> list[int]:
+    """The bytes of what is there before any step, optimizer state aside: parameters and buffers."""
+    return [t.size if graph.counts(t) else 0 for t in graph.tensors.values() if t.producer is None and t.kind != "input"]
 
 
 class _Allocations(Hooks):
     """The hooks of `step_events`: each instruction's mallocs and frees, keyed per allocation."""
 
-    def __init__(self, graph: Graph, result, swap_in_stream: str, swap_out_free: str):
+    def __init__(self, graph: Graph, result, swap_in_stream: str, swap_out_free: str, transients: dict[str, int]):
         self.size = {t.name: (t.size if graph.counts(t) else 0) for t in graph.tensors.values()}
+        self.transients = transients
         self.swap_in_stream, self.record_stream = swap_in_stream, swap_out_free == "record_stream"
         self.times = _instruction_times(result)
         self.timed = bool(getattr(result, "timeline", ()))
@@ -389,9 +417,9 @@ class _Allocations(Hooks):
         self.retired: dict[str, list[int]] = {}
         self.d2h_queued = 0.0  # when the d2h work issued so far ends
 
-    def malloc(self, name: str, stream: str, when: float) -> int:
+    def malloc(self, name: str, stream: str, when: float, nbytes: int | None = None) -> int:
         key = next(self.keys)
-        self.events.append(("malloc", key, self.size[name], stream, when, name, self.at))
+        self.events.append(("malloc", key, self.size[name] if nbytes is None else nbytes, stream, when, name, self.at))
         return key
 
     def free(self, key: int, reusable_at: float | None = None) -> None:
@@ -399,12 +427,17 @@ class _Allocations(Hooks):
 
     def on_run(self, k: int, op, made: list[str]) -> None:
         self.at, start = k, self.times[k][0]
+        dropped = []
         for t in op.outputs:
             key = self.malloc(t, "compute", start)
             if t in made:
                 self.live[t] = key
-            else:  # re-produced while kept: the copy is dropped
-                self.free(key)
+            else:  # re-produced while kept: the copy is dropped after the op
+                dropped.append(key)
+        if self.transients.get(op.name):  # the op's own temporaries, while it runs
+            dropped.insert(0, self.malloc("", "compute", start, self.transients[op.name]))
+        for key in dropped:
+            self.free(key)
 
     on_recompute = on_run
 
@@ -464,15 +497,18 @@ def replay_recorded(trace, *, expandable_segments: bool = False) -> dict:
             "gpu": {"reserved": peak, "segments": segments}}
 
 
-def _optimizer_state(graph: Graph) -> list[int]:
-    """The optimizer state as tensors: k per parameter when it is k times the parameters' bytes, else one."""
+def _optimizer_state(graph: Graph, *, by_parameter: bool = False) -> list[int]:
+    """The optimizer state as tensors: k per parameter when it is k times the parameters' bytes, else one; slot
+    by slot (all parameters' first slot, then the second), or `by_parameter` (each parameter's k slots in turn:
+    the order torch.optim makes them in at its first step)."""
     state = graph.resident.get("optimizer_state", 0)
     if not state or "optimizer_state" not in graph.counted:
         return []
     params = [t.size for t in graph.tensors.values() if t.kind == "param"]
     total = sum(params)
     if total and state % total == 0:
-        return params * (state // total)
+        k = state // total
+        return [p for p in params for _ in range(k)] if by_parameter else params * k
     return [state]
 
 
@@ -525,12 +561,14 @@ def figures(graph: Graph, result, **options) -> dict:
 class ReservedProblem(Problem):
     """A `Problem` whose peak objective, and so its budget constraint, is the allocator model's reserved peak:
     `search(ReservedProblem(graph, costs, budget, space), ...)` targets what the process may reserve.
-    `options` go to `replay` (default one step). Each evaluation is a traced simulation plus a replay:
-    several times slower than `Problem.evaluate`."""
+    `options` go to `replay` (default one step with the optimizer state resident: the steady state; with two
+    steps or more, the first makes it, as torch.optim does). Each evaluation is a traced simulation plus a
+    replay: several times slower than `Problem.evaluate`."""
 
     def __init__(self, graph: Graph, costs, budget: int | None = None, space=None, *, actions=None, **options):
         super().__init__(graph, costs, budget, space, actions=actions)
         self.options = {"steps": 1} | options
+        self.options.setdefault("optimizer_state", "lazy" if self.options["steps"] > 1 else "resident")
 
     def __getstate__(self) -> dict:
         return super().__getstate__() | {"options": self.options}
