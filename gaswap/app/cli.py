@@ -165,6 +165,9 @@ def run(args) -> int:
     except MemoryError:
         return _error("out of host memory", errors.UNWRITABLE)
     except Exception as err:
+        inner = getattr(err, "inner_exception", None)  # torch.compile wraps what its backend (gaswap's) raised
+        if isinstance(inner, errors.GaswapError) and inner.exit_code != errors.INTERNAL:
+            err = inner
         if isinstance(err, errors.GaswapError) and err.exit_code != errors.INTERNAL:  # one a user can act on
             return _error(err, err.exit_code)
         if os.environ.get("GASWAP_DEBUG"):  # a bug: say so in one line
