@@ -36,6 +36,10 @@ def test_tiny_llama_searched_end_to_end(tmp_path, capsys):
 
     policies = checkpoint_policy(folder / "plan.yaml")
     assert set(policies) == {"layers.0", "layers.1"} and best["units"] == ["layers.0", "layers.1", ""]
+    (folder / "shard_compare.md").write_text("a table\n")  # another verb's file: a new search keeps it
+    (folder / "stray.txt").write_text("x\n")
+    assert main(["search", str(TINY), "--results", str(tmp_path)]) == 0
+    assert (folder / "shard_compare.md").read_text() == "a table\n" and not (folder / "stray.txt").exists()
 
 
 def _variant(tmp_path, **changes) -> Path:

@@ -188,7 +188,7 @@ def command(args, exp: config.Experiment) -> int:
         planned = plan(exp, problem, best, prepared["torch"])
         files["plan.yaml"] = yaml.safe_dump(planned, sort_keys=False)
         files["torchtitan.toml"] = torchtitan.to_toml(*torchtitan.job_config(planned, asdict(d)), exp.name)
-    write_folder(exp, out, files, force=args.force)
+    write_folder(exp, out, files, force=args.force, keep=("shard_compare*",))  # `shard-compare`'s tables stay
     print(f"wrote {out}/ ({', '.join(files)})")
     if best is None:
         print(f"error: no plan fits {format_size(budget)} per rank on {d.world_size} ranks", file=sys.stderr)
@@ -269,12 +269,16 @@ def front_csv(problem: ShardProblem, front: list, keep: Point) -> str:
     return out.getvalue()
 
 
-def write_folder(exp: config.Experiment, out: Path, files: dict, *, force: bool) -> None:
+def write_folder(exp: config.Experiment, out: Path, files: dict, *, force: bool, keep: tuple = ()) -> None:
     """Write `files` into `out` whole (a temporary sibling folder renamed into place, as `app.results` does),
-    refusing another experiment's folder unless `force`."""
+    refusing another experiment's folder unless `force`; the folder's files matching a pattern of `keep` and not
+    among `files` are carried over."""
     with results.locked(out):
         results.recover(out)
         results.check_folder(exp.name, exp.path, out, force=force)
+        if out.exists():
+            kept = {p.name for pattern in keep for p in out.glob(pattern) if p.is_file()} - set(files)
+            files = {name: (out / name).read_text() for name in sorted(kept)} | files
         tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
         tmp.chmod(0o777 & ~umask())
         try:
