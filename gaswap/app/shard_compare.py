@@ -202,17 +202,18 @@ def gloo_rows(exp: config.Experiment, prepared: dict, world_size: int, steps: in
     against the peak predicted for the run. `prepared`: `shard_plan.prepare` of the experiment with loss `sum`
     (what the gloo run trains: the experiment's inputs, the model's own dtype)."""
     # imported when --gloo asks for it: torch and processes
-    from gaswap.shard.gloo import gloo_peak, run_gloo
+    from gaswap.shard.gloo import checkpoint_rng_bytes, gloo_peak, run_gloo
 
     ranked = at_world_size(prepared["problem"], world_size, prepared["profile"], exp.distributed.link)
+    ranked.spec = dataclasses.replace(ranked.spec, checkpoint_rng_bytes=checkpoint_rng_bytes())  # the CPU's
     rows = []
     plans = {name: method_knobs(ranked, name) for name in PEERS}
     budgets = sorted({evaluate(ranked, k).peak for k in plans.values()}, reverse=True)
     for budget in budgets:
         ranked.budget = budget
         search(ranked, random.Random(exp.seed), population=exp.ga.population, generations=exp.ga.generations)
-    for budget in budgets:
-        under = [p for p in ranked.cache.values() if p.peak <= budget]
+    for budget in budgets:  # of those fully_shard can run: it cannot turn backward prefetch off (shard.apply)
+        under = [p for p in ranked.cache.values() if p.peak <= budget and p.knobs.backward_prefetch >= 1]
         plans[f"gaswap (budget {format_size(budget)})"] = min(under, key=lambda p: (p.step_time, p.peak)).knobs
     for name, knobs in plans.items():
         plan = method_plan(ranked, knobs, prepared["torch"], name)

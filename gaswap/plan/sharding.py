@@ -735,8 +735,8 @@ class _Builder:
             if i in redirect:
                 op = replace(op, inputs=tuple(redirect[i].get(t, t) for t in op.inputs))
             self.step_op(op, "activations" if op.phase == "fwd" or i in self.seed else "temporaries")
+            self.checkpoint_state(self.held_after.get(i, ()))  # a frame goes as its last node is done: before hooks
             self.run_hooks(after.get(i, ()))
-            self.checkpoint_state(self.held_after.get(i, ()))
         self.final_callback(deferred)
         self.drop_unread_inputs()
         return self.rank_graph()

@@ -209,6 +209,12 @@ def run_gloo(model: str, inputs, units, world_size: int, *, model_kwargs: dict |
         return out
 
 
+def checkpoint_rng_bytes() -> int:
+    """Bytes of the RNG state torch's checkpoint stashes on this device per checkpointed forward (a CPU run: the
+    CPU generator's state, `torch.get_rng_state()`; `ShardSpec.checkpoint_rng_bytes`)."""
+    return torch.get_rng_state().nbytes
+
+
 def gloo_peak(report, rank) -> int:
     """A rank's peak on gloo: the rank model's (`report`, `gaswap.plan.sharding.memory_report(rank)`), or, if
     higher, the bytes live at a collective plus the buffer gloo allocates while it runs (its full size: the
