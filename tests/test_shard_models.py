@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_shard_recompute import toy
 
 from gaswap import zoo
 from gaswap.app import shard_compare
@@ -17,7 +18,6 @@ from gaswap.run.training import make_optimizer, split_step
 from gaswap.shard.apply import PlanMismatch, shard
 from gaswap.shard.gloo import checkpoint_rng_bytes, make_batch
 from gaswap.shard.tracker import fake_process_group
-from test_shard_recompute import toy
 
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 MODELS = {"llama": "llama_tiny_fsdp_gloo", "gpt": "gpt_tiny_fsdp_gloo", "vit": "vit_tiny_fsdp_gloo",
@@ -109,8 +109,8 @@ def test_the_rng_stash_is_held_from_the_units_forward_to_its_last_backward_op():
     frees = {t: op.name for op in rank.graph.ops if op.target == "fsdp.free" for t in op.inputs}
     assert ops.index(frees["checkpoint_fork.b"]) < ops.index("bb2")
     assert ops.index("bb1") < ops.index(frees["checkpoint_rng.b"]) < ops.index(post_backward)
-    before = dict((n, t) for n, t, _ in plain.timeline)
-    after = dict((n, t) for n, t, _ in rep.timeline)
+    before = {n: t for n, t, _ in plain.timeline}
+    after = {n: t for n, t, _ in rep.timeline}
     assert after["fb1"] - before["fb1"] == 100 and after["fb1.rc"] - before["fb1.rc"] == 200
     assert after[post_backward] == before[[n for n, _, _ in plain.timeline if n.startswith("fsdp_free.reshard.b.")][-1]]
     assert rep.peak == plain.peak + 100  # bb1, the peak, with the stash
@@ -125,11 +125,11 @@ def test_selective_storage_holds_a_saved_output_the_backward_never_reads():
     held = next(op for op in rank.graph.ops if op.target == "fsdp.free" and "hb" in op.inputs)
     ops = [op.name for op in rank.graph.ops]
     assert ops.index("bb1") < ops.index(held.name) < ops.index([n for n in ops if n.startswith("fsdp_free.reshard.b.")][-1])
-    at = dict((n, t) for n, t, _ in rep.timeline)
-    kept = dict((n, t) for n, t, _ in keep.timeline)
+    at = {n: t for n, t, _ in rep.timeline}
+    kept = {n: t for n, t, _ in keep.timeline}
     assert at["seed"] == kept["seed"]  # zb (64) goes after fb2 to be recomputed, but hb (64) stays in storage
     _, full = _trace({"b": "full"})  # plain checkpoint: no storage, hb goes after the loss
-    assert dict((n, t) for n, t, _ in full.timeline)["seed"] == kept["seed"] - 64
+    assert {n: t for n, t, _ in full.timeline}["seed"] == kept["seed"] - 64
 
 
 # --- against real runs: the fake process group, real tensors (collectives do nothing) ---
