@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from gaswap.run.capture import make_inputs
 from gaswap.run.measure import use_cpu
 from gaswap.run.training import make_optimizer, split_step
 from gaswap.shard.apply import shard
@@ -80,8 +81,6 @@ def make_batch(inputs) -> tuple[tuple, torch.Tensor | None]:
     high), drawn with `gaswap.run.capture.make_inputs` from a generator seeded with `seed`."""
     if isinstance(inputs, str):
         return _resolve(inputs)(), None
-    from gaswap.run.capture import make_inputs
-
     args, target = make_inputs(list(inputs["inputs"]), inputs.get("target"), int(inputs["batch_size"]), "cpu",
                                torch.Generator().manual_seed(int(inputs.get("seed", 1))))
     return args, target if inputs.get("target") else None
