@@ -175,3 +175,12 @@ def test_gloo_bitwise_equal_without_the_plan_after_3_steps(name, world_size):
             assert ga.keys() == gb.keys() and all(torch.equal(ga[k], gb[k]) for k in ga)
             assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
         assert a["peak_above_start"] < b["peak_above_start"]  # the plan frees activations
+
+
+def test_gloo_table_says_by_how_much_a_measured_peak_differs():
+    row = {"world_size": 4, "method": "full AC", "rank": 3, "predicted_peak_bytes": 1000,
+           "measured_peaks_bytes": [1000, 1000], "fwd_bwd_cpu_s": 0.02, "step_cpu_s": 0.03}
+    text = shard_compare.gloo_table([row, row | {"rank": 2, "measured_peaks_bytes": [1016, 1008]}])
+    assert "| 4 | full AC | 3 | 1000 B | 1000, 1000 B (equal) | 20.0 ms | 30.0 ms |" in text
+    assert "| 4 | full AC | 2 | 1000 B | 1016, 1008 B (+16 B) |" in text
+    assert text.endswith("Predicted peak equal to every metered step's: 1 of 2 rank rows.")
