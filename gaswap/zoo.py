@@ -1,7 +1,7 @@
 """A small built-in model zoo (torch.nn only) and `resolve` for "module:callable" model paths.
 
-CNNs (alexnet, vgg16, resnet18/50, tiny_cnn, unet), an mlp, an unrolled gru, transformers (gpt, bert) and, for
-sharded runs, a Llama-3-shaped decoder (llama) and an MLP of square blocks (block_mlp). Factories from
+CNNs (alexnet, vgg16, resnet18/50, tiny_cnn, unet), an mlp, an unrolled gru, transformers (gpt, bert, a vision
+transformer vit) and, for sharded runs, a Llama-3-shaped decoder (llama) and an MLP of square blocks (block_mlp). Factories from
 installed packages are named by path, e.g. "torchvision.models:resnet50"; `huggingface` builds a
 transformers model from its class name and config.
 """
@@ -271,7 +271,7 @@ class _GPT(nn.Module):
         super().__init__()
         self.embed = _Embeddings(vocab, width, seq)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.Sequential(*(_Block(width, heads, dropout, causal=True, pre_norm=True) for _ in range(layers)))
+        self.blocks = nn.Sequential(*(GPTBlock(width, heads, dropout) for _ in range(layers)))
         self.ln = nn.LayerNorm(width)
         self.head = _TiedHead(vocab, bias=False)
 
@@ -589,7 +589,7 @@ NOT_FACTORIES = ("torch", "numpy", "yaml", "pickle", "dill", "cloudpickle", "job
 # The zoo's factories: the only functions of gaswap a factory may name, and the only factories a policy file
 # may have validate and plot build without the user naming the experiment (see `shipped`).
 MODELS = ("alexnet", "vgg16", "resnet18", "resnet50", "mlp", "tiny_cnn", "gpt", "bert", "unet", "densenet", "gru",
-          "llama", "block_mlp", "huggingface")
+          "llama", "block_mlp", "huggingface", "vit")
 
 
 def resolve(path: str, base=None):
@@ -646,3 +646,71 @@ def _standard(module_name: str) -> bool:
     """Whether `module_name` belongs to Python's standard library (builtins included)."""
     top = module_name.split(".")[0]
     return top in sys.stdlib_module_names or top in sys.builtin_module_names
+
+
+# --- FSDP unit classes of the transformers above (`distributed.units` names a module class), and a ViT ---
+
+
+class GPTBlock(_Block):
+    """A block of `gpt`: pre-norm, causal (`_Block`'s GPT-2 layer under a public name, for `distributed.units`)."""
+
+    def __init__(self, width: int, heads: int, dropout: float):
+        super().__init__(width, heads, dropout, causal=True, pre_norm=True)
+
+
+class ViTBlock(nn.Module):
+    """A ViT encoder block (pre-norm): x + proj(SDPA(qkv(ln1 x))), then x + fc2(gelu(fc1(ln2 x)))."""
+
+    def __init__(self, width: int, heads: int, mlp_ratio: int = 4):
+        super().__init__()
+        if width % heads:
+            raise ValueError(f"vit: width {width} is not divisible by {heads} heads")
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.ln2 = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, mlp_ratio * width)
+        self.fc2 = nn.Linear(mlp_ratio * width, width)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, c))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class ViT(nn.Module):
+    """A vision transformer: images [B, channels, image, image] -> logits [B, classes]. Patches of `patch` x
+    `patch` pixels embedded by a strided convolution, a learned class token and position embeddings, `layers`
+    ViTBlocks, a final LayerNorm and a linear head on the class token."""
+
+    def __init__(self, image: int = 32, patch: int = 8, channels: int = 3, width: int = 64, layers: int = 2,
+                 heads: int = 4, mlp_ratio: int = 4, classes: int = 10):
+        super().__init__()
+        if image % patch:
+            raise ValueError(f"vit: image size {image} is not a multiple of the patch size {patch}")
+        self.patch_embed = nn.Conv2d(channels, width, patch, stride=patch)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, width))
+        self.pos_embed = nn.Parameter(torch.randn(1, (image // patch) ** 2 + 1, width) * 0.02)
+        self.blocks = nn.ModuleList(ViTBlock(width, heads, mlp_ratio) for _ in range(layers))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, images):
+        x = self.patch_embed(images).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x[:, 0]))
+
+
+def vit(image: int = 32, patch: int = 8, channels: int = 3, width: int = 64, layers: int = 2, heads: int = 4,
+        mlp_ratio: int = 4, classes: int = 10) -> ViT:
+    """A ViT (ViT-B/16 is vit(224, 16, 3, 768, 12, 12, 4, 1000)); its FSDP units are the `ViTBlock`s."""
+    return ViT(image, patch, channels, width, layers, heads, mlp_ratio, classes)
+
+
+def vit_inputs(batch: int = 2, image: int = 32, channels: int = 3) -> tuple:
+    """Images for `vit` (seeded: the same on every rank)."""
+    return (torch.randn(batch, channels, image, image, generator=torch.Generator().manual_seed(1)),)

@@ -68,17 +68,18 @@ FULL_B = [("fsdp_ag_alloc.a.1", 576), ("fsdp_all_gather.a.1", 576), ("fsdp_ag_co
           ("fsdp_free.reshard.b.3", 896), ("fsdp_free.all_gather_state.4", 768), ("loss", 704), ("seed", 704),
           ("fsdp_ag_alloc.b.2", 832), ("fsdp_all_gather.b.2", 832), ("fsdp_ag_copy_out.b.2", 960),
           ("fsdp_ag_alloc.a.2", 960), ("fsdp_all_gather.a.2", 960), ("fb1.rc", 1024), ("bb2", 1088),
-          ("bb1", 1216), ("fsdp_free.reshard.b.5", 1088), ("fsdp_rs_alloc.b", 1088), ("fsdp_reduce_scatter.b", 1024),
-          ("fsdp_ag_copy_out.a.2", 1152), ("ba2", 1088), ("ba1", 1088), ("fsdp_free.reshard.a.6", 1024),
-          ("fsdp_free.reduce_scatter_state.7", 896), ("fsdp_rs_alloc.a", 896), ("fsdp_reduce_scatter.a", 832),
-          ("fsdp_free.final.8", 832)]
+          ("bb1", 1216), ("fsdp_free.checkpoint.b.5", 1152), ("fsdp_free.reshard.b.6", 1088), ("fsdp_rs_alloc.b", 1088),
+          ("fsdp_reduce_scatter.b", 1024), ("fsdp_ag_copy_out.a.2", 1152), ("ba2", 1088), ("ba1", 1088),
+          ("fsdp_free.reshard.a.7", 1024), ("fsdp_free.reduce_scatter_state.8", 896), ("fsdp_rs_alloc.a", 896),
+          ("fsdp_reduce_scatter.a", 832), ("fsdp_free.final.9", 832)]
 
 
 def test_full_recompute_exact_trace():
     """W = 2: residents 448 (x 64, shards 2 x 64, Adam 256); the forward as keep-all's but zb freed after fb2
     (896 at b's reshard, keep-all 960); at b's backward: b re-gathered (128 out, freed after the copy-out, + 128
     unsharded), a prefetched (128), then zb's copy (64, gone after bb2); bb1 (dha 64 + b's gradient 128) is the
-    peak, 1216, as keep-all's: the saving is in the forward."""
+    peak, 1216, as keep-all's: the saving is in the forward. The checkpoint's frame goes after bb1 (its inputs,
+    ha, held to there: bb1 reads it anyway)."""
     _, rep = trace({"b": "full"})
     assert [(n, t) for n, t, _ in rep.timeline] == FULL_B
 

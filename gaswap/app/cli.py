@@ -115,6 +115,8 @@ def main(argv=None) -> int:
     p.add_argument("--gloo", action="store_true",
                    help="also apply each method's plan and run it under gloo at the experiment's world size (small "
                         "models only)")
+    p.add_argument("--gloo-world-sizes", default=None,
+                   help="comma-separated world sizes to run under gloo, e.g. 2,4 (implies --gloo)")
     p.add_argument("--no-reserved", action="store_true", help="skip the allocator model's reserved peak")
     p.add_argument("--force", action="store_true", help="replace a results folder made by another experiment")
     p.set_defaults(run=shard_compare)

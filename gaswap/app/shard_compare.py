@@ -197,34 +197,43 @@ def to_csv(rows: list[dict]) -> str:
     return out.getvalue()
 
 
-def gloo_rows(exp: config.Experiment, problem: ShardProblem, torch_version: str, steps: int = 6) -> list[dict]:
-    """Each peer and gaswap's plan at each peer's peak, applied and run under gloo at the experiment's world
-    size: per rank, measured peak above the step's start (CPU allocator) and forward+backward CPU seconds
-    (median), against the peak predicted for the run (loss `sum`, the gloo run's)."""
-    # imported when --gloo asks for it: torch and processes
-    from gaswap.shard.gloo import gloo_peak, run_gloo
+def gloo_inputs(exp: config.Experiment) -> dict:
+    """The experiment's inputs and target as `gaswap.shard.gloo.make_batch` takes them (seed 1: every rank draws
+    the same batch, and the tiny Llama's tokens are those of `zoo.llama_inputs`)."""
+    return {"inputs": [dataclasses.asdict(s) for s in exp.inputs],
+            "target": dataclasses.asdict(exp.target) if exp.target is not None else None,
+            "batch_size": exp.batch_size, "seed": 1}
 
-    ranked = prepare(dataclasses.replace(exp, loss="sum", target=None))["problem"]  # what run_gloo trains
+
+def gloo_rows(exp: config.Experiment, prepared: dict, world_size: int, steps: int = 6) -> list[dict]:
+    """Each peer and gaswap's plan at each peer's peak, applied and run under gloo with `world_size` processes:
+    per rank, measured peak above the step's start (CPU allocator) and forward+backward CPU seconds (median),
+    against the peak predicted for the run. `prepared`: `shard_plan.prepare` of the experiment with loss `sum`
+    (what the gloo run trains: the experiment's inputs, the model's own dtype)."""
+    # imported when --gloo asks for it: torch and processes
+    from gaswap.shard.gloo import checkpoint_rng_bytes, gloo_peak, run_gloo
+
+    ranked = at_world_size(prepared["problem"], world_size, prepared["profile"], exp.distributed.link)
+    ranked.spec = dataclasses.replace(ranked.spec, checkpoint_rng_bytes=checkpoint_rng_bytes())  # the CPU's
     rows = []
     plans = {name: method_knobs(ranked, name) for name in PEERS}
     budgets = sorted({evaluate(ranked, k).peak for k in plans.values()}, reverse=True)
     for budget in budgets:
         ranked.budget = budget
         search(ranked, random.Random(exp.seed), population=exp.ga.population, generations=exp.ga.generations)
-    for budget in budgets:
-        under = [p for p in ranked.cache.values() if p.peak <= budget]
+    for budget in budgets:  # of those fully_shard can run: it cannot turn backward prefetch off (shard.apply)
+        under = [p for p in ranked.cache.values() if p.peak <= budget and p.knobs.backward_prefetch >= 1]
         plans[f"gaswap (budget {format_size(budget)})"] = min(under, key=lambda p: (p.step_time, p.peak)).knobs
     for name, knobs in plans.items():
-        plan = method_plan(ranked, knobs, torch_version, name)
+        plan = method_plan(ranked, knobs, prepared["torch"], name)
         started = time.time()
-        runs = run_gloo(exp.model.factory, "gaswap.zoo:llama_inputs", plan["units"],
-                        ranked.spec.world_size, model_kwargs=dict(exp.model.kwargs or {}), steps=steps, metered=2,
-                        plan=plan)
+        runs = run_gloo(exp.model.factory, gloo_inputs(exp), plan["units"], world_size,
+                        model_kwargs=dict(exp.model.kwargs or {}), steps=steps, metered=2, plan=plan)
         for r in runs:
             rank = shard_step(ranked.graph, ranked.params, dataclasses.replace(knobs.spec(ranked.spec), rank=r["rank"]))
             predicted = gloo_peak(memory_report(rank), rank) - rank.graph.resident_bytes()
-            rows.append({"method": name, "rank": r["rank"], "predicted_peak_bytes": predicted,
-                         "measured_peaks_bytes": r["peaks_above_start"],
+            rows.append({"world_size": world_size, "method": name, "rank": r["rank"],
+                         "predicted_peak_bytes": predicted, "measured_peaks_bytes": r["peaks_above_start"],
                          "fwd_bwd_cpu_s": statistics.median(r["fwd_bwd_cpu_s"]),
                          "step_cpu_s": r["cpu_step_s"], "predicted_h100_step_s": ranked.time(rank),
                          "run_s": time.time() - started})
@@ -232,13 +241,16 @@ def gloo_rows(exp: config.Experiment, problem: ShardProblem, torch_version: str,
 
 
 def gloo_table(rows: list[dict]) -> str:
-    lines = ["| method | rank | peak predicted | peak measured (metered steps) | fwd+bwd CPU (median) | "
-             "step CPU with Adam (median) |", "|---|---|---|---|---|---|"]
+    lines = [("| W | method | rank | peak predicted | peak measured (metered steps) | fwd+bwd CPU (median) | "
+              "step CPU with Adam (median) |"), "|---|---|---|---|---|---|---|"]
     for r in rows:
         measured = ", ".join(str(n) for n in r["measured_peaks_bytes"])
-        exact = "equal" if all(n == r["predicted_peak_bytes"] for n in r["measured_peaks_bytes"]) else "differ"
-        lines.append(f"| {r['method']} | {r['rank']} | {r['predicted_peak_bytes']} B | {measured} B ({exact}) | "
-                     f"{r['fwd_bwd_cpu_s'] * 1e3:.1f} ms | {r['step_cpu_s'] * 1e3:.1f} ms |")
+        exact = "equal" if all(n == r["predicted_peak_bytes"] for n in r["measured_peaks_bytes"]) else \
+            f"{max(r['measured_peaks_bytes']) - r['predicted_peak_bytes']:+d} B"
+        lines.append(f"| {r['world_size']} | {r['method']} | {r['rank']} | {r['predicted_peak_bytes']} B | {measured} B "
+                     f"({exact}) | {r['fwd_bwd_cpu_s'] * 1e3:.1f} ms | {r['step_cpu_s'] * 1e3:.1f} ms |")
+    equal = sum(all(n == r["predicted_peak_bytes"] for n in r["measured_peaks_bytes"]) for r in rows)
+    lines += ["", f"Predicted peak equal to every metered step's: {equal} of {len(rows)} rank rows."]
     return "\n".join(lines)
 
 
@@ -261,13 +273,17 @@ def command(args, exp: config.Experiment) -> int:
              f"{SAC_NOTE if sac_milp.available() is None else 'torch sac_milp skipped: ' + sac_milp.available()}",
              "", table(rows), "", *[f"- {v}" for v in verdicts(rows)], ""]
     files = {"shard_compare.csv": to_csv(rows)}
-    if args.gloo:
-        grows = gloo_rows(exp, prepared["problem"], prepared["torch"])
-        lines += [f"## Measured under gloo, {exp.distributed.world_size} processes on the CPU", "",
-                  "Each method's plan applied with gaswap.shard.apply and run with run_gloo (loss `sum`, the model's "
-                  "dtype); peak above the step's start by the CPU allocator's counts, predicted for the same run. "
-                  "The step time predicted here is from the H100 profile and is not comparable to CPU time; no CPU "
-                  "step-time prediction is made by this verb.", "", gloo_table(grows), ""]
+    gloo_worlds = ([int(w) for w in args.gloo_world_sizes.split(",")] if getattr(args, "gloo_world_sizes", None)
+                   else [exp.distributed.world_size] if args.gloo else [])
+    if gloo_worlds:
+        summed = prepare(dataclasses.replace(exp, loss="sum", target=None))  # what run_gloo trains
+        grows = [r for w in gloo_worlds for r in gloo_rows(exp, summed, w)]
+        lines += [f"## Measured under gloo, {' and '.join(map(str, gloo_worlds))} processes on the CPU", "",
+                  ("Each method's plan applied with gaswap.shard.apply and run with run_gloo on the experiment's "
+                   "inputs (loss `sum`, the model's dtype); peak above the step's start by the CPU allocator's "
+                   "counts, predicted for the same run. The step time predicted here is from the H100 profile and "
+                   "is not comparable to CPU time; no CPU step-time prediction is made by this verb."), "",
+                  gloo_table(grows), ""]
         files["shard_compare_gloo.csv"] = to_csv([r | {"measured_peaks_bytes": ";".join(map(str, r["measured_peaks_bytes"]))}
                                                   for r in grows])
     lines.append(f"total {time.process_time() - started:.1f} CPU s (this process)")

@@ -87,7 +87,9 @@ class ShardSpec:
     element of the sharded parameters when the graph was captured in another dtype (mixed precision: the graph
     in the parameter dtype, the shards in the original one); `reduce_itemsize` of the reduce-scatter (default:
     the gradients'); `optimizer_scalar_bytes` per parameter (Adam's `step`: 4); `recompute` {unit: "full" or
-    positions among `unit_owned_forward(...)`}: activation checkpointing (see `_Builder.recompute_plan`)."""
+    positions among `unit_owned_forward(...)`}: activation checkpointing (see `_Builder.recompute_plan`);
+    `checkpoint_rng_bytes` the device bytes of the RNG state torch's checkpoint stashes per checkpointed forward
+    (`torch.get_rng_state()`: 5,056 on a CPU device; 0 on CUDA, whose RNG states are host tensors)."""
 
     world_size: int
     units: tuple[str, ...] = (ROOT,)
@@ -102,6 +104,7 @@ class ShardSpec:
     recompute: dict | None = None
     replicate: int = 1
     offload: bool | tuple = False
+    checkpoint_rng_bytes: int = 0
 
     def offloads(self, unit: str) -> bool:
         """Whether `unit`'s parameters, gradients and optimizer state live on the host (FSDP2's CPUOffloadPolicy):
@@ -259,6 +262,11 @@ class _Builder:
         self.host_bytes: dict[str, int] = {}
         self.ar_states: list[str] = []  # HSDP: all-reduced buffers in the reduce dtype, held to the end
         self.copy_of: dict[str, str] = {}  # recomputed tensor -> the forward's
+        # what torch's checkpoint itself holds (`checkpoint_holds`): (kind, unit, tensors) to emit before op i,
+        # after the clones run before op i, and after op i
+        self.held_before: dict[int, list] = {}
+        self.held_after_recompute: dict[int, list] = {}
+        self.held_after: dict[int, list] = {}
 
     # --- sizes ---
     def shard_bytes(self, p: ParamSpec, itemsize: int | None = None) -> int:
@@ -520,7 +528,57 @@ class _Builder:
             for i in back:
                 if copy.keys() & set(self.g.ops[i].inputs):
                     redirect.setdefault(i, {}).update(copy)
+            kept = [i for i in owned[u] if i not in ops]
+            self.checkpoint_holds(u, owned[u], kept, back, read=[t for c in clones for t in c.inputs])
         return clones_at, redirect
+
+    def checkpoint_holds(self, u: str, forward: list[int], kept: list[int], back: list[int], read) -> None:
+        """What torch's non-reentrant checkpoint of unit `u` holds besides the tensors the backward reads
+        (torch/utils/checkpoint.py, `_checkpoint_without_reentrant_generator`):
+
+        - the RNG state it stashes as the checkpointed forward starts (`torch.get_rng_state()`, kept by the
+          checkpoint's frame until the unit's last backward op has run and the frame goes), and a second one
+          while the recompute runs (`torch.random.fork_rng` saves the state it restores after): each
+          `spec.checkpoint_rng_bytes` (none without);
+        - the forward's tensor inputs (`_NoopSaveInputs`, for the recompute), until the frame goes: the
+          activations its ops read that no op of the unit made (an attention mask made once by the root, say);
+        - selective checkpointing (`create_selective_checkpoint_contexts`): every output of an op saved
+          (MUST_SAVE, the ops not recomputed, `kept`) goes into the policy's storage and stays there until the
+          recompute takes it back out, whether the backward reads it or not: such an output that neither the
+          backward nor a recomputed op reads (`read`: what the recomputed ops read) is held to the recompute; the
+          recompute stops early, once it has packed the last tensor the backward reads, so a saved op after that
+          point is never reached and its output is held until the frame goes. The stop is taken at the last op
+          making a tensor the unit's backward reads (a tensor autograd saves as an input of a later op is packed
+          at that op: the recompute may run a little further, and such an output is then held too long)."""
+        n = self.spec.checkpoint_rng_bytes
+        if n:
+            self.held_before.setdefault(forward[0], []).append(("rng", u, n))
+            self.held_after.setdefault(back[-1], []).append(("free", u, [f"checkpoint_rng.{_tag(u)}"]))
+            self.held_before.setdefault(back[0], []).append(("fork", u, n))
+            self.held_after_recompute.setdefault(back[0], []).append(("free", u, [f"checkpoint_fork.{_tag(u)}"]))
+        needed = set(read) | {t for i in back for t in self.g.ops[i].inputs}
+        made = {t: i for i in forward for t in self.g.ops[i].outputs}
+        stop = max((made[t] for t in needed if t in made), default=-1)
+        popped = [t for i in kept if i <= stop for t in self.g.ops[i].outputs if t not in needed]
+        never = [t for i in kept if i > stop for t in self.g.ops[i].outputs if t not in needed]
+        if popped:
+            self.held_after_recompute.setdefault(back[0], []).append(("free", u, popped))
+        ins = {op.name for op in map(self.g.ops.__getitem__, forward)}
+        never += [t for i in forward for t in self.g.ops[i].inputs if self.g.tensors[t].kind in ("activation", "input")
+                  and self.g.tensors[t].producer not in ins]
+        if never:
+            self.held_after.setdefault(back[-1], []).append(("free", u, list(dict.fromkeys(never))))
+
+    def checkpoint_state(self, events) -> None:
+        """Emit what `checkpoint_holds` placed here: an RNG state made ("rng": the forward's stash, "fork": the
+        recompute's), or a zero-time op reading what the checkpoint held until now ("free")."""
+        for kind, u, what in events:
+            if kind == "free":
+                self.free(what, f"checkpoint.{_tag(u)}")
+                continue
+            op = f"checkpoint_{kind}.{_tag(u)}"
+            self.tensor(f"checkpoint_{kind}.{_tag(u)}", what, "activation", op, "activations", self.temp())
+            self.emit(op, "checkpoint.rng_state", (), (op,), layer=u)
 
     def backward_by_module(self) -> dict[str, list[int]]:
         """{module path: its backward ops, those of modules inside it included}, in order."""
@@ -677,11 +735,14 @@ class _Builder:
         for i, op in enumerate(self.g.ops):
             self.phase = op.phase
             self.run_hooks(before.get(i, ()))
+            self.checkpoint_state(self.held_before.get(i, ()))
             for clone in clones_at.get(i, ()):
                 self.step_op(clone, "activations")
+            self.checkpoint_state(self.held_after_recompute.get(i, ()))
             if i in redirect:
                 op = replace(op, inputs=tuple(redirect[i].get(t, t) for t in op.inputs))
             self.step_op(op, "activations" if op.phase == "fwd" or i in self.seed else "temporaries")
+            self.checkpoint_state(self.held_after.get(i, ()))  # a frame goes as its last node is done: before hooks
             self.run_hooks(after.get(i, ()))
         self.final_callback(deferred)
         self.drop_unread_inputs()

@@ -22,6 +22,9 @@ recomputed tensor's storage. The k-th call of a target is thus the k-th op of th
 per block is the order SAC calls the policy in, and `shard`'s wrapper checks after each forward that the whole
 list was walked.
 
+A backward prefetch depth of 0 is refused too: FSDP2 prefetches the previous unit in the backward unless told to
+prefetch others, and an empty list means its default (`FSDPState._pre_backward`).
+
 Swap (CPU offload) is refused: torch 2.13's eager SAC stores MUST_CPU_OFFLOAD's outputs as it does
 recompute's (only MUST_SAVE / PREFER_SAVE are saved), so an offload decision would silently be a recomputation.
 """
@@ -161,6 +164,10 @@ def check(model: nn.Module, plan, mesh) -> dict:
     if str(data["torch"]) != str(torch.__version__):
         raise PlanMismatch(f"the plan was made with torch {data['torch']}, this is torch {torch.__version__}: "
                            f"its op names and order may differ; search again with this torch")
+    if int(data["backward_prefetch"]) < 1:
+        raise PlanMismatch(f"the plan's backward_prefetch is {data['backward_prefetch']}: torch {torch.__version__}'s "
+                           f"fully_shard cannot turn backward prefetch off (an empty set_modules_to_backward_prefetch "
+                           f"list means its default, 1)")
     world = mesh.size()
     if int(data["world_size"]) != world:
         raise PlanMismatch(f"the plan is for {data['world_size']} ranks, the mesh has {world}")

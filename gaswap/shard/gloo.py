@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from gaswap.run.capture import make_inputs
 from gaswap.run.measure import use_cpu
 from gaswap.run.training import make_optimizer, split_step
 from gaswap.shard.apply import shard
@@ -73,9 +74,22 @@ def _one_worker(gloo_class):
     return OneWorker
 
 
+def make_batch(inputs) -> tuple[tuple, torch.Tensor | None]:
+    """(input tuple, target or None) of a gloo run, the same on every rank: `inputs` "module:function" (called
+    with no arguments, no target) or an experiment's tensors as data, {"inputs": [spec, ...], "target": spec or
+    None, "batch_size": n, "seed": s} (specs as `inputs:` / `target:` write them: shape with "batch", dtype,
+    high), drawn with `gaswap.run.capture.make_inputs` from a generator seeded with `seed`."""
+    if isinstance(inputs, str):
+        return _resolve(inputs)(), None
+    args, target = make_inputs(list(inputs["inputs"]), inputs.get("target"), int(inputs["batch_size"]), "cpu",
+                               torch.Generator().manual_seed(int(inputs.get("seed", 1))))
+    return args, target if inputs.get("target") else None
+
+
 def _rank_main(rank: int, world_size: int, store_path: str, out_dir: str, model: str, model_kwargs: dict,
-               inputs: str, units: list, optimizer: str, steps: int, metered: int, knobs: dict,
-               collectives: list, repeats: int, plan: dict | None = None, record: bool = False) -> None:
+               inputs, units: list, optimizer: str, steps: int, metered: int, knobs: dict,
+               collectives: list, repeats: int, plan: dict | None = None, record: bool = False,
+               loss: str = "sum") -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     use_cpu(1)  # as ops are timed: one thread, glibc keeps freed memory (no page faults for reused buffers)
@@ -97,7 +111,7 @@ def _rank_main(rank: int, world_size: int, store_path: str, out_dir: str, model:
         net = _resolve(model)(**model_kwargs)
         net = shard(net, plan, mesh) if plan is not None else apply_fsdp(net, units, mesh, **knobs)
         opt = make_optimizer(optimizer, net)
-        args = _resolve(inputs)()
+        args, target = make_batch(inputs)
         fence = torch.zeros(1)
         plain = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single")}
         peaks, fwd_bwd, step_cpu, wall = [], [], [], []
@@ -109,7 +123,7 @@ def _rank_main(rank: int, world_size: int, store_path: str, out_dir: str, model:
                     setattr(dist, name, _fenced(call, fence))
             dist.barrier()
             started_wall = time.perf_counter()
-            done = split_step(net, opt, args, metered=metering,
+            done = split_step(net, opt, args, loss=loss, target=target, metered=metering,
                               before_step=(lambda m: recorded["grads"].append(_local(m, "grad"))) if record else None)
             if record:
                 recorded["loss"].append(done.loss)
@@ -166,11 +180,12 @@ def _time_collectives(world_size: int, sizes, repeats: int) -> dict:
     return out
 
 
-def run_gloo(model: str, inputs: str, units, world_size: int, *, model_kwargs: dict | None = None,
+def run_gloo(model: str, inputs, units, world_size: int, *, model_kwargs: dict | None = None,
              optimizer: str = "adam", steps: int = 7, metered: int = 3, knobs: dict | None = None, collectives=(),
-             repeats: int = 5, plan: dict | None = None, record: bool = False) -> list[dict]:
-    """Train `steps` steps of `model` ("module:factory", called with `model_kwargs`) on `inputs` ("module:function"
-    returning the input tuple, the same on every rank) under fully_shard over `world_size` gloo processes. Per
+             repeats: int = 5, plan: dict | None = None, record: bool = False, loss: str = "sum") -> list[dict]:
+    """Train `steps` steps of `model` ("module:factory", called with `model_kwargs`) on `inputs` (the same on every
+    rank: "module:function" returning the input tuple, or an experiment's input specs, see `make_batch`) with
+    `loss` ("sum", or one taking the specs' target) under fully_shard over `world_size` gloo processes. Per
     rank (rank order): the forward+backward peak above what was allocated before it (the CPU allocator's
     counts, gloo's late frees fenced: see the module docstring) of each of the last `metered` steps
     (`peaks_above_start`, and the lowest, `peak_above_start`), the bytes resident before a step, the CPU
@@ -184,13 +199,19 @@ def run_gloo(model: str, inputs: str, units, world_size: int, *, model_kwargs: d
         store = os.path.join(tmp, "store")
         torch.multiprocessing.spawn(_rank_main, args=(world_size, store, tmp, model, model_kwargs or {}, inputs,
                                                       list(units), optimizer, steps, metered, knobs or {},
-                                                      list(collectives), repeats, plan, record),
+                                                      list(collectives), repeats, plan, record, loss),
                                     nprocs=world_size, join=True)
         out = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world_size)]
         if record:
             for r, result in enumerate(out):
                 result["recorded"] = torch.load(Path(tmp, f"rank{r}.pt"), weights_only=True)
         return out
+
+
+def checkpoint_rng_bytes() -> int:
+    """Bytes of the RNG state torch's checkpoint stashes on this device per checkpointed forward (a CPU run: the
+    CPU generator's state, `torch.get_rng_state()`; `ShardSpec.checkpoint_rng_bytes`)."""
+    return torch.get_rng_state().nbytes
 
 
 def gloo_peak(report, rank) -> int:
