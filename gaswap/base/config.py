@@ -393,8 +393,8 @@ class Prefetch:
 
     forward: int = key(_integer(0, "a non-negative integer", 8), "units prefetched in the forward (FSDP2's "
                        "default 0: none)", 0)
-    backward: int = key(_integer(0, "a non-negative integer", 8), "units prefetched in the backward (FSDP2's "
-                        "default 1)", 1)
+    backward: int = key(_integer(1, "an integer of at least 1", 8), "units prefetched in the backward (FSDP2's "
+                        "default 1; torch 2.13's FSDP2 cannot prefetch none)", 1)
 
 
 @dataclass(frozen=True)

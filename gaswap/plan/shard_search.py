@@ -8,12 +8,13 @@ activations live longest) take the first choice, the others the second; an offlo
 `offload_order`, the non-root units then the root, get FSDP2's CPUOffloadPolicy: their parameters, gradients and
 optimizer state on the host; only where the host's copies and optimizer step can be priced, `host_link` and
 `host_step`); per non-root unit, `reshard_after_forward` (0 False, 1 True, 2.. an int: the world size's divisors
-from 2 to 8, `reshard_groups`); the forward and backward prefetch depths. Two choices and a split per class (not
-one per unit) keep the genes few on deep models and still express what per-module planners such as torch's
-sac_milp pick (early blocks checkpointed more). An evaluation builds the rank's graph (`sharding.shard_step`), its peak from the simulator
-(every activation kept, the graph's order: the recompute is in the graph) and its step time from
-`sharding.step_time` (ops from the single-device costs, recomputed ops as their originals, collectives from a
-`Link`). Selection is NSGA-II (`deap.tools.selNSGA2`) under constraint domination: a policy under the budget
+from 2 to 8, `reshard_groups`); the forward and backward prefetch depths (the backward's from 1: FSDP2 cannot
+turn it off). Two choices and a split per class (not one per unit) keep the genes few on deep models and still
+express what per-module planners such as torch's sac_milp pick (early blocks checkpointed more).
+
+An evaluation builds the rank's graph (`sharding.shard_step`), its peak from the simulator (every activation
+kept, the graph's order: the recompute is in the graph) and its step time from `sharding.step_time` (ops from the
+single-device costs, recomputed ops as their originals, collectives from a `Link`). Selection is NSGA-II (`deap.tools.selNSGA2`) under constraint domination: a policy under the budget
 beats any over it, and of two over it the smaller peak wins. Seeds (`SEEDS`): keep-all, full AC and torchtitan's
 selective AC (matmul and attention outputs saved, the rest recomputed) on every unit, full AC on the first half
 of the units with the rest kept or selective, and full AC with half or all of the units offloaded. Randomness is
@@ -46,6 +47,7 @@ from gaswap.plan.sharding import (
 
 MODES = ("keep", "full", "selective")
 MAX_PREFETCH = 2
+MIN_BACKWARD_PREFETCH = 1  # FSDP2 (torch 2.13) prefetches one unit in the backward at least: an empty list is 1
 MAX_RESHARD_GROUP = 8  # the largest integer reshard_after_forward a gene takes (ranks within one node)
 # torchtitan's per-op selective AC (torchtitan/distributed/activation_checkpoint.py at TORCHTITAN_COMMIT): it saves
 # the outputs of `_get_default_save_ops()` (torch's compute-intensive ops and its own additions; gaswap's op
@@ -194,7 +196,7 @@ class ShardProblem:
         k += 1
         reshard = {u: self.reshard_value(b) for u, b in zip(self.units, genes[k:k + len(self.units)])} | {ROOT: False}
         k += len(self.units)
-        return Knobs(recompute, reshard, genes[k], genes[k + 1], offload)
+        return Knobs(recompute, reshard, genes[k], MIN_BACKWARD_PREFETCH + genes[k + 1], offload)
 
     @staticmethod
     def _choice(genes: list, k: int, sel: tuple) -> tuple:
@@ -218,7 +220,8 @@ class ShardProblem:
             genes += choices[first] + choices[rest] + [len(cls) if k == "all" else (len(cls) + 1) // 2]
         offload = round(SEEDS[name][3] * len(self.offload_order))
         reshard = [self.reshard_gene(u) for u in self.units]
-        prefetch = [min(self.spec.forward_prefetch, MAX_PREFETCH), min(self.spec.backward_prefetch, MAX_PREFETCH)]
+        prefetch = [min(self.spec.forward_prefetch, MAX_PREFETCH),
+                    min(max(self.spec.backward_prefetch, MIN_BACKWARD_PREFETCH), MAX_PREFETCH) - MIN_BACKWARD_PREFETCH]
         return tuple(genes + [offload] + reshard + prefetch)
 
     def bounds(self) -> list[int]:
@@ -227,7 +230,7 @@ class ShardProblem:
         for cls, sel in zip(self.classes, self.selectable):
             out += ([len(MODES) - 1] + [1] * len(sel)) * 2 + [len(cls)]
         return out + [len(self.offload_order)] + [1 + len(self.reshard_groups)] * len(self.units) + \
-            [MAX_PREFETCH, MAX_PREFETCH]
+            [MAX_PREFETCH, MAX_PREFETCH - MIN_BACKWARD_PREFETCH]
 
     def reshard_value(self, gene: int):
         """A reshard gene's `reshard_after_forward`: 0 False, 1 True, 2.. `reshard_groups`."""
