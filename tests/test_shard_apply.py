@@ -93,6 +93,7 @@ def _mesh_size(n):
     ({"recompute": "bogus_op"}, "recomputes bogus_op, which its block's forward does not have"),
     ({"recompute": "swap"}, "treats MUST_CPU_OFFLOAD as a recomputation"),
     ({"drop": "forward_prefetch"}, "lacks forward_prefetch"),
+    ({"offload": ["layers.9"]}, "unit(s) layers.9 are not modules of this Llama"),
 ])
 def test_mismatches_are_refused_naming_what_differs(change, message):
     plan = _plan()
@@ -159,6 +160,21 @@ def _assert_bitwise(a, b):
 def test_bitwise_equal_without_the_policy_under_the_fake_process_group(recompute):
     knobs = {"raf_false": ["layers.1"], "forward_prefetch": 1}
     _assert_bitwise(_run_fake(_plan(recompute, **knobs)), _run_fake(_plan("none", **knobs)))
+
+
+def test_offloaded_units_get_cpu_offload_policy_and_train_the_same():
+    """plan["offload"]: those units' fully_shard takes CPUOffloadPolicy (on a CPU the host is the device: nothing
+    moves, the step is the same bit for bit)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    plan = _plan("full") | {"offload": ["layers.0", ""]}
+    with fake_process_group(2) as mesh:
+        model = shard(zoo.llama(preset="tiny"), plan, mesh)
+        policies = {name: m._get_fsdp_state()._fsdp_param_group.offload_policy for name, m in model.named_modules()
+                    if name in ("", "layers.0", "layers.1")}
+    assert isinstance(policies[""], CPUOffloadPolicy) and isinstance(policies["layers.0"], CPUOffloadPolicy)
+    assert not isinstance(policies["layers.1"], CPUOffloadPolicy)
+    _assert_bitwise(_run_fake(plan), _run_fake(_plan("full")))
 
 
 @pytest.mark.slow

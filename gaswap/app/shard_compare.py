@@ -221,8 +221,8 @@ def gloo_rows(exp: config.Experiment, prepared: dict, world_size: int, steps: in
     for budget in budgets:
         ranked.budget = budget
         search(ranked, random.Random(exp.seed), population=exp.ga.population, generations=exp.ga.generations)
-    for budget in budgets:  # of those fully_shard can run: it cannot turn backward prefetch off (shard.apply)
-        under = [p for p in ranked.cache.values() if p.peak <= budget and p.knobs.backward_prefetch >= 1]
+    for budget in budgets:  # offload would move nothing on a CPU (its host is the device): plans without it
+        under = [p for p in ranked.cache.values() if p.peak <= budget and not p.knobs.offload]
         plans[f"gaswap (budget {format_size(budget)})"] = min(under, key=lambda p: (p.step_time, p.peak)).knobs
     for name, knobs in plans.items():
         plan = method_plan(ranked, knobs, prepared["torch"], name)

@@ -6,8 +6,10 @@ train: torch's own selective activation checkpointing inside FSDP2's `fully_shar
   `torch.utils.checkpoint.create_selective_checkpoint_contexts` (one per checkpointed forward: it counts calls)
   and whose `context_fn` is what `checkpoint(..., use_reentrant=False, context_fn=...)` takes.
 - `shard(model, plan, mesh)`: all of it: each unit's forward checkpointed as the plan says, then `fully_shard`
-  on every unit (innermost first, the root last) with the plan's `reshard_after_forward` per unit and its
-  forward / backward prefetch depths (`set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch`).
+  on every unit (innermost first, the root last) with the plan's `reshard_after_forward` per unit, its
+  forward / backward prefetch depths (`set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch`)
+  and FSDP2's `CPUOffloadPolicy` on the units the plan offloads (`offload`: their parameters, gradients and
+  optimizer state on the host).
 
 How a plan's op names become SAC's decisions. The plan names, per class of identical blocks, the block's own
 forward ops as the eager capture recorded them (`forward`: [name, aten target] in order; the names are the first
@@ -25,8 +27,9 @@ list was walked.
 A backward prefetch depth of 0 is refused too: FSDP2 prefetches the previous unit in the backward unless told to
 prefetch others, and an empty list means its default (`FSDPState._pre_backward`).
 
-Swap (CPU offload) is refused: torch 2.13's eager SAC stores MUST_CPU_OFFLOAD's outputs as it does
-recompute's (only MUST_SAVE / PREFER_SAVE are saved), so an offload decision would silently be a recomputation.
+Swapping activations (SAC's MUST_CPU_OFFLOAD) is refused: torch 2.13's eager SAC stores MUST_CPU_OFFLOAD's
+outputs as it does recompute's (only MUST_SAVE / PREFER_SAVE are saved), so an offload decision would silently be a
+recomputation.
 """
 from __future__ import annotations
 
@@ -175,6 +178,7 @@ def check(model: nn.Module, plan, mesh) -> dict:
     named = [str(u) for u in data["units"]] + [str(u) for c in data["recompute"] for u in c["unit_paths"]]
     named += [str(u) for u in data["reshard_after_forward_false"]]
     named += [str(u) for u in data.get("reshard_after_forward_groups") or {}]
+    named += [str(u) for u in data.get("offload") or ()]
     absent = [u for u in dict.fromkeys(named) if u not in modules]
     if absent:
         raise PlanMismatch(f"the plan's unit(s) {', '.join(absent)} are not modules of this "
@@ -195,7 +199,8 @@ def shard(model: nn.Module, plan, mesh) -> nn.Module:
     """Apply `plan` (a plan.yaml path or its data) to `model` (on its device, not yet sharded) over `mesh` (1-D,
     the plan's world size): each unit's forward checkpointed as the plan says (torch.utils.checkpoint,
     non-reentrant; selective through `checkpoint_policy`), then `fully_shard` per unit with the plan's
-    reshard_after_forward and prefetch depths. Returns `model`, sharded in place."""
+    reshard_after_forward, prefetch depths and CPU offload (`offload`: the units given CPUOffloadPolicy). Returns
+    `model`, sharded in place."""
     data = check(model, plan, mesh)
     modules = dict(model.named_modules())
     for unit, policy in checkpoint_policy(data).items():
@@ -207,4 +212,5 @@ def shard(model: nn.Module, plan, mesh) -> nn.Module:
     groups = {str(u): int(k) for u, k in (data.get("reshard_after_forward_groups") or {}).items()}
     reshard = {u: groups.get(u, u not in kept) for u in units if u} | {"": False}
     return apply_fsdp(model, units, mesh, reshard_after_forward=reshard,
-                      forward_prefetch=int(data["forward_prefetch"]), backward_prefetch=int(data["backward_prefetch"]))
+                      forward_prefetch=int(data["forward_prefetch"]), backward_prefetch=int(data["backward_prefetch"]),
+                      offload={str(u) for u in data.get("offload") or ()})

@@ -38,18 +38,24 @@ def fake_process_group(world_size: int, rank: int = 0, mesh_shape: tuple | None 
 
 
 def apply_fsdp(model: nn.Module, units, mesh, *, reshard_after_forward=None, forward_prefetch: int = 0,
-               backward_prefetch: int = 1) -> nn.Module:
+               backward_prefetch: int = 1, offload=()) -> nn.Module:
     """`fully_shard` on every unit (module paths, "" the root), innermost first, with the knobs of
-    `gaswap.plan.sharding.ShardSpec` (None: FSDP2's default; prefetch depths through set_modules_to_*_prefetch)."""
-    from torch.distributed.fsdp import fully_shard
+    `gaswap.plan.sharding.ShardSpec` (None: FSDP2's default; prefetch depths through set_modules_to_*_prefetch);
+    the units in `offload` with `CPUOffloadPolicy` (pinned host memory where CUDA is present)."""
+    import torch
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    def policy(unit: str):
+        return CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if unit in offload else OffloadPolicy()
 
     modules = dict(model.named_modules())
     paths = sorted((u for u in units if u), key=lambda u: -u.count("."))
     for u in paths:
         raf = reshard_after_forward.get(u, True) if isinstance(reshard_after_forward, dict) else reshard_after_forward
-        fully_shard(modules[u], mesh=mesh, **({} if raf is None else {"reshard_after_forward": raf}))
+        fully_shard(modules[u], mesh=mesh, offload_policy=policy(u),
+                    **({} if raf is None else {"reshard_after_forward": raf}))
     raf = reshard_after_forward.get("", None) if isinstance(reshard_after_forward, dict) else reshard_after_forward
-    fully_shard(model, mesh=mesh, **({} if raf is None else {"reshard_after_forward": raf}))
+    fully_shard(model, mesh=mesh, offload_policy=policy(""), **({} if raf is None else {"reshard_after_forward": raf}))
     ordered = [modules[u] for u in units if u]  # forward order of the units
     if forward_prefetch > 0:
         for i, m in enumerate(ordered):
