@@ -134,10 +134,13 @@ def test_plan_file_is_read_safely(tmp_path):
     assert not isinstance(err.value, PlanMismatch) or "mapping" in str(err.value)
 
 
-def _run_fake(plan, steps=3):
+def _run_fake(plan, steps=3, compiled=False, seen=None):
     with fake_process_group(2) as mesh:
         torch.manual_seed(0)
         model = shard(zoo.llama(preset="tiny"), plan, mesh)
+        if compiled:  # torch.compile per block, as torchtitan compiles
+            for layer in model.layers:
+                layer.compile()
         opt = make_optimizer("adam", model)
         out = []
         for _ in range(steps):
@@ -145,6 +148,9 @@ def _run_fake(plan, steps=3):
             done = split_step(model, opt, zoo.llama_inputs(), before_step=lambda m, grads=grads: grads.update(
                 {n: p.grad.to_local().clone() for n, p in m.named_parameters()}))
             out.append((done.loss, grads, {n: p.to_local().clone() for n, p in model.named_parameters()}))
+        if seen is not None:  # how far each selective unit's policy walked its plan's list
+            seen.update({i: layer.forward.args[1].walked[-1]["at"] for i, layer in enumerate(model.layers)
+                         if isinstance(layer.forward, functools.partial) and layer.forward.args[1].walked})
         return out
 
 
@@ -175,6 +181,16 @@ def test_offloaded_units_get_cpu_offload_policy_and_train_the_same():
     assert isinstance(policies[""], CPUOffloadPolicy) and isinstance(policies["layers.0"], CPUOffloadPolicy)
     assert not isinstance(policies["layers.1"], CPUOffloadPolicy)
     _assert_bitwise(_run_fake(plan), _run_fake(_plan("full")))
+
+
+@pytest.mark.slow
+def test_compiled_per_block_bitwise_equal_and_the_policy_walked_its_list():
+    """Each block compiled (`module.compile()`) after `shard`: selective AC runs inside the compiled graph (the
+    policy sees the block's ops when it is traced), losses, gradients and parameters bitwise those of the same
+    compiled model without the plan."""
+    plan, seen = _plan("selective"), {}
+    _assert_bitwise(_run_fake(plan, compiled=True, seen=seen), _run_fake(_plan("none"), compiled=True))
+    assert seen == {0: len(plan["recompute"][0]["forward"]), 1: len(plan["recompute"][0]["forward"])}
 
 
 @pytest.mark.slow

@@ -186,11 +186,20 @@ def check(model: nn.Module, plan, mesh) -> dict:
     return data
 
 
+def _selective_contexts(policy: UnitPolicy):
+    return policy.context_fn()
+
+
 def _checkpointed(forward, policy: UnitPolicy, *args, **kwargs):
+    """The unit's forward under torch's checkpoint. Under torch.compile (a unit compiled with `module.compile()`)
+    the policy sees the ops once, when the graph is traced (a wrong op is refused then), and the check that the
+    forward walked the whole list is left out: it would run at trace time, before the policy is called."""
     if policy.mode == "full":
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-    out = checkpoint(forward, *args, use_reentrant=False, context_fn=policy.context_fn, **kwargs)
-    if torch.is_grad_enabled():
+    # a partial of a plain function: dynamo calls a bound method's function without its `self`
+    contexts = functools.partial(_selective_contexts, policy)
+    out = checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
         policy.check_walked()
     return out
 
