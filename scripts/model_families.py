@@ -43,7 +43,7 @@ DECODER = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "nu
            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": SEQ, "use_cache": False}
 TOKENS = [{"shape": ["batch", SEQ], "dtype": "int64", "high": VOCAB}]
 MASK = {"shape": ["batch", SEQ], "dtype": "int64", "high": 2}  # random 0/1: every sequence padded somewhere
-PIXELS = [{"shape": ["batch", 3, 32, 32]}]
+PIXELS = [{"shape": ["batch", 3, 64, 64]}]
 LABELS = {"shape": ["batch"], "dtype": "int64", "high": 10}
 # family -> (architecture, config, inputs, target)
 FAMILIES = {
@@ -55,13 +55,13 @@ FAMILIES = {
     "bert_masked": ("BertForMaskedLM", {"vocab_size": VOCAB, "max_position_embeddings": SEQ, "hidden_size": 64,
                                         "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128},
                     [*TOKENS, MASK], TOKENS[0]),
-    "vit": ("ViTForImageClassification", {"image_size": 32, "patch_size": 8, "hidden_size": 64, "num_hidden_layers": 2,
+    "vit": ("ViTForImageClassification", {"image_size": 64, "patch_size": 8, "hidden_size": 64, "num_hidden_layers": 2,
                                           "num_attention_heads": 4, "intermediate_size": 128, "num_labels": 10},
             PIXELS, LABELS),
     "resnet": ("ResNetForImageClassification", {"embedding_size": 16, "hidden_sizes": [16, 32, 64], "depths": [1, 1, 1],
                                                 "layer_type": "basic", "num_labels": 10}, PIXELS, LABELS),
     "convnext": ("ConvNextForImageClassification", {"hidden_sizes": [16, 32], "depths": [1, 1], "num_stages": 2,
-                                                    "num_labels": 10, "image_size": 32}, PIXELS, LABELS),
+                                                    "num_labels": 10, "image_size": 64}, PIXELS, LABELS),
 }
 GA = {"population": 16, "generations": 5, "patience": None, "milp_seed_ops": 0, "workers": 1}
 
@@ -188,9 +188,9 @@ def _mb(n) -> str:
 
 def table(rows: list[dict]) -> str:
     """The markdown table of docs/models.md."""
-    lines = ["| family (transformers class) | ops | search (CPU s) | keep-all peak | predicted peak | measured peak "
-             "| bitwise: captured step / eager | specialized on | compiled (joint-graph ops, = torch.compile) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    header = ("| family (transformers class) | ops | search (CPU s) | keep-all peak | predicted peak | measured peak "
+              "| bitwise: captured step / eager | specialized on | compiled (joint-graph ops, = torch.compile) |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["search_exit"] != 0:
             lines.append(f"| {r['family']} ({r['architecture']}) | search exit {r['search_exit']} |" + " |" * 7)

@@ -59,6 +59,18 @@ class WeightGated(nn.Module):
         return torch.tanh(h) if self.inner.weight.sum() > 0 else torch.sigmoid(h)
 
 
+class Positions(nn.Module):
+    """Reads a value computed from `arange` alone (as transformers' packed-sequence check does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(6, 6)
+
+    def forward(self, x):
+        positions = torch.arange(x.shape[0])
+        return self.inner(x) if bool((positions[1:] - positions[:-1] == 1).all()) else x
+
+
 def _padded(mask_all: bool):
     torch.manual_seed(0)
     model = Padded()
@@ -86,6 +98,16 @@ def test_a_value_read_is_specialized_on_the_example_and_the_step_is_eagers_bit_f
     masked, unmasked = (capture(*_padded(m), T).graph for m in (False, True))
     assert len(masked.ops) > len(unmasked.ops)  # the masking ops are traced down one branch only
     assert masked.fingerprint() != unmasked.fingerprint()
+
+
+def test_a_value_computed_from_no_argument_is_answered_and_not_recorded():
+    torch.manual_seed(0)
+    model, x = Positions(), torch.randn(3, 6)
+    c = capture(model, (x,), T)
+    assert c.graph.specialized == () and c.specialized == ()
+    assert any(op.target == "aten.addmm.default" for op in c.graph.ops)  # the branch the value picked
+    got = c.gm(*c.arguments(model, (x,), T))
+    assert all(torch.equal(a, b) for a, b in zip(got, _eager(model, (x,)), strict=True))
 
 
 def test_a_batch_giving_another_value_is_refused_naming_the_op_and_the_values():

@@ -5,7 +5,9 @@ A forward pass that turns a tensor into a Python value (`.item()`, `bool(t)`, `t
 be traced on fake tensors alone. While `capture` traces, `ValueReads` answers such an op with the value the
 example inputs give: it cuts the ops the read tensor is computed from out of the graph traced so far (a
 *guard*), runs them on the real example tensors and hands the value to the forward pass, which goes on down
-the branch that value picks. The captured step is then right for that value only: each read is a
+the branch that value picks. The captured step is then right for that value only: each read of a value
+computed from the step's arguments (one computed from constants alone, as transformers' packed-sequence check
+on `arange` positions, is the same on every batch and is not recorded) is a
 `Specialization` (op, where, value, guard), recorded in the graph (`Graph.specialized`, part of its
 fingerprint and so of a policy's) and checked on every batch the step is given (`check`): a batch whose guard
 gives another value is refused with `ValueMismatch`, naming the op and both values.
@@ -80,7 +82,8 @@ class ValueReads(TorchDispatchMode):
             raise ValueNeeded(f"op {func} reads the value of {where}, computed from {self.labels[missing[0]]}, "
                               f"which has no values (on the meta device)")
         value = evaluate(guard, [self.real[i] for i in indices])
-        self.specialized.append(Specialization(str(func), where, value, guard, indices))
+        if indices:  # a value computed from no argument (e.g. from `arange`) is the same on every batch
+            self.specialized.append(Specialization(str(func), where, value, guard, indices))
         return value
 
 
