@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import tempfile
 import time
 from pathlib import Path
 
@@ -132,12 +133,15 @@ def compiled(exp: config.Experiment) -> dict:
         results = []
         with torch._functorch.config.patch(activation_memory_budget=0.5):
             plain = torch.compile(model, fullgraph=True, dynamic=False)
-        for fn in (plain, partition.compile(model, partition.make_policy(graph, actions))):
+        policy = partition.make_policy(graph, actions, provenance={"optimizer": exp.optimizer, "counts": list(exp.counts)})
+        for fn in (plain, partition.compile(model, policy)):
             torch.manual_seed(1)
             results.append(_step(_Calls(fn, model), inputs, target, exp))
             torch._dynamo.reset()
     except Exception as err:  # noqa: BLE001 - reported in the table: where torch.compile does not trace the model
-        return {"traced": False, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+        while err.__cause__ is not None:  # the backend's own error, not torch.compile's wrapper of it
+            err = err.__cause__
+        return {"traced": False, "error": f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}"}
     return {"traced": True, "ops": len(graph.ops), "cpu_seconds": round(time.process_time() - started, 1),
             "equals_torch_compile": _same(*results)}
 
@@ -163,7 +167,8 @@ def run(family: str, out: Path, with_compiled: bool) -> dict:
     path = experiment_file(family, out / "experiments")
     exp = config.load_experiment(path)
     started = time.process_time()
-    code = cli.main(["search", str(path), "--results", str(out), "--force", "--cache", str(out / ".cache")])
+    with tempfile.TemporaryDirectory() as cache:  # costs measured afresh: the search's time includes them
+        code = cli.main(["search", str(path), "--results", str(out), "--force", "--cache", cache])
     row = {"family": family, "architecture": FAMILIES[family][0], "search_exit": code,
            "search_cpu_seconds": round(time.process_time() - started, 1)}
     if code != 0:
