@@ -68,7 +68,7 @@ def capture_step(experiment: config.Experiment):
     # torch loads when a step is captured or timed: checks of a folder and `plot` start without it
     import torch
 
-    from gaswap.run.capture import CaptureError, ValuesNeeded, capture
+    from gaswap.run.capture import CaptureError, ValuesNeeded, capture  # loads torch: as above
 
     model = build_model(experiment)
     inputs, target = make_inputs(experiment)
