@@ -66,9 +66,7 @@ def capture_step(experiment: config.Experiment):
     on the CPU from its seed when the forward pass reads their values (gaswap.run.values);
     CaptureError naming the experiment file when it cannot be captured or has nothing to plan."""
     # torch loads when a step is captured or timed: checks of a folder and `plot` start without it
-    import torch
-
-    from gaswap.run.capture import CaptureError, ValuesNeeded, capture  # loads torch: as above
+    from gaswap.run.capture import CaptureError, ValuesNeeded, capture
 
     model = build_model(experiment)
     inputs, target = make_inputs(experiment)
@@ -77,6 +75,8 @@ def capture_step(experiment: config.Experiment):
             captured = capture(model, inputs, target, experiment.loss, optimizer=experiment.optimizer,
                                counted=experiment.counts, autocast=experiment.autocast)
         except ValuesNeeded:  # the forward reads input values: those validate gives it on the CPU (gaswap.run.values)
+            import torch
+
             inputs, target = make_inputs(experiment, "cpu", torch.Generator().manual_seed(experiment.seed))
             captured = capture(model, inputs, target, experiment.loss, optimizer=experiment.optimizer,
                                counted=experiment.counts, autocast=experiment.autocast)
