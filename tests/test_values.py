@@ -6,6 +6,8 @@ import pytest
 import torch
 from torch import nn
 
+from gaswap.app import workflow
+from gaswap.base import config
 from gaswap.base.errors import REFUSED
 from gaswap.plan import policy as policies
 from gaswap.plan.costs import estimate, load_profile
@@ -13,6 +15,7 @@ from gaswap.plan.encoding import Encoding
 from gaswap.plan.graph import Graph
 from gaswap.plan.simulator import Simulator
 from gaswap.run.capture import ValuesNeeded, capture
+from gaswap.run.experiment import make_inputs
 from gaswap.run.runtime import StepRunner
 from gaswap.run.values import ValueMismatch
 from tiny_models import policy_set
@@ -166,6 +169,23 @@ def test_a_policy_records_the_values_and_is_refused_for_a_step_reading_others(tm
                                                    r"give True") as err:
         policies.check_matches(loaded, unmasked, tmp_path / "p.yaml")
     assert err.value.exit_code == REFUSED
+
+
+def test_a_search_captures_with_the_experiments_seeded_inputs_when_the_forward_reads_them(tmp_path):
+    (tmp_path / "padded.py").write_text("import torch\nfrom torch import nn\n\n\nclass Padded(nn.Module):\n"
+                                        "    def __init__(self):\n        super().__init__()\n"
+                                        "        self.inner = nn.Linear(6, 6)\n\n"
+                                        "    def forward(self, x, mask):\n        h = self.inner(x)\n"
+                                        "        return h if mask.all() else h.masked_fill(~mask.unsqueeze(-1), 0.0)\n")
+    (tmp_path / "padded.yaml").write_text(
+        "model: {factory: 'padded:Padded'}\ninputs: [{shape: [batch, 5, 6]}, {shape: [batch, 5], dtype: bool}]\n"
+        "batch_size: 2\nbudget: 0.9x\ncosts: {source: estimate, profile: v100-pcie-16gb}\n")
+    captured = workflow.capture_step(config.load_experiment(tmp_path / "padded.yaml"))
+    (read,) = captured.graph.specialized
+    # the value validate's batch gives: the experiment's inputs made on the CPU from its seed
+    exp = config.load_experiment(tmp_path / "padded.yaml")
+    (_, mask), _ = make_inputs(exp, "cpu", torch.Generator().manual_seed(exp.seed))
+    assert read[0] == READ and read[2] == bool(mask.all())
 
 
 def test_specialized_values_survive_the_plain_data_round_trip():
