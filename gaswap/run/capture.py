@@ -366,7 +366,7 @@ def _trace(model, inputs, target, loss, autocast, eager: bool = False):
     except values.ValueNeeded as e:
         raise ValuesNeeded(f"cannot capture {type(model).__name__}: {e}. To fix: give example inputs with values "
                            f"(e.g. on the CPU; the model may stay on meta): the step is specialized for the values "
-                           f"they give, as torch.compile does") from None
+                           f"they give, as torch.compile does") from e
     except Exception as e:  # noqa: BLE001 - any tracing failure becomes one clear CaptureError
         raise CaptureError(_explain(model, layers.failed_at, e)) from e
     sources = [("param", k) for k in params] + [("buffer", k) for k in fixed]

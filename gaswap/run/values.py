@@ -28,14 +28,14 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from gaswap.base.errors import Refusal
+from gaswap.base.errors import BadInput, Refusal
 
 
 class ValueMismatch(Refusal):
     """A batch whose values send the forward pass down another branch than the one the step was captured for."""
 
 
-class ValueNeeded(Exception):
+class ValueNeeded(BadInput):
     """A read whose guard needs a tensor without values (meta) at capture; `capture` turns it into a CaptureError."""
 
 
