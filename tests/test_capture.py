@@ -429,12 +429,16 @@ _LIB.impl("no_fake_kernel", lambda x: x * 2, "CPU")
 
 
 def test_untraceable_model_raises_capture_error():
+    """A branch on a value is specialized on the example's values (gaswap.run.values); without values, refused."""
     model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU(), _Branchy()))
+    x = torch.randn(2, 4)
+    (read,) = capture(model, (x,), torch.zeros(2).long()).graph.specialized
+    assert read[1].endswith("in module '1.1' (_Branchy)") and read[2] == bool(torch.relu(model[0](x)).sum() > 0)
     with pytest.raises(CaptureError) as info:
-        capture(model, (torch.randn(2, 4),), torch.zeros(2).long())
+        capture(model, (x.to("meta"),), torch.zeros(2).long())
     message = str(info.value)
     assert "'1.1'" in message and "_Branchy" in message and "_local_scalar_dense" in message
-    assert "To fix" in message and "torch.where" in message and info.value.__cause__ is not None
+    assert "To fix" in message and "example inputs with values" in message and info.value.__cause__ is not None
     with pytest.raises(CaptureError, match="module '0'"):
         capture(zoo.mlp(), (torch.randn(2, 5),), torch.zeros(2).long())
     g = capture(zoo.mlp(), (torch.randn(2, 32),), torch.zeros(2).long()).graph  # no state left behind

@@ -351,6 +351,36 @@ def test_transformers_factory_by_path(architecture, config_kwargs, with_mask):
     _assert_step_matches_eager(model, inputs, target, c)
 
 
+def test_bert_with_an_attention_mask_is_specialized_searched_and_runs_bit_for_bit():
+    """transformers 5.x's BERT reads its mask (`mask.all()`: skip masking when nothing is padded): the step is
+    specialized on the example's value, a short search's policy runs it bit for bit, another value is refused."""
+    pytest.importorskip("transformers")
+    from gaswap.plan.problem import Problem
+    from gaswap.plan.search import search
+    from gaswap.run.runtime import StepRunner
+    from gaswap.run.values import ValueMismatch
+
+    torch.manual_seed(0)
+    model = zoo.huggingface("BertForMaskedLM", attn_implementation="eager", vocab_size=50, max_position_embeddings=8,
+                            hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32).eval()
+    inputs, target = (_ids(2, 8, 50), _mask(2, 8)), _ids(2, 8, 50)
+    c = capture(model, inputs, target)
+    assert [(op, value) for op, _, value in c.graph.specialized] == [("aten._local_scalar_dense.default", False)]
+    hybrid = config.load_search_space("hybrid")
+    keep_all = Problem(c.graph, unit_costs(c.graph), None, hybrid).keep_all().peak_bytes
+    problem = Problem(c.graph, unit_costs(c.graph), int(0.9 * keep_all), hybrid)  # half of keep-all is resident
+    best = search(problem, config.GASettings(population=8, generations=2, milp_seed_ops=0), seed=0).best
+    assert best is not None and best.peak_bytes <= problem.budget
+    program = problem.simulate(best.chromosome, trace=True).program
+    with torch.no_grad():
+        expected = c.gm(*c.arguments(model, inputs, target))
+    got = StepRunner(c, program)(c.arguments(model, [x.clone() for x in inputs], target))
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    _assert_step_matches_eager(model, inputs, target, c)
+    with pytest.raises(ValueMismatch, match="gives True where the step was captured with False"):
+        c.arguments(model, (inputs[0], torch.ones_like(inputs[1])), target)
+
+
 def test_huggingface_builds_the_class_from_its_config(monkeypatch):
     class Config:
         def __init__(self, **kwargs):

@@ -62,16 +62,24 @@ def prepare(experiment: config.Experiment, *, cache_dir=None, progress=None) -> 
 
 
 def capture_step(experiment: config.Experiment):
-    """The experiment's training step captured on the meta device (a `Captured`; `.graph` is its Graph);
+    """The experiment's training step captured on the meta device (a `Captured`; `.graph` is its Graph), with inputs
+    on the CPU from its seed when the forward pass reads their values (gaswap.run.values);
     CaptureError naming the experiment file when it cannot be captured or has nothing to plan."""
     # torch loads when a step is captured or timed: checks of a folder and `plot` start without it
-    from gaswap.run.capture import CaptureError, capture
+    from gaswap.run.capture import CaptureError, ValuesNeeded, capture
 
     model = build_model(experiment)
     inputs, target = make_inputs(experiment)
     try:
-        captured = capture(model, inputs, target, experiment.loss, optimizer=experiment.optimizer,
-                           counted=experiment.counts, autocast=experiment.autocast)
+        try:
+            captured = capture(model, inputs, target, experiment.loss, optimizer=experiment.optimizer,
+                               counted=experiment.counts, autocast=experiment.autocast)
+        except ValuesNeeded:  # the forward reads input values: those validate gives it on the CPU (gaswap.run.values)
+            import torch
+
+            inputs, target = make_inputs(experiment, "cpu", torch.Generator().manual_seed(experiment.seed))
+            captured = capture(model, inputs, target, experiment.loss, optimizer=experiment.optimizer,
+                               counted=experiment.counts, autocast=experiment.autocast)
         check_trainable(captured.graph)
     except CaptureError as err:
         raise CaptureError(f"{experiment.path}: {err}") from None

@@ -65,6 +65,8 @@ class Graph:
     (today "optimizer_state"); `counted` names which of COUNTABLE count toward the memory budget.
     `decidable` names forward activations a policy decides about although the backward does not read them:
     kept, a recomputation in the backward may start from one (compiled graphs: library calls' outputs).
+    `specialized` lists the tensor values a step that reads them was traced for, as (op, where, value): the graph
+    is that step's for those values only (part of the fingerprint; see `specialization_differences`).
     """
 
     ops: tuple[Op, ...]
@@ -73,6 +75,7 @@ class Graph:
     counted: frozenset = frozenset(COUNTABLE)
     loss: str | None = None
     decidable: frozenset = frozenset()
+    specialized: tuple = ()
 
     def __post_init__(self):
         _validate(self)
@@ -132,6 +135,7 @@ class Graph:
             "resident": sorted(self.resident.items()),
             "counted": sorted(self.counted),
         } | ({"decidable": sorted(self.decidable)} if self.decidable else {})
+        body |= {"specialized": [list(s) for s in self.specialized]} if self.specialized else {}
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
     # --- plain-data round trip (JSON-able), used by caches and worker processes ---
@@ -143,6 +147,7 @@ class Graph:
             "counted": sorted(self.counted),
             "loss": self.loss,
             "decidable": sorted(self.decidable),
+            "specialized": [list(s) for s in self.specialized],
         }
 
     @classmethod
@@ -152,7 +157,26 @@ class Graph:
         )
         tensors = {t["name"]: Tensor(**t) for t in d["tensors"]}
         return cls(ops, tensors, dict(d.get("resident", {})), frozenset(d.get("counted", COUNTABLE)), d.get("loss"),
-                   frozenset(d.get("decidable", ())))
+                   frozenset(d.get("decidable", ())), tuple(tuple(s) for s in d.get("specialized", ())))
+
+
+def specialization_differences(recorded, graph: Graph) -> str:
+    """What differs between the values a plan's graph was specialized on (`recorded`: its `specialized`, as
+    lists or tuples; None when not recorded) and `graph`'s, in words; "" when they agree."""
+    mine = [tuple(s) for s in recorded or ()]
+    if recorded is None or mine == list(graph.specialized):
+        return ""
+    for (op, where, value), (op2, where2, value2) in zip(mine, graph.specialized):
+        if (op, where) == (op2, where2) and value != value2:
+            return (f"the plan was made for a step whose op {op} read {value!r} from {where}; this model and inputs "
+                    f"give {value2!r} (the step is specialized on the values its forward pass reads, as torch.compile "
+                    f"does): search with inputs like these")
+    return (f"the plan was made for a step specialized on {len(mine)} value(s) the forward pass reads "
+            f"({_said(mine)}); this model and inputs read {len(graph.specialized)} ({_said(graph.specialized)})")
+
+
+def _said(specialized) -> str:
+    return "; ".join(f"{op} of {where} = {value!r}" for op, where, value in list(specialized)[:3]) or "none"
 
 
 def _validate(g: Graph) -> None:

@@ -23,7 +23,7 @@ import yaml
 from gaswap.base.errors import Refusal
 from gaswap.base.files import UnreadableFile, load_yaml, write_atomic
 from gaswap.base.program import Action, ProgramSyntaxError, parse_program
-from gaswap.plan.graph import Graph
+from gaswap.plan.graph import Graph, specialization_differences
 from gaswap.plan.memory import allocator
 from gaswap.plan.walker import Hooks, ProgramFault, Walker
 
@@ -68,7 +68,7 @@ def from_result(graph: Graph, candidates: list[str], order: list[int], actions, 
         order=tuple(graph.ops[i].name for i in order),
         actions={t: Action(a).name.lower() for t, a in zip(candidates, actions)},
         predicted=dict(predicted),
-        provenance=dict(provenance),
+        provenance=dict(provenance) | ({"specialized": [list(s) for s in graph.specialized]} if graph.specialized else {}),
         program=tuple(program),
     )
 
@@ -157,6 +157,8 @@ def check_matches(policy: Policy, graph: Graph, path: str | Path = "policy", pro
     if torch_version is not None and made_with is not None and _release(made_with) != _release(torch_version):
         raise PolicyError(f"{path}: made with torch {made_with}, this is torch {torch_version}: captured graphs "
                           f"and kernels differ between releases; re-run the search with this torch")
+    if said := specialization_differences(policy.provenance.get("specialized"), graph):
+        raise PolicyError(f"{path}: {said}")
     if policy.fingerprint != graph.fingerprint():
         raise PolicyError(f"{path}: made for graph {policy.fingerprint}, but this model and inputs give graph "
                           f"{graph.fingerprint()}: {differences(policy, graph, provenance)}. Re-run the search for "

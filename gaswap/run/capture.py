@@ -52,6 +52,7 @@ from gaswap.base.errors import BadInput
 from gaswap.base.training_options import AUTOCAST, DEFAULT_LOSS, DEFAULT_OPTIMIZER, LOSSES, OPTIMIZER_STATE  # noqa: F401  (LOSSES: the losses `capture` takes)
 from gaswap.plan import graph
 from gaswap.plan.graph import Graph, Op, Tensor
+from gaswap.run import values
 from gaswap.run.dropout import eager_masks
 
 if not hasattr(fx_traceback, "annotate"):
@@ -61,6 +62,10 @@ if not hasattr(fx_traceback, "annotate"):
 
 class CaptureError(BadInput):
     """A model whose training step cannot be traced; the message says where and what to do."""
+
+
+class ValuesNeeded(CaptureError):
+    """A forward pass that reads the value of a tensor given without values (on the meta device)."""
 
 
 @dataclass
@@ -77,7 +82,8 @@ class Captured:
     the parameter or buffer path, "inputs.<i>", "target", "grad_output" or the constant's name. Calling `gm`
     updates the buffers it is given in place (BatchNorm running statistics), as a training step does.
     `arguments` builds `args` from a model; `gm` was traced with the CPU's dispatch, so use `gm_on(device)`
-    to run it elsewhere.
+    to run it elsewhere. A forward pass that reads tensor values (`.item()`) was traced for the values of the
+    example inputs (`specialized`, see gaswap.run.values); `arguments` refuses a batch that gives other values.
     """
 
     graph: Graph
@@ -86,6 +92,7 @@ class Captured:
     placeholders: list[tuple[str, str, str]] = field(default_factory=list)
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     grads: tuple[str, ...] = ()  # the graph's tensor of each "param" placeholder's gradient, in their order
+    specialized: tuple[values.Specialization, ...] = ()  # the tensor values the step was traced for
 
     def arguments(self, model: nn.Module, inputs: tuple[torch.Tensor, ...], target: torch.Tensor | None) -> list:
         """The positional arguments of `gm` taken from a model with real tensors and real inputs; `target`
@@ -95,7 +102,9 @@ class Captured:
         if self.constants:
             device = next(iter(state.values()), inputs[0] if inputs else torch.empty(0)).device
             data |= {name: value.to(device) for name, value in self.constants.items()}
-        return [state[src] if kind in ("param", "buffer") else data[src] for _, kind, src in self.placeholders]
+        args = [state[src] if kind in ("param", "buffer") else data[src] for _, kind, src in self.placeholders]
+        values.check(self.specialized, args)
+        return args
 
     def gm_on(self, device) -> fx.GraphModule:
         """A copy of `gm` to run on `device`: device constants (e.g. `arange(..., device=cpu)`) name it, and
@@ -227,9 +236,11 @@ def capture(
         raise ValueError(f"unknown autocast dtype {autocast!r}: expected one of {AUTOCAST} or None")
     start = time.perf_counter()
     inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-    gm, placeholders, constants = _trace(model, inputs, target, loss, autocast, eager)
+    gm, placeholders, constants, specialized = _trace(model, inputs, target, loss, autocast, eager)
     g, grads = _build_graph(gm, placeholders, optimizer, counted, release=eager)
-    return Captured(g, gm, time.perf_counter() - start, placeholders, constants, grads)
+    if specialized:
+        g = replace(g, specialized=tuple(s.record() for s in specialized))
+    return Captured(g, gm, time.perf_counter() - start, placeholders, constants, grads, specialized)
 
 
 def make_inputs(
@@ -290,8 +301,8 @@ def loss_fn(name: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tens
 
 
 def _trace(model, inputs, target, loss, autocast, eager: bool = False):
-    """Trace the step on fake CPU tensors; return the GraphModule, its placeholders and its constants
-    (`eager`: see `capture`)."""
+    """Trace the step on fake CPU tensors; return the GraphModule, its placeholders, its constants and the
+    values it was specialized on (`eager`: see `capture`; values: gaswap.run.values)."""
     mode = FakeTensorMode()
     params = {k: _fake(p, mode) for k, p in model.named_parameters() if p.requires_grad}
     if eager:  # differentiated by the autograd engine itself: the leaves require grad before tracing
@@ -341,15 +352,28 @@ def _trace(model, inputs, target, loss, autocast, eager: bool = False):
         return (out.detach(), *grads)
 
     traced = eager_step if eager else torch.func.functionalize(step, remove="mutations")
+    state = dict(model.named_parameters()) | dict(model.named_buffers())
+    real = [state[k] for k in (*names, *fixed)] + [*inputs, None if loss == "external" else target]
+    labels = [*names, *fixed, *(f"input {i}" for i in range(len(inputs))), "the target"]
+    reads = values.ValueReads(real, labels, lambda: _where(model, layers.where[-1] if layers.where else None))
+
+    def reading(*flat):
+        with reads:
+            return traced(*flat)
+
     try:
         dispatcher = nullcontext() if eager else enable_python_dispatcher()  # eager runs C++ kernels, not Python decompositions
         with _quiet_fake_tensor_log(), fx_traceback.preserve_node_meta(), dispatcher, layers.active():
-            last = _output_like(model, inputs, autocast, mode) if loss == "external" else target
+            last = _output_like(model, inputs, autocast, mode, real[:-1], labels) if loss == "external" else target
             data = [_fake(x, mode) for x in (*inputs, last)]
-            gm = make_fx(traced, tracing_mode="fake")(*params.values(), *fixed.values(), *data)
+            gm = make_fx(reading, tracing_mode="fake")(*params.values(), *fixed.values(), *data)
         gm = eager_masks(gm)  # dropout masks as eager draws them, whatever the layout
     except CaptureError:
         raise
+    except values.ValueNeeded as e:
+        raise ValuesNeeded(f"cannot capture {type(model).__name__}: {e}. To fix: give example inputs with values "
+                           f"(e.g. on the CPU; the model may stay on meta): the step is specialized for the values "
+                           f"they give, as torch.compile does") from e
     except Exception as e:  # noqa: BLE001 - any tracing failure becomes one clear CaptureError
         raise CaptureError(_explain(model, layers.failed_at, e)) from e
     sources = [("param", k) for k in params] + [("buffer", k) for k in fixed]
@@ -358,20 +382,33 @@ def _trace(model, inputs, target, loss, autocast, eager: bool = False):
     gm, constants = _rename_placeholders(gm, [_placeholder_name(kind, src) for kind, src in sources])
     sources += [("constant", name) for name in constants]
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]  # as uniquified by fx
-    return gm, [(name, kind, src) for name, (kind, src) in zip(names, sources)], constants
+    return gm, [(name, kind, src) for name, (kind, src) in zip(names, sources)], constants, tuple(reads.specialized)
 
 
-def _output_like(model, inputs, autocast, mode: FakeTensorMode) -> torch.Tensor:
+def _output_like(model, inputs, autocast, mode: FakeTensorMode, real: list, labels: list[str]) -> torch.Tensor:
     """A meta tensor with the shape and dtype of the model's output (contiguous): the gradient of the
-    output that a step with loss "external" is given. Runs the forward pass on fake tensors."""
-    state = {k: _fake(t, mode) for k, t in (*model.named_parameters(), *model.named_buffers())}
-    with mode, torch.no_grad(), _autocast(autocast):
-        out = torch.func.functional_call(model, state, tuple(_fake(x, mode) for x in inputs))
-    if not isinstance(out, torch.Tensor):
+    output that a step with loss "external" is given. Traces the forward pass on fake tensors (`real`: the
+    real parameters, then buffers, then inputs, for the values it reads; see gaswap.run.values)."""
+    keys = [k for k, p in model.named_parameters() if p.requires_grad]
+    keys += [k for k, p in model.named_parameters() if not p.requires_grad] + [k for k, _ in model.named_buffers()]
+    state = dict(model.named_parameters()) | dict(model.named_buffers())
+    returned = []
+
+    def forward(*flat):
+        with values.ValueReads(real, labels, lambda: "the forward pass"), _autocast(autocast):
+            out = torch.func.functional_call(model, dict(zip(keys, flat[:len(keys)])), flat[len(keys):])
+        returned.append(type(out).__name__)
+        return out if isinstance(out, torch.Tensor) else ()
+
+    with torch.no_grad():
+        traced = make_fx(forward, tracing_mode="fake")(*(_fake(state[k], mode) for k in keys),
+                                                        *(_fake(x, mode) for x in inputs))
+    out = next(n for n in traced.graph.nodes if n.op == "output").args[0]
+    if not isinstance(out, fx.Node):
         raise CaptureError(f"cannot capture {type(model).__name__} with loss 'external': its forward returns "
-                           f"{type(out).__name__}, not one tensor. To fix: return the tensor the loss reads "
+                           f"{returned[0]}, not one tensor. To fix: return the tensor the loss reads "
                            f"(the model's output is handed to your loss as it is)")
-    return torch.empty(out.shape, dtype=out.dtype, device="meta")
+    return torch.empty(out.meta["val"].shape, dtype=out.meta["val"].dtype, device="meta")
 
 
 def _autocast(dtype: str | None):
@@ -468,16 +505,20 @@ class _Layers:
                 self._exit()
 
 
+def _where(model: nn.Module, layer: str | None) -> str:
+    """Where in the step a module path is, in words: "module 'bert' (BertModel)", "the loss function"..."""
+    if layer is None:
+        return "the training step"
+    if layer == "loss":
+        return "the loss function"
+    if layer:
+        return f"module '{layer}' ({type(model.get_submodule(layer)).__name__})"
+    return f"the top-level forward of {type(model).__name__}"
+
+
 def _explain(model: nn.Module, layer: str | None, e: Exception) -> str:
     """One message: where tracing failed (module path and type, op), why, and what to do."""
-    if layer is None:
-        where = "the training step"
-    elif layer == "loss":
-        where = "the loss function"
-    elif layer:
-        where = f"module '{layer}' ({type(model.get_submodule(layer)).__name__})"
-    else:
-        where = f"the top-level forward of {type(model).__name__}"
+    where = _where(model, layer)
     op = getattr(e, "func", None)
     detail = (str(e).strip().splitlines() or [""])[0].rstrip(".")
     what = [f"op {op}"] if op is not None else []
