@@ -71,6 +71,12 @@ def test_seeds_decode_to_the_knobs_they_name():
     assert p.decode(p.seed("full_ac_first_half")).recompute == {"layers.0": "full", "layers.1": "full"}
     assert p.decode(p.seed("full_then_selective")).recompute == {"layers.0": "full", "layers.1": "full",
                                                                  "layers.2": (1,)}
+    # greedy: the activation (256 B per ms) before the matmul (64 B per ms)
+    assert p.by_bytes_per_second("layers.0", (0, 1)) == [1, 0]
+    assert p.decode(p.seed("greedy_half_ac")).recompute == {u: (1,) for u in UNITS}
+    assert p.decode(p.seed("greedy_three_quarters_ac")).recompute == {u: (0, 1) for u in UNITS}
+    assert p.decode(p.seed("full_then_greedy_half")).recompute == {"layers.0": "full", "layers.1": "full",
+                                                                   "layers.2": (1,)}
     keep = p.decode(p.seed("keep_all"))
     assert keep.reshard == {**{u: True for u in UNITS}, "": False} and (keep.forward_prefetch,
                                                                            keep.backward_prefetch) == (0, 1)

@@ -17,7 +17,8 @@ kept, the graph's order: the recompute is in the graph) and its step time from `
 single-device costs, recomputed ops as their originals, collectives from a `Link`). Selection is NSGA-II (`deap.tools.selNSGA2`) under constraint domination: a policy under the budget
 beats any over it, and of two over it the smaller peak wins. Seeds (`SEEDS`): keep-all, full AC and torchtitan's
 selective AC (matmul and attention outputs saved, the rest recomputed) on every unit, full AC on the first half
-of the units with the rest kept or selective, and full AC with half or all of the units offloaded. Randomness is
+of the units with the rest kept or selective, full AC with half or all of the units offloaded, and greedy
+selective choices (a block's ops freeing the most bytes per second of recomputation first). Randomness is
 passed in.
 """
 from __future__ import annotations
@@ -69,7 +70,12 @@ TORCHTITAN_MM = ("aten.mm.default", "aten.linear.default")  # counted: every sec
 SEEDS = {"keep_all": ("keep", "keep", "all", 0), "full_ac": ("full", "full", "all", 0),
          "selective_ac": ("selective", "selective", "all", 0), "full_ac_first_half": ("full", "keep", "half", 0),
          "full_then_selective": ("full", "selective", "half", 0), "full_ac_offload_half": ("full", "full", "all", 0.5),
-         "full_ac_offload_all": ("full", "full", "all", 1)}
+         "full_ac_offload_all": ("full", "full", "all", 1),
+         **{f"{g}_ac": (g, g, "all", 0) for g in ("greedy_quarter", "greedy_half", "greedy_three_quarters")},
+         **{f"full_then_{g}": ("full", g, "half", 0) for g in ("greedy_half", "greedy_three_quarters")}}
+# a greedy recompute choice: the fraction of a block's recomputable ops, those freeing the most bytes per second of
+# recomputation first (`ShardProblem.by_bytes_per_second`, the order torch's SACEstimator ranks ops in)
+GREEDY = {"greedy_quarter": 0.25, "greedy_half": 0.5, "greedy_three_quarters": 0.75}
 
 
 def torchtitan_saves(targets) -> list[bool]:
@@ -210,12 +216,17 @@ class ShardProblem:
         "selective_ac" (torchtitan's per-op selective AC, `torchtitan_saves`) on every unit; "full_ac_first_half"
         (full AC on the first half of each class's units, the rest kept), "full_then_selective" (full AC on
         the first half, torchtitan's selective AC on the rest), "full_ac_offload_half" and "full_ac_offload_all"
-        (full AC, half or all of `offload_order` offloaded: none where offload is not searched)."""
+        (full AC, half or all of `offload_order` offloaded: none where offload is not searched), and greedy
+        choices (`GREEDY`) on every unit or after full AC on the first half."""
         genes = []
         for cls, sel in zip(self.classes, self.selectable):
             saves = torchtitan_saves([self.graph.ops[i].target for i in self.owned[cls[0]]])
             choices = {"keep": [0] + [0] * len(sel), "full": [1] + [0] * len(sel),
                        "selective": [2] + [int(not saves[p]) for p in sel]}
+            ranked = self.by_bytes_per_second(cls[0], sel)
+            for greedy, fraction in GREEDY.items():
+                chosen = set(ranked[:round(fraction * len(ranked))])
+                choices[greedy] = [2] + [int(p in chosen) for p in sel]
             first, rest, k, _ = SEEDS[name]
             genes += choices[first] + choices[rest] + [len(cls) if k == "all" else (len(cls) + 1) // 2]
         offload = round(SEEDS[name][3] * len(self.offload_order))
@@ -223,6 +234,17 @@ class ShardProblem:
         prefetch = [min(self.spec.forward_prefetch, MAX_PREFETCH),
                     min(max(self.spec.backward_prefetch, MIN_BACKWARD_PREFETCH), MAX_PREFETCH) - MIN_BACKWARD_PREFETCH]
         return tuple(genes + [offload] + reshard + prefetch)
+
+    def by_bytes_per_second(self, unit: str, sel: tuple) -> list[int]:
+        """The selectable positions of `unit`'s forward ops, those whose outputs free the most bytes per second
+        of recomputation first (ties: forward order)."""
+        ops = self.owned[unit]
+
+        def rate(p: int) -> float:
+            op = self.graph.ops[ops[p]]
+            return sum(self.graph.tensors[t].size for t in op.outputs) / max(self.op_time.get(op.name, 0.0), 1e-9)
+
+        return sorted(sel, key=lambda p: (-rate(p), p))
 
     def bounds(self) -> list[int]:
         """The largest value of each gene."""
