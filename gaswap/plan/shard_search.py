@@ -73,7 +73,6 @@ SEEDS = {"keep_all": ("keep", "keep", "all", 0), "full_ac": ("full", "full", "al
          "full_ac_offload_all": ("full", "full", "all", 1),
          **{f"{g}_ac": (g, g, "all", 0) for g in ("greedy_quarter", "greedy_half", "greedy_three_quarters")},
          **{f"full_then_{g}": ("full", g, "half", 0) for g in ("greedy_half", "greedy_three_quarters")}}
-PEER_SEEDS = ("keep_all", "full_ac", "selective_ac")  # the plans of no AC, full AC and torchtitan's SAC, as they are
 # a greedy recompute choice: the fraction of a block's recomputable ops, those freeing the most bytes per second of
 # recomputation first (`ShardProblem.by_bytes_per_second`, the order torch's SACEstimator ranks ops in)
 GREEDY = {"greedy_quarter": 0.25, "greedy_half": 0.5, "greedy_three_quarters": 0.75}
@@ -343,23 +342,18 @@ class ShardResult:
 
 def search(problem: ShardProblem, rng: random.Random, *, population: int = 16, generations: int = 8,
            cx_prob: float = 0.9, mut_prob: float = 0.5, max_seconds: float | None = None) -> ShardResult:
-    """NSGA-II over `problem` seeded with `SEEDS` (those not in `PEER_SEEDS` with random reshard and prefetch genes,
-    so that seeds do not crowd FSDP's knobs out of a small population); stops after `generations` or
-    `max_seconds` of CPU time."""
+    """NSGA-II over `problem`: the first generation is selected from `SEEDS` and `population` random plans (so
+    that the seeds, which share the spec's FSDP knobs, do not crowd the knobs' variety out of a small
+    population); stops after `generations` or `max_seconds` of CPU time."""
     started = time.process_time()
     bounds = problem.bounds()
-    knobs = len(problem.units) + 2  # the reshard and prefetch genes, last
-    seeds = {}
-    for name in SEEDS:  # the peers' plans as the spec sets FSDP's knobs; the other seeds with them drawn at random
-        genes = list(problem.seed(name))
-        if name not in PEER_SEEDS:
-            genes[-knobs:] = [rng.randint(0, hi) for hi in bounds[-knobs:]]
-        seeds[name] = problem.evaluate(genes)
+    seeds = {name: problem.evaluate(problem.seed(name)) for name in SEEDS}
     pop = [_Individual(p.genes, p) for p in seeds.values()]
-    while len(pop) < population:
+    for _ in range(population):  # beside the seeds, a population of random plans: FSDP's knobs vary
         genes = [rng.randint(0, hi) for hi in bounds]
         pop.append(_Individual(genes, problem.evaluate(genes)))
     seen = list(pop)
+    pop = select(pop, population, problem.budget)
     history = []
     for _ in range(generations):
         if max_seconds is not None and time.process_time() - started > max_seconds:
