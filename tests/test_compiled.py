@@ -309,23 +309,11 @@ def test_cuda_offloading_uses_torchs_async_copies_and_prefetched_reloads_on_fake
     """The CUDA branch of `partition.offload`, on a CPU: graphs whose values are fake CUDA tensors (as inductor's
     partitioner sees them) get torch's asynchronous offload (`ao.offload`, waited on) after the saved value's
     last forward reader, and its reload (`ao.reload`, waited on) before its first backward reader."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
     from torch.utils._ordered_set import OrderedSet
 
-    def forward(x, w):
-        relu = torch.relu(x @ w)
-        return relu.sum(), relu
+    from test_offload_ops import fake_cuda_graphs  # the same fake forward and backward as the refusal tests
 
-    def backward(x, relu, tangents_1):
-        return ((relu > 0) * tangents_1,)
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
-        x, w, relu, grad = (torch.empty(64, 64, device="cuda") for _ in range(4))
-    fw, bw = torch.fx.symbolic_trace(forward), torch.fx.symbolic_trace(backward)
-    FakeTensorProp(fw, mode).propagate(x, w)
-    FakeTensorProp(bw, mode).propagate(x, relu, grad)
+    mode, fw, bw = fake_cuda_graphs()
     with mode:  # as inside torch.compile
         partition.offload(fw, bw, {"relu"}, 1, OrderedSet())
     calls = lambda g: [n.target for n in g.graph.nodes if n.op == "call_function"]  # noqa: E731

@@ -10,7 +10,7 @@ from gaswap.base.errors import REFUSED
 from gaswap.compiled import offload_ops, partition
 
 
-def _fake_cuda_graphs():
+def fake_cuda_graphs():
     """A forward saving `relu` for a backward, over fake CUDA tensors (as inductor's partitioner sees them)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -41,7 +41,7 @@ def test_the_path_taken_follows_what_this_torch_has():
     async_ops = offload_ops.has_async_offload()
     assert offload_ops.offload_path(cuda=False) == "sync"
     assert offload_ops.offload_path(cuda=True) == ("async" if async_ops else "refused")
-    mode, fw, bw = _fake_cuda_graphs()
+    mode, fw, bw = fake_cuda_graphs()
     if async_ops:
         _offload(mode, fw, bw)
         assert torch.ops.ao.offload.default in [n.target for n in fw.graph.nodes]
@@ -52,7 +52,7 @@ def test_the_path_taken_follows_what_this_torch_has():
 
 def test_without_the_async_ops_a_cuda_swap_is_refused_in_one_line(monkeypatch):
     monkeypatch.setattr(offload_ops, "has_async_offload", lambda: False)
-    mode, fw, bw = _fake_cuda_graphs()
+    mode, fw, bw = fake_cuda_graphs()
     with pytest.raises(offload_ops.CompiledSwapRefused) as refused:
         _offload(mode, fw, bw)
     message = str(refused.value)

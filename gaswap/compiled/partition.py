@@ -80,7 +80,8 @@ from gaswap.plan import policy as policies
 from gaswap.plan.graph import Graph, Tensor
 from gaswap.plan.op_types import is_library_call
 from gaswap.plan.policy import Policy, PolicyError
-from gaswap.run.capture import ancestors, storage_key, make_op, tensor_nbytes
+from gaswap.run.capture import make_op, storage_key, tensor_nbytes
+from gaswap.run.values import ancestors
 
 SPACE = "compiled"  # the search space of compiled policies: keep / recompute, captured order
 OFFLOADED_PREFIX = "cpu_offload_"  # torch's activation offloading names a saved value's host copy so

@@ -590,7 +590,7 @@ def _build_graph(gm: fx.GraphModule, placeholders, optimizer: str, counted,
     nodes = list(gm.graph.nodes)
     output = nodes[-1].args[0]
     loss_node, grad_nodes = output[0], output[1:]
-    forward = ancestors([loss_node])
+    forward = values.ancestors([loss_node])
     layer_of = _layers(nodes, {name: src for name, kind, src in placeholders if kind == "buffer"})
     storage: dict[StorageWeakRef, str] = {}  # storage -> tensor name
     tensors: dict[str, Tensor] = {}
@@ -717,17 +717,6 @@ def tensor_outputs(node: fx.Node, val) -> list[tuple[str, torch.Tensor]]:
     getitems = [u for u in node.users if u.target is operator.getitem]
     names = {u.args[1]: u.name for u in reversed(getitems)}  # the first getitem of an index wins
     return [(names.get(i, f"{node.name}.{i}"), v) for i, v in enumerate(val) if isinstance(v, torch.Tensor)]
-
-
-def ancestors(roots) -> set[fx.Node]:
-    """The fx nodes among `roots` and every node they depend on."""
-    seen, todo = set(), [r for r in roots if isinstance(r, fx.Node)]
-    while todo:
-        n = todo.pop()
-        if n not in seen:
-            seen.add(n)
-            todo += n.all_input_nodes
-    return seen
 
 
 def _layers(nodes: list[fx.Node], sources: dict[str, str]) -> dict[fx.Node, str]:

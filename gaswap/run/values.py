@@ -97,7 +97,7 @@ def _guard(tracer, func, args, kwargs) -> tuple[fx.GraphModule, tuple[int, ...],
     (first) tensor read."""
     flat, spec = pytree.tree_flatten((args, kwargs))
     nodes = [get_proxy_slot(a, tracer).proxy.node if isinstance(a, torch.Tensor) else None for a in flat]
-    needed = _ancestors([n for n in nodes if n is not None])
+    needed = ancestors(nodes)
     placeholders = [n for n in tracer.graph.nodes if n.op == "placeholder"]
     g, env, indices = fx.Graph(), {}, []
     for node in tracer.graph.nodes:
@@ -114,8 +114,9 @@ def _guard(tracer, func, args, kwargs) -> tuple[fx.GraphModule, tuple[int, ...],
     return fx.GraphModule(tracer.root, g), tuple(indices), read
 
 
-def _ancestors(roots: list[fx.Node]) -> set[fx.Node]:
-    seen, todo = set(), list(roots)
+def ancestors(roots) -> set[fx.Node]:
+    """The fx nodes among `roots` and every node they depend on (capture's and the partitioner's graph walk too)."""
+    seen, todo = set(), [r for r in roots if isinstance(r, fx.Node)]
     while todo:
         n = todo.pop()
         if n not in seen:
