@@ -356,7 +356,7 @@ def table(result, summary) -> str:
             return (name, "invalid", "", "", "")
         counts = e.counts()
         over = e.step_time / keep["step_time_s"] - 1
-        fits = "" if e.peak_bytes <= summary["budget_bytes"] else " (over budget)"
+        fits = "" if e.peak_bytes <= summary.get("planning_budget_bytes", summary["budget_bytes"]) else " (over budget)"
         return (name, format_size(e.peak_bytes) + fits, _ms(e.step_time), f"{over:+.1%}",
                 f"{counts['keep']}/{counts['swap']}/{counts['recompute']}")
 
@@ -375,6 +375,11 @@ def table(result, summary) -> str:
     lines.append(f"budget {budget}; costs {summary['cost_source']}; "
                  f"search {result.seconds:.1f} s, {result.evaluations} evaluations, {len(result.front)} policies "
                  f"on the front")
+    margin = summary.get("device_margin") or {}
+    if margin.get("kept_bytes"):  # what came off the budget: docs/gpu_memory.md, "The margin a search keeps"
+        lines.append(f"planned for {format_size(summary['planning_budget_bytes'])}: {format_size(margin['kept_bytes'])} "
+                     f"kept for what the device holds beyond the graph's tensors ({margin['source']}"
+                     + (f"; {margin['note']})" if margin.get("note") else ")"))
     return "\n".join(lines)
 
 

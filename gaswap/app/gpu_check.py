@@ -315,11 +315,13 @@ def memory_run(policy_path: str | Path, steps: int = 3, device: str = "cuda", *,
     older = allocator.replay(captured.graph, policy, optimizer=exp.optimizer, swap_in_stream="h2d",
                              swap_out_free="record_stream")
     largest = max(device_extra["transients"].values(), default=0)
+    kept = policies.kept_margin(policy)  # what the search kept under the budget for them (0: a relative budget)
     return {"measured": figures, "predicted": predicted.as_dict(), "ratios": ratios, "recorded_replay": recorded,
             "predicted_with_device_memory": beside.as_dict(), "ratios_with_device_memory": ratios_beside,
             "device_memory": {"workspace_bytes": device_extra["workspace"], "largest_transient_bytes": largest,
                               "ops_with_transients": len(device_extra["transients"]),
-                              "margin_bytes": device_extra["workspace"] + largest},
+                              "margin_bytes": device_extra["workspace"] + largest, "kept_bytes": kept,
+                              "kept_covers_it": device_extra["workspace"] + largest <= kept if kept else None},
             "predicted_h2d_record_stream": older.as_dict(), **({"arena": arena_figures(runner)} if arena else {}),
             "note": "measured allocated/reserved also hold what the model leaves out (cuBLAS/cuDNN workspaces); "
                     "optimizer step: absolute allocated peak, predicted: the model's allocated peak then"}

@@ -174,6 +174,34 @@ def planning_problem(prepared: Prepared, budget: int | None = None) -> Problem:
     return Problem(prepared.graph, prepared.costs, budget, exp.search_space)
 
 
+def device_margin(prepared: Prepared):
+    """What the device holds beyond the graph's tensors, for the experiment's costs (`workspace.margin`)."""
+    from gaswap.run import workspace
+
+    return workspace.margin(prepared.experiment.costs, prepared.graph)
+
+
+def planning_budget(experiment: config.Experiment, budget: int, margin) -> int:
+    """The budget the search plans for: an absolute budget less the device's `margin` (a `workspace.Margin`; with
+    `memory: {target: reserved}`, what it may add to reservations), Infeasible when nothing is left; a fraction
+    of keep-all's peak as it is (the margin is the same for keep-all and every policy: docs/gpu_memory.md)."""
+    if experiment.budget.bytes is None:
+        return budget
+    memory = experiment.memory
+    kept = margin.reserved_bytes(memory.expandable_segments) if memory is not None and memory.target == "reserved" \
+        else margin.margin_bytes
+    if kept >= budget:
+        raise Infeasible(f"{experiment.path}: the budget {config.format_size(budget)} leaves nothing once "
+                         f"{config.format_size(kept)} is kept for what the device holds beyond the graph's tensors "
+                         f"({margin.source}); raise the budget")
+    return budget - kept
+
+
+def _less(budget: int, planned: int) -> str:
+    """How the budget was planned for, when a margin came off it."""
+    return "" if planned == budget else f" (planned for {config.format_size(planned)}, the device's margin kept)"
+
+
 def results_folder(root: str | Path, experiment: config.Experiment) -> Path:
     """`root/<experiment name>`, the folder the experiment's results go to."""
     return results.folder_of(root, experiment.name)
@@ -208,18 +236,22 @@ def _search_and_write(prepared: Prepared, out: Path, on_generation, resume: bool
     exp, graph, costs = prepared.experiment, prepared.graph, prepared.costs
     reference = planning_problem(prepared).keep_all()
     budget = exp.budget.resolve(reference.peak_bytes)
-    problem = planning_problem(prepared, budget)
+    kept = device_margin(prepared)
+    planned = planning_budget(exp, budget, kept)
+    problem = planning_problem(prepared, planned)
     result = search(problem, exp.ga, exp.seed, on_generation=on_generation, checkpoint=out / checkpoints.NAME,
                     resume=resume, stop=stop, about={"experiment": exp.name, "experiment_file": exp.path})
     if result.best is None and result.complete:
         results.discard_checkpoint(out)
         raise Infeasible(
-            f"{exp.path}: no policy found under the budget {config.format_size(budget)}: the smallest peak "
-            f"reached was {config.format_size(result.smallest_peak)}, and no policy can go below "
+            f"{exp.path}: no policy found under the budget {config.format_size(budget)}{_less(budget, planned)}: "
+            f"the smallest peak reached was {config.format_size(result.smallest_peak)}, and no policy can go below "
             f"{config.format_size(lower_bound(graph))} (resident memory plus the largest single op). "
             f"Raise the budget, or search longer (ga.generations) or a wider search space."
         )
-    provenance = describe(prepared) | {"budget_bytes": budget}
+    margin_record = kept.as_dict() | {"kept_bytes": budget - planned}
+    provenance = describe(prepared) | {"budget_bytes": budget, "planning_budget_bytes": planned,
+                                       "device_margin": margin_record}
 
     def memory(e: Evaluated) -> dict:  # live, allocated and reserved peaks, with the experiment's `memory` key
         return allocator.figures(graph, problem.simulate(e.chromosome, trace=True), **allocator_options(exp)) \
@@ -234,6 +266,8 @@ def _search_and_write(prepared: Prepared, out: Path, on_generation, resume: bool
     summary = describe(prepared) | {
         "budget_bytes": budget,
         "budget": str(exp.budget),
+        "planning_budget_bytes": planned,
+        "device_margin": margin_record,
         "keep_all": {"peak_bytes": reference.peak_bytes, "step_time_s": reference.step_time} | memory(reference),
         "generations": exp.ga.generations,
     }

@@ -133,12 +133,35 @@ def _check_types(body: dict, path: Path) -> None:
         "predicted": ("must be a mapping whose peak_bytes and step_time_s are positive numbers" if not
                       isinstance(predicted, dict) or not all(_positive(predicted[k]) for k in
                                                              ("peak_bytes", "step_time_s") if k in predicted) else None),
-        "provenance": "must be a mapping" if not isinstance(body.get("provenance") or {}, dict) else None,
+        "provenance": "must be a mapping" if not isinstance(body.get("provenance") or {}, dict) else
+        _margin_problem((body.get("provenance") or {}).get("device_margin")),
         "program": "must be a list of 'verb name' lines" if not names(body["program"] or []) else None,
     }
     for key, problem in problems.items():
         if problem:
             raise PolicyError(f"{path}: {key}: {problem}")
+
+
+MARGIN_BYTES = ("workspace_bytes", "transient_bytes", "margin_bytes", "kept_bytes")
+
+
+def _margin_problem(margin) -> str | None:
+    """What is wrong with a recorded `device_margin`, or None (none recorded: a policy searched before it was)."""
+    if margin is None:
+        return None
+    if not isinstance(margin, dict) or not all(_count(margin.get(k)) for k in MARGIN_BYTES):
+        return f"device_margin: must be a mapping whose {', '.join(MARGIN_BYTES)} are byte counts"
+    return None
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def kept_margin(policy: Policy) -> int:
+    """The bytes its search kept under the budget for what the device holds beyond the graph's tensors (cuBLAS's
+    workspace, an op's transients: `gaswap.run.workspace.margin`); 0 when none was kept or none is recorded."""
+    return (policy.provenance.get("device_margin") or {}).get("kept_bytes", 0)
 
 
 def _positive(value) -> bool:

@@ -4,18 +4,108 @@ does not hold"): cuBLAS's workspace, made once through the caching allocator at 
 inside an op such as the attention matrix of SDPA's math replacement (`op_transients`). Both go to the allocator
 model (`allocator.replay(workspace=..., transients=...)`). Op calls are built as op timing builds them
 (`measure.op_call`: what the runtime runs on the device, inputs drawn like real ones).
+
+A search keeps their sum under the budget (`margin`: docs/gpu_memory.md, "The margin a search keeps"): measured
+on a CUDA device, from a hardware profile's architecture where the device is absent, none on a CPU.
 """
 from __future__ import annotations
 
 import logging
+import os
+import re
+from dataclasses import asdict, dataclass
 
 import torch
 from torch.utils._pytree import tree_leaves
 
 from gaswap.plan.graph import Graph
-from gaswap.run.measure import op_call
+from gaswap.plan.memory import allocator
+from gaswap.run.measure import op_call, resolve_device
 
 log = logging.getLogger(__name__)
+
+# cuBLAS's workspace with CUBLAS_WORKSPACE_CONFIG unset: torch's `parseChosenWorkspaceSize`
+# (aten/src/ATen/cuda/CublasHandlePool.cpp): 4096 KiB x 8 = 32 MiB on compute capability 9.x (Hopper; 10.x and
+# 12.x, Blackwell, in the current source), else ":4096:2:16:8" = 8 MiB + 128 KiB. cuBLASLt uses the same one
+# (`TORCH_CUBLASLT_UNIFIED_WORKSPACE`, on by default). One per stream that runs a matmul: gaswap's runtime runs
+# every op of the step on the compute stream, from one thread.
+CUBLAS_WORKSPACE_32MIB = 4096 * 1024 * 8
+CUBLAS_WORKSPACE_DEFAULT = 4096 * 1024 * 2 + 16 * 1024 * 8
+WORKSPACE_32MIB_MAJORS = (9, 10, 12)
+# compute capability of each shipped GPU profile (its file's first line names the architecture)
+PROFILE_CAPABILITY = {"h100-sxm-80gb": (9, 0), "a100-pcie-40gb": (8, 0), "v100-pcie-16gb": (7, 0)}
+
+
+@dataclass(frozen=True)
+class Margin:
+    """What a search keeps under the budget for what the device holds beyond the graph's tensors: cuBLAS's
+    workspace (kept all step) plus the largest transient of one op (ops run one at a time on the compute
+    stream), and where the figures come from (`source`, `note`: what they leave out)."""
+
+    workspace_bytes: int
+    transient_bytes: int
+    transient_op: str | None
+    source: str
+    note: str = ""
+
+    @property
+    def margin_bytes(self) -> int:
+        return self.workspace_bytes + self.transient_bytes
+
+    def reserved_bytes(self, expandable_segments: bool = False) -> int:
+        """What the two may add to the allocator's reservations, at most: each in a segment (or pages) of its own."""
+        return sum(_footprint(n, expandable_segments) for n in (self.workspace_bytes, self.transient_bytes) if n)
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"margin_bytes": self.margin_bytes}
+
+
+def _footprint(nbytes: int, expandable: bool) -> int:
+    """The most a block of `nbytes` kept or made at the peak adds to the reservations: the segment a request that
+    no cached block serves gets; with expandable segments, its size in whole pages of its pool."""
+    size = allocator.round_size(nbytes)
+    if not expandable:
+        return allocator.allocation_size(size)
+    page = allocator.SMALL_BUFFER if size <= allocator.SMALL_SIZE else allocator.LARGE_BUFFER
+    return -(-size // page) * page
+
+
+def cublas_workspace(capability: tuple[int, int], config: str | None = None) -> int:
+    """cuBLAS's workspace in bytes on a device of compute `capability`, as torch sizes it: `config` (the value of
+    CUBLAS_WORKSPACE_CONFIG, ":SIZE_KiB:COUNT" pairs) when it parses, else the default for the architecture."""
+    pairs = re.findall(r":([0-9]+):([0-9]+)", config or "")
+    if pairs:
+        return sum(int(size) * 1024 * int(count) for size, count in pairs)
+    return CUBLAS_WORKSPACE_32MIB if capability[0] in WORKSPACE_32MIB_MAJORS else CUBLAS_WORKSPACE_DEFAULT
+
+
+def margin(costs_spec, graph: Graph) -> Margin:
+    """The margin a search on `graph` keeps under its budget, for an experiment's `costs` key: measured on the
+    device its costs are measured on (CUDA: `workspace_bytes` and `op_transients`); from the hardware profile
+    where costs are estimated (cuBLAS's default workspace for its architecture; op transients unknown); none on
+    a CPU (no workspace; the step meter sees no op transient: docs/gpu_memory.md)."""
+    if costs_spec.source == "estimate":
+        return profile_margin(costs_spec.profile)
+    dev = resolve_device(costs_spec.device)
+    if dev.type == "cpu":
+        return Margin(0, 0, None, "cpu", "no cuBLAS workspace; the tensors a CPU kernel allocates inside it "
+                                         "(convolutions' scratch) are host memory the step meter does not count")
+    transients = op_transients(graph, dev)
+    op = max(transients, key=transients.get, default=None)
+    return Margin(workspace_bytes(dev), transients.get(op, 0), op, f"measured on {dev}")
+
+
+def profile_margin(profile: str) -> Margin:
+    """The margin for costs estimated from a shipped hardware profile: cuBLAS's workspace on its architecture
+    (CUBLAS_WORKSPACE_CONFIG as set here, else torch's default); none for the CPU profile."""
+    capability = PROFILE_CAPABILITY.get(profile)
+    if capability is None:
+        return Margin(0, 0, None, f"profile {profile}", "not a GPU profile: no cuBLAS workspace")
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    setting = f"CUBLAS_WORKSPACE_CONFIG={config}" if re.search(r":[0-9]+:[0-9]+", config or "") else "torch's default"
+    return Margin(cublas_workspace(capability, config), 0, None,
+                  f"profile {profile}: cuBLAS workspace on sm_{capability[0]}{capability[1]}, {setting}",
+                  "op transients (cuDNN workspaces, temporaries inside ops) need the device: not counted")
 
 
 def workspace_bytes(device, *, api=None) -> int:

@@ -1,0 +1,126 @@
+"""The margin a search keeps under its budget for what the device holds beyond the graph's tensors
+(gaswap.run.workspace.margin, docs/gpu_memory.md "The margin a search keeps"): its figures, the budget
+arithmetic, and the margin recorded in the results and policy files."""
+import json
+
+import pytest
+import yaml
+
+from gaswap.app import cli, workflow
+from gaswap.base import config
+from gaswap.plan import policy as policies
+from gaswap.plan.memory import allocator
+from gaswap.run import workspace
+
+MiB = 2**20
+EXPERIMENT = """
+model: {factory: gaswap.zoo:tiny_cnn, kwargs: {num_classes: 10, width: 16}}
+inputs: [{shape: [batch, 3, 32, 32]}]
+target: {shape: [batch], dtype: int64, high: 10}
+loss: cross_entropy
+batch_size: 128
+costs: {source: estimate, profile: v100-pcie-16gb}
+ga: {population: 16, generations: 4}
+"""
+
+
+def test_cublas_workspace_follows_torchs_rules():
+    assert workspace.cublas_workspace((9, 0)) == 32 * MiB  # Hopper: 4096 KiB x 8
+    assert workspace.cublas_workspace((8, 0)) == workspace.cublas_workspace((7, 0)) == 8 * MiB + 128 * 1024
+    assert workspace.cublas_workspace((8, 0), ":4096:8") == 32 * MiB
+    assert workspace.cublas_workspace((9, 0), ":128:8:64:16:32:32") == 3072 * 1024  # torch's own test of the rule
+    assert workspace.cublas_workspace((9, 0), "-1") == 32 * MiB  # unparsable: the default, as torch warns
+
+
+def test_a_profile_margin_is_cublas_workspace_on_its_architecture_and_says_what_it_leaves_out(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    v100, h100, cpu = (workspace.profile_margin(p) for p in ("v100-pcie-16gb", "h100-sxm-80gb", "cpu"))
+    assert (v100.margin_bytes, h100.margin_bytes, cpu.margin_bytes) == (8 * MiB + 128 * 1024, 32 * MiB, 0)
+    assert "sm_70" in v100.source and "torch's default" in v100.source and "transients" in v100.note
+    assert v100.transient_bytes == 0 and v100.transient_op is None
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    set_here = workspace.profile_margin("v100-pcie-16gb")
+    assert set_here.workspace_bytes == 32 * MiB and "CUBLAS_WORKSPACE_CONFIG=:4096:8" in set_here.source
+
+
+def test_a_measured_margin_is_the_workspace_plus_the_largest_op_transient(monkeypatch):
+    monkeypatch.setattr(workspace, "workspace_bytes", lambda dev: 32 * MiB)
+    monkeypatch.setattr(workspace, "op_transients", lambda graph, dev: {"conv": 3 * MiB, "mm": 5 * MiB, "sdpa": MiB})
+    m = workspace.margin(config.CostSpec(source="measure", device="cuda"), graph=None)
+    assert (m.workspace_bytes, m.transient_bytes, m.transient_op, m.margin_bytes) == (32 * MiB, 5 * MiB, "mm",
+                                                                                      37 * MiB)
+    assert m.source == "measured on cuda"
+    cpu = workspace.margin(config.CostSpec(source="measure", device="cpu"), graph=None)
+    assert cpu.margin_bytes == 0 and "step meter" in cpu.note
+
+
+def test_what_a_margin_may_add_to_reservations_is_a_segment_of_its_own():
+    assert workspace.Margin(32 * MiB, 0, None, "t").reserved_bytes() == 32 * MiB  # >= 10 MiB: its size, 2 MiB rounded
+    assert workspace.Margin(8 * MiB + 128 * 1024, 0, None, "t").reserved_bytes() == 20 * MiB  # 1-10 MiB: 20 MiB
+    assert workspace.Margin(32 * MiB, 300_000, "op", "t").reserved_bytes() == 34 * MiB  # a small block: 2 MiB
+    assert workspace.Margin(32 * MiB, 0, None, "t").reserved_bytes(expandable_segments=True) == 40 * MiB  # 20 MiB pages
+    assert workspace.Margin(0, 0, None, "t").reserved_bytes() == 0
+
+
+def _experiment(tmp_path, budget, memory: str = ""):
+    path = tmp_path / "exp.yaml"
+    path.write_text(EXPERIMENT + f"budget: {budget}\n" + memory)
+    return config.load_experiment(path)
+
+
+def test_an_absolute_budget_is_planned_less_the_margin_and_a_fraction_as_it_is(tmp_path):
+    margin = workspace.Margin(8 * MiB, 2 * MiB, "op", "t")
+    assert workflow.planning_budget(_experiment(tmp_path, "100MiB"), 100 * MiB, margin) == 90 * MiB
+    reserved = _experiment(tmp_path, "100MiB", "memory: {target: reserved}\n")
+    assert workflow.planning_budget(reserved, 100 * MiB, margin) == 100 * MiB - 20 * MiB - 20 * MiB
+    assert workflow.planning_budget(_experiment(tmp_path, "0.5x"), 50 * MiB, margin) == 50 * MiB
+    with pytest.raises(workflow.Infeasible, match=r"exp.yaml: the budget 10.49 MB leaves nothing once 10.49 MB is "
+                                                  r"kept for what the device holds beyond the graph's tensors \(t\)"):
+        workflow.planning_budget(_experiment(tmp_path, "10MiB"), 10 * MiB, margin)
+
+
+@pytest.mark.parametrize("target", ["live", "reserved"])
+def test_a_search_plans_for_the_budget_less_the_margin_and_records_it(tmp_path, target, monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    memory = f"memory: {{target: {target}}}\n"
+    prepared = workflow.prepare(_experiment(tmp_path, "0.5x", memory))
+    keep_all = workflow.planning_problem(prepared).keep_all().peak_bytes
+    budget = keep_all  # keep-all itself fits the budget, not the budget less the margin
+    exp = _experiment(tmp_path, budget, memory)
+    prepared = workflow.Prepared(exp, *list(prepared.__dict__.values())[1:])
+    out = tmp_path / "results" / "exp"
+    result, summary = workflow.run_search(prepared, out)
+    kept = 8 * MiB + 128 * 1024 if target == "live" else 20 * MiB  # V100: cuBLAS's default, in a 20 MiB segment
+    assert summary["budget_bytes"] == budget and summary["planning_budget_bytes"] == budget - kept
+    assert summary["device_margin"]["kept_bytes"] == kept
+    assert json.loads((out / "summary.json").read_text())["device_margin"] == summary["device_margin"]
+    assert summary["keep_all"]["peak_bytes"] > budget - kept  # the margin decides what fits
+    assert result.best is not None and result.best.peak_bytes <= budget - kept
+    said = cli.table(result, summary).splitlines()[-1]
+    assert said.startswith(f"planned for {config.format_size(budget - kept)}: {config.format_size(kept)} kept for "
+                           f"what the device holds beyond the graph's tensors (profile v100-pcie-16gb: cuBLAS "
+                           f"workspace on sm_70, torch's default; op transients")
+    assert all(e.peak_bytes <= budget - kept for e in result.front if e.feasible(budget - kept))
+    policy = policies.load(out / "policy.yaml", prepared.graph)
+    assert policies.kept_margin(policy) == kept
+    assert policy.provenance["planning_budget_bytes"] == budget - kept
+    assert policy.provenance["device_margin"]["source"].startswith("profile v100-pcie-16gb")
+    if target == "reserved":  # the predicted peaks stay the graph's: the policy check replays them as they are
+        assert allocator.replay(prepared.graph, policy, **workflow.allocator_options(exp)).reserved == \
+            policy.predicted["reserved_bytes"]
+
+
+def test_a_policy_with_a_malformed_margin_is_refused(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    prepared = workflow.prepare(_experiment(tmp_path, "0.7x"))
+    out = tmp_path / "results" / "exp"
+    workflow.run_search(prepared, out)
+    body = yaml.safe_load((out / "policy.yaml").read_text())
+    assert policies.kept_margin(policies.load(out / "policy.yaml")) == 0  # a fraction: nothing kept, figures recorded
+    assert body["provenance"]["device_margin"]["workspace_bytes"] == 8 * MiB + 128 * 1024
+    body["provenance"]["device_margin"]["kept_bytes"] = -1
+    body["checksum"] = policies._checksum(body)
+    (out / "bad.yaml").write_text(yaml.safe_dump(body, sort_keys=False))
+    with pytest.raises(policies.PolicyError, match=r"bad.yaml: provenance: device_margin: must be a mapping whose "
+                                                   r"workspace_bytes, transient_bytes, margin_bytes, kept_bytes"):
+        policies.load(out / "bad.yaml")
