@@ -29,6 +29,7 @@ from gaswap.plan.memory.allocator import ReservedProblem
 from gaswap.plan.problem import Evaluated, Problem, SearchResult
 from gaswap.plan.search import search
 from gaswap.plan.simulator import lower_bound
+from gaswap.run import workspace
 from gaswap.run.experiment import build_model, make_inputs, output_gradient
 
 
@@ -176,8 +177,6 @@ def planning_problem(prepared: Prepared, budget: int | None = None) -> Problem:
 
 def device_margin(prepared: Prepared):
     """What the device holds beyond the graph's tensors, for the experiment's costs (`workspace.margin`)."""
-    from gaswap.run import workspace
-
     return workspace.margin(prepared.experiment.costs, prepared.graph)
 
 
