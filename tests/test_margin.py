@@ -124,3 +124,14 @@ def test_a_policy_with_a_malformed_margin_is_refused(tmp_path, monkeypatch):
     with pytest.raises(policies.PolicyError, match=r"bad.yaml: provenance: device_margin: must be a mapping whose "
                                                    r"workspace_bytes, transient_bytes, margin_bytes, kept_bytes"):
         policies.load(out / "bad.yaml")
+
+
+def test_a_budget_the_margin_takes_whole_is_refused_in_one_line_with_exit_3(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    path = tmp_path / "exp.yaml"
+    path.write_text(EXPERIMENT + "budget: 8MiB\n")
+    assert cli.main(["search", str(path), "--results", str(tmp_path / "results")]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"error: {path}: the budget 8.39 MB leaves nothing once 8.52 MB is kept for what the device "
+                       f"holds beyond the graph's tensors (profile v100-pcie-16gb: cuBLAS workspace on sm_70, torch's "
+                       f"default); raise the budget")
