@@ -1,6 +1,7 @@
 """The margin a search keeps under its budget for what the device holds beyond the graph's tensors
 (gaswap.run.workspace.margin, docs/gpu_memory.md "The margin a search keeps"): its figures, the budget
 arithmetic, and the margin recorded in the results and policy files."""
+import dataclasses
 import json
 
 import pytest
@@ -9,6 +10,7 @@ import yaml
 from gaswap.app import cli, workflow
 from gaswap.base import config
 from gaswap.plan import policy as policies
+from gaswap.plan.costs import Costs
 from gaswap.plan.memory import allocator
 from gaswap.run import workspace
 
@@ -46,12 +48,17 @@ def test_a_profile_margin_is_cublas_workspace_on_its_architecture_and_says_what_
 def test_a_measured_margin_is_the_workspace_plus_the_largest_op_transient(monkeypatch):
     monkeypatch.setattr(workspace, "workspace_bytes", lambda dev: 32 * MiB)
     monkeypatch.setattr(workspace, "op_transients", lambda graph, dev: {"conv": 3 * MiB, "mm": 5 * MiB, "sdpa": MiB})
-    m = workspace.margin(config.CostSpec(source="measure", device="cuda"), graph=None)
+    measured = Costs({}, 1e9, 1e9, "a GPU", "measured")
+    m = workspace.margin(measured, "cuda", graph=None)
     assert (m.workspace_bytes, m.transient_bytes, m.transient_op, m.margin_bytes) == (32 * MiB, 5 * MiB, "mm",
                                                                                       37 * MiB)
     assert m.source == "measured on cuda"
-    cpu = workspace.margin(config.CostSpec(source="measure", device="cpu"), graph=None)
+    cpu = workspace.margin(measured, "cpu", graph=None)
     assert cpu.margin_bytes == 0 and "step meter" in cpu.note
+    synthetic = workspace.margin(Costs({}, 1e9, 1e9, "test", "test"), "cuda", graph=None)  # a test's own costs
+    assert synthetic.margin_bytes == 0 and synthetic.source == "costs test"
+    assert workspace.margin(Costs({}, 1e9, 1e9, "v100", "estimated:v100-pcie-16gb"), "auto", None) == \
+        workspace.profile_margin("v100-pcie-16gb")
 
 
 def test_what_a_margin_may_add_to_reservations_is_a_segment_of_its_own():
@@ -87,7 +94,7 @@ def test_a_search_plans_for_the_budget_less_the_margin_and_records_it(tmp_path, 
     keep_all = workflow.planning_problem(prepared).keep_all().peak_bytes
     budget = keep_all  # keep-all itself fits the budget, not the budget less the margin
     exp = _experiment(tmp_path, budget, memory)
-    prepared = workflow.Prepared(exp, *list(prepared.__dict__.values())[1:])
+    prepared = dataclasses.replace(prepared, experiment=exp)  # the same graph and costs, an absolute budget
     out = tmp_path / "results" / "exp"
     result, summary = workflow.run_search(prepared, out)
     kept = 8 * MiB + 128 * 1024 if target == "live" else 20 * MiB  # V100: cuBLAS's default, in a 20 MiB segment

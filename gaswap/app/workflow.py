@@ -176,8 +176,8 @@ def planning_problem(prepared: Prepared, budget: int | None = None) -> Problem:
 
 
 def device_margin(prepared: Prepared):
-    """What the device holds beyond the graph's tensors, for the experiment's costs (`workspace.margin`)."""
-    return workspace.margin(prepared.experiment.costs, prepared.graph)
+    """What the device holds beyond the graph's tensors, for the costs the search plans with (`workspace.margin`)."""
+    return workspace.margin(prepared.costs, prepared.experiment.costs.device, prepared.graph)
 
 
 def planning_budget(experiment: config.Experiment, budget: int, margin) -> int:

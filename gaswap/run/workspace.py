@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.utils._pytree import tree_leaves
 
+from gaswap.plan.costs import Costs
 from gaswap.plan.graph import Graph
 from gaswap.plan.memory import allocator
 from gaswap.run.measure import op_call, resolve_device
@@ -79,14 +80,17 @@ def cublas_workspace(capability: tuple[int, int], config: str | None = None) -> 
     return CUBLAS_WORKSPACE_32MIB if capability[0] in WORKSPACE_32MIB_MAJORS else CUBLAS_WORKSPACE_DEFAULT
 
 
-def margin(costs_spec, graph: Graph) -> Margin:
-    """The margin a search on `graph` keeps under its budget, for an experiment's `costs` key: measured on the
-    device its costs are measured on (CUDA: `workspace_bytes` and `op_transients`); from the hardware profile
-    where costs are estimated (cuBLAS's default workspace for its architecture; op transients unknown); none on
-    a CPU (no workspace; the step meter sees no op transient: docs/gpu_memory.md)."""
-    if costs_spec.source == "estimate":
-        return profile_margin(costs_spec.profile)
-    dev = resolve_device(costs_spec.device)
+def margin(costs: Costs, device: str, graph: Graph) -> Margin:
+    """The margin a search on `graph` keeps under its budget, for the `costs` it plans with: from the hardware
+    profile they were estimated from (cuBLAS's default workspace for its architecture; op transients unknown);
+    measured on the device they were measured on (`device`, the experiment's `costs.device`; CUDA:
+    `workspace_bytes` and `op_transients`; none on a CPU: no workspace, and the step meter sees no op transient,
+    docs/gpu_memory.md); none for costs from neither (a test's)."""
+    if costs.source.startswith("estimated:"):
+        return profile_margin(costs.source.removeprefix("estimated:"))
+    if costs.source != "measured":
+        return Margin(0, 0, None, f"costs {costs.source}", "neither measured on a device nor from a hardware profile")
+    dev = resolve_device(device)
     if dev.type == "cpu":
         return Margin(0, 0, None, "cpu", "no cuBLAS workspace; the tensors a CPU kernel allocates inside it "
                                          "(convolutions' scratch) are host memory the step meter does not count")
