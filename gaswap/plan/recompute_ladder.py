@@ -141,9 +141,10 @@ def hull(points: list[tuple]) -> list[tuple]:
     pts = sorted(points, key=lambda p: (-p[0], p[1]))
     out = []
     for p in pts:
-        if out and p[1] <= out[-1][1]:  # saves bytes at no extra time: the previous point is dominated
-            while out and p[1] <= out[-1][1]:
-                out.pop()
+        if out and p[0] == out[-1][0]:  # as much held as the point before, and no faster
+            continue
+        while out and p[1] <= out[-1][1]:  # saves bytes at no extra time: the points before are dominated
+            out.pop()
         while len(out) >= 2 and _slope(out[-2], out[-1]) >= _slope(out[-1], p):
             out.pop()
         out.append(p)
