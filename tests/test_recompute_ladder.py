@@ -12,6 +12,7 @@ from gaswap.plan.recompute_ladder import (
     BlockModel,
     Rung,
     fill,
+    fill_first,
     frontier,
     hull,
     ladder,
@@ -89,6 +90,31 @@ def test_fill_fits_the_budget_faster_than_any_uniform_choice():
     fitting = [q for q in uniform if q.fits(p.budget)]
     assert fitting and filled.step_time < min(q.step_time for q in fitting)
     assert filled.step_time == pytest.approx(keep.step_time + 1e-3)
-    p.budget = 0  # nothing fits: the fill returns its last try, as much saved as the hulls allow
+    p.budget = 0  # nothing fits: the fill returns its smallest peak, as much saved as the hulls allow
     last = p.evaluate(p.fill(p.seed("keep_all")))
     assert not last.fits(0) and last.knobs.recompute == {u: (0,) for u in UNITS}
+
+
+def test_fill_first_keeps_each_class_last_unit_and_puts_the_first_on_one_point():
+    a = [(100, 0.0, KEEP), (70, 1.5, 0), (50, 3.0, FULL)]
+    b = [(30, 0.0, KEEP), (20, 0.6, FULL)]
+    # a's 3 units: at most 2 move, each 30 (rung 0, 1.5 s) or 50 (full, 3 s); b's 2 units: at most 1, 10 (0.6 s)
+    classes = [(3, a), (2, b)]
+    assert fill_first(classes, 0) == [(KEEP, KEEP, 0), (KEEP, KEEP, 0)]
+    assert fill_first(classes, 10) == [(KEEP, KEEP, 0), (FULL, KEEP, 1)]  # 0.6 s, not a's 1.5
+    assert fill_first(classes, 30) == [(0, KEEP, 1), (KEEP, KEEP, 0)]
+    assert fill_first(classes, 50) == [(FULL, KEEP, 1), (KEEP, KEEP, 0)]  # 3 s: two on rung 0 also take 3 s
+    assert fill_first(classes, 70) == [(0, KEEP, 2), (FULL, KEEP, 1)]  # 60 + 10 at 3.6 s
+    assert fill_first(classes, 10**9) == [(FULL, KEEP, 2), (FULL, KEEP, 1)]  # as much as there is
+    assert fill_first([(1, a)], 30) == [(KEEP, KEEP, 0)]  # a class of one: its only unit is its last
+
+
+def test_fill_keeps_the_last_unit_where_its_recompute_meets_the_peak():
+    """In the toy the peak comes as the last unit's recompute runs: where the hull fill overshoots, the fill
+    with the last unit kept is tried too, and the faster fitting plan taken."""
+    p = problem()
+    keep = p.evaluate(p.seed("keep_all"))
+    p.budget = keep.peak - 128  # two units' saving: the first two recompute their matmul, the last keeps all
+    filled = p.evaluate(p.fill(p.seed("keep_all")))
+    assert filled.fits(p.budget) and filled.knobs.recompute == {UNITS[0]: (0,), UNITS[1]: (0,)}
+    assert filled.step_time == pytest.approx(keep.step_time + 2e-3)

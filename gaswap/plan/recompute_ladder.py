@@ -28,6 +28,7 @@ from gaswap.plan.graph import Graph
 
 PRICES = 48  # local searches, at prices spread geometrically over the block's own seconds per byte
 KEEP, FULL = -1, -2  # hull points that are not ladder rungs: nothing recomputed, everything recomputed
+BUCKETS = 1000  # `fill_first` counts savings in this many parts of the saving asked for
 
 
 @dataclass(frozen=True)
@@ -164,8 +165,8 @@ def fill(classes: list[tuple[int, list[tuple]]], saving: int) -> list[tuple]:
     moved = [0] * len(classes)
     saved = 0
     while saved < saving:
-        options = [(_slope(h[level[c]], h[level[c] + 1]), c) for c, (_, h) in enumerate(classes)
-                   if level[c] + 1 < len(h)]
+        options = [(_slope(h[level[c]], h[level[c] + 1]), c) for c, (n, h) in enumerate(classes)
+                   if level[c] + 1 < len(h) and n]
         if not options:
             break
         _, c = min(options)
@@ -175,3 +176,27 @@ def fill(classes: list[tuple[int, list[tuple]]], saving: int) -> list[tuple]:
         if moved[c] == n:
             level[c], moved[c] = level[c] + 1, 0
     return [(h[min(level[c] + 1, len(h) - 1)][2], h[level[c]][2], moved[c]) for c, (_, h) in enumerate(classes)]
+
+
+def fill_first(classes: list[tuple[int, list[tuple]]], saving: int) -> list[tuple]:
+    """Per class (its unit count, its hull from `hull`), (tag of one hull point, KEEP, k): the first k units on
+    that point and the others kept, k below the unit count (the class's last unit kept: for a step whose peak
+    comes as the last unit's recompute runs), saving at least `saving` bytes at the fewest seconds (a knapsack
+    over the classes, savings counted in `BUCKETS` parts of `saving`, rounded down); where no choice saves
+    enough, each class's option saving the most."""
+    options = [[(0, 0.0, (KEEP, KEEP, 0))] + [(k * (h[0][0] - x[0]), k * x[1], (x[2], KEEP, k))
+                                              for k in range(1, n) for x in h[1:]] for n, h in classes]
+    part = max(1, -(-saving // BUCKETS))
+    target = -(-saving // part)
+    best = {0: (0.0, [])}  # parts saved (at most `target`) -> (seconds, options so far)
+    for o in options:
+        step = {}
+        for saved, (seconds, picked) in best.items():
+            for s in o:
+                key = min(target, saved + s[0] // part)
+                if key not in step or seconds + s[1] < step[key][0]:
+                    step[key] = (seconds + s[1], picked + [s])
+        best = step
+    if saving > 0 and target in best:
+        return [s[2] for s in best[target][1]]
+    return [max(o, key=lambda s: (s[0], -s[1]))[2] for o in options] if saving > 0 else [o[0][2] for o in options]

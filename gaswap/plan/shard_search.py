@@ -21,11 +21,12 @@ selective AC (matmul and attention outputs saved, the rest recomputed) on every 
 of the units with the rest kept or selective, full AC with half or all of the units offloaded, and greedy
 selective choices (a block's ops freeing the most bytes per second of recomputation first), and the budget's fill
 (`ShardProblem.fill`: ladder rungs mixed over the blocks as a knapsack on the static model, for the spec's FSDP
-knobs). After the generations, the fill is redone for the FSDP knobs of the fastest plans seen (`FILL_FINAL`).
+knobs and each prefetch depth). After the generations, the fill is redone for the FSDP knobs of the fastest plans seen (`FILL_FINAL`).
 Randomness is passed in.
 """
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from dataclasses import dataclass, field, replace
@@ -34,7 +35,15 @@ from deap import base, tools
 
 from gaswap.plan.costs import Costs, HardwareProfile
 from gaswap.plan.graph import Graph
-from gaswap.plan.recompute_ladder import FULL, KEEP, BlockModel, fill, hull, ladder
+from gaswap.plan.recompute_ladder import (
+    FULL,
+    KEEP,
+    BlockModel,
+    fill,
+    fill_first,
+    hull,
+    ladder,
+)
 from gaswap.plan.sharding import (
     OUTSIDE,
     ROOT,
@@ -143,12 +152,14 @@ class Knobs:
 
 @dataclass(frozen=True)
 class Point:
-    """An evaluated plan: per-rank peak (bytes), step time (s), its knobs and genes."""
+    """An evaluated plan: per-rank peak (bytes), step time (s), its knobs and genes, and what first proposed it
+    (`origin`: "seed NAME", "fill ..." (`ShardProblem.fill`), "random" or "GA")."""
 
     peak: int
     step_time: float
     knobs: Knobs
     genes: tuple
+    origin: str = ""
 
     def fits(self, budget: int) -> bool:
         return self.peak <= budget
@@ -275,23 +286,33 @@ class ShardProblem:
         return out + [len(self.offload_order)] + [1 + len(self.reshard_groups)] * len(self.units) + \
             [MAX_PREFETCH, MAX_PREFETCH - MIN_BACKWARD_PREFETCH]
 
-    def fill(self, genes) -> tuple:
+    def fill(self, genes, origin: str = "fill") -> tuple:
         """`genes` with each class's recompute choices replaced by the fill for the problem's budget
         (`recompute_ladder.fill` on `hulls`), the FSDP and offload genes unchanged: the saving asked for is the
         peak of the same genes with every unit kept, less the budget, raised by the overshoot of each try that
-        does not fit (`FILL_TRIES` at most; the last try is returned, fitting or not)."""
+        does not fit (`FILL_TRIES` at most). Where the first try does not fit, the static model missed part of
+        the peak: often the last unit's recompute, which runs as the backward starts, at the peak; so the fill is
+        also tried with each class's last unit kept (`recompute_ladder.fill_first`). The faster fitting result is returned
+        (none fitting: the smaller peak)."""
         tail = list(genes[self.class_genes():])
         keep = self.with_choices([(KEEP, KEEP, 0)] * len(self.classes), tail)
-        saving, out = self.evaluate(keep).peak - self.budget, keep
-        for _ in range(FILL_TRIES):
-            if saving <= 0:
+        need = self.evaluate(keep, origin).peak - self.budget
+        if need <= 0:
+            return keep
+        found = []
+        for last in (0, 1):  # the classes' last units counted, then kept
+            saving = need
+            for tries in range(1, FILL_TRIES + 1):
+                way = fill_first if last else fill
+                out = self.with_choices(way([(len(c), h) for c, h in zip(self.classes, self.hulls)], saving), tail)
+                point = self.evaluate(out, origin)
+                saving += point.peak - self.budget
+                if point.fits(self.budget):
+                    break
+            found.append(point)
+            if tries == 1 and point.fits(self.budget):
                 break
-            out = self.with_choices(fill([(len(c), h) for c, h in zip(self.classes, self.hulls)], saving), tail)
-            over = self.evaluate(out).peak - self.budget
-            saving += over
-            if over <= 0:
-                break
-        return out
+        return min(found, key=lambda p: (0, p.step_time) if p.fits(self.budget) else (1, p.peak)).genes
 
     def with_choices(self, choices: list[tuple], tail: list) -> tuple:
         """Genes from per class (the first units' choice, the others', how many are first), each choice KEEP,
@@ -319,13 +340,14 @@ class ShardProblem:
     def rank(self, knobs: Knobs) -> RankGraph:
         return shard_step(self.graph, self.params, knobs.spec(self.spec))
 
-    def evaluate(self, genes) -> Point:
+    def evaluate(self, genes, origin: str = "") -> Point:
+        """The plan of `genes` (simulated once per distinct knobs; `origin` is kept from the first time)."""
         knobs = self.decode(genes)
         key = (tuple(sorted(knobs.recompute.items())), tuple(sorted(knobs.reshard.items())),
                knobs.forward_prefetch, knobs.backward_prefetch, knobs.offload)
         if key not in self.cache:
             rank = self.rank(knobs)
-            self.cache[key] = Point(peak_bytes(rank), self.time(rank), knobs, tuple(genes))
+            self.cache[key] = Point(peak_bytes(rank), self.time(rank), knobs, tuple(genes), origin)
         return replace(self.cache[key], genes=tuple(genes))
 
     def time(self, rank: RankGraph) -> float:
@@ -397,12 +419,15 @@ def search(problem: ShardProblem, rng: random.Random, *, population: int = 16, g
     population); stops after `generations` or `max_seconds` of CPU time."""
     started = time.process_time()
     bounds = problem.bounds()
-    seeds = {name: problem.evaluate(problem.seed(name)) for name in SEEDS}
-    seeds["fill"] = problem.evaluate(problem.fill(problem.seed("keep_all")))
+    seeds = {name: problem.evaluate(problem.seed(name), f"seed {name}") for name in SEEDS}
+    base = list(problem.seed("keep_all"))
+    for f, b in itertools.product(range(MAX_PREFETCH + 1), range(MIN_BACKWARD_PREFETCH, MAX_PREFETCH + 1)):
+        name = f"fill prefetch {f}/{b}"  # the budget's fill for each prefetch depth, the spec's other knobs
+        seeds[name] = problem.evaluate(problem.fill(base[:-2] + [f, b - MIN_BACKWARD_PREFETCH], name), name)
     pop = [_Individual(p.genes, p) for p in seeds.values()]
     for _ in range(population):  # beside the seeds, a population of random plans: FSDP's knobs vary
         genes = [rng.randint(0, hi) for hi in bounds]
-        pop.append(_Individual(genes, problem.evaluate(genes)))
+        pop.append(_Individual(genes, problem.evaluate(genes, "random")))
     seen = list(pop)
     pop = select(pop, population, problem.budget)
     history = []
@@ -413,12 +438,12 @@ def search(problem: ShardProblem, rng: random.Random, *, population: int = 16, g
         for _ in range(population):
             a, b = (min(rng.sample(pop, 2), key=lambda i: _rank_key(i, problem.budget)) for _ in range(2))
             genes = _vary(a, b, bounds, rng, cx_prob, mut_prob)
-            children.append(_Individual(genes, problem.evaluate(genes)))
+            children.append(_Individual(genes, problem.evaluate(genes, "GA")))
         seen += children
         pop = select(pop + children, population, problem.budget)
         front = _front(seen, problem.budget)
         history.append((min((p.step_time for p in front), default=float("inf")), len(front)))
-    seen += [_Individual(g, problem.evaluate(g)) for g in _final_fills(problem, seen)]
+    seen += [_Individual(g, problem.evaluate(g, "fill after the GA")) for g in _final_fills(problem, seen)]
     front = _front(seen, problem.budget)
     best = min(front, key=lambda p: p.step_time) if front else None
     return ShardResult(seeds, front, best, len(problem.cache), time.process_time() - started, history)
@@ -436,7 +461,8 @@ def _final_fills(problem: ShardProblem, seen: list) -> list[tuple]:
             tails.append(tuple(i[n:]))
         if len(tails) == FILL_FINAL:
             break
-    return [problem.fill(problem.with_choices([(KEEP, KEEP, 0)] * len(problem.classes), list(t))) for t in tails]
+    return [problem.fill(problem.with_choices([(KEEP, KEEP, 0)] * len(problem.classes), list(t)), "fill after the GA")
+            for t in tails]
 
 
 def _rank_key(ind, budget: int) -> tuple:
