@@ -45,16 +45,16 @@ class BlockModel:
     """The static model of one unit (`unit`, its own forward ops `own`, `op_time` in seconds per op name)."""
 
     def __init__(self, graph: Graph, unit: str, own: list[int], op_time: dict):
-        mine = {i for i, op in enumerate(graph.ops) if op.phase == "bwd" and (op.layer == unit or
-                                                                              op.layer.startswith(unit + "."))}
-        own_reads = {t for i in mine for t in graph.ops[i].inputs}
-        other_reads = {t for i, op in enumerate(graph.ops) if op.phase == "bwd" and i not in mine for t in op.inputs}
+        own_reads, other_reads = backward_reads(graph, unit)
         ops = [graph.ops[i] for i in own]
-        size = graph.tensors
         self.n = len(own)
-        self.out_bytes = [sum(size[t].size for t in op.outputs) for op in ops]
-        self.read_bytes = [sum(size[t].size for t in op.outputs if t in own_reads or t in other_reads) for op in ops]
-        self.outside_bytes = [sum(size[t].size for t in op.outputs if t in other_reads) for op in ops]
+
+        def size(op, where=None) -> int:
+            return sum(graph.tensors[t].size for t in op.outputs if where is None or where(t))
+
+        self.out_bytes = [size(op) for op in ops]
+        self.read_bytes = [size(op, lambda t: t in own_reads or t in other_reads) for op in ops]
+        self.outside_bytes = [size(op, other_reads.__contains__) for op in ops]
         self.read_by_backward = [bool(own_reads.intersection(op.outputs)) for op in ops]
         made = {t: p for p, op in enumerate(ops) for t in op.outputs}
         self.needs = [sorted({made[t] for t in op.inputs if t in made and made[t] != p}) for p, op in enumerate(ops)]
@@ -77,6 +77,15 @@ class BlockModel:
                     seen.add(q)
                     run.append(q)
         return Rung(tuple(sorted(chosen)), held, sum(self.seconds_of[p] for p in seen))
+
+
+def backward_reads(graph: Graph, unit: str) -> tuple[set, set]:
+    """The tensors the backward ops of `unit` (its module or inside it) read, and those other backward ops read."""
+    mine, other = set(), set()
+    for op in graph.ops:
+        if op.phase == "bwd":
+            (mine if op.layer == unit or op.layer.startswith(unit + ".") else other).update(op.inputs)
+    return mine, other
 
 
 def ladder(model: BlockModel, selectable: tuple, greedy_order: list[int]) -> list[Rung]:
