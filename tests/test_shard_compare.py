@@ -46,6 +46,15 @@ def test_verb_on_the_tiny_llama(tmp_path, capsys):
     assert [r["method"] for r in rows[:4]] == list(shard_compare.PEERS)
     for r in rows[4:]:  # gaswap's plan at each budget is under it
         assert r["peak_bytes"] == "" or int(r["peak_bytes"]) <= int(r["budget_bytes"])
+    ours = [r for r in rows if r["method"].startswith("gaswap (")]
+    same = [r for r in rows if r["method"].startswith(shard_compare.SAME_KNOBS)]
+    assert len(ours) == len(same) > 1 and all(r["found_by"] for r in ours + same if r["peak_bytes"])
+    assert {(r["prefetch"], r["reshard_after_forward_false"]) for r in same if r["peak_bytes"]} == {("0/1", "0")}
+    for g, r in zip(ours, same):  # the restricted search's pick is one of the plans the whole pick is chosen from
+        assert g["budget_bytes"] == r["budget_bytes"] and float(g["step_time_s"] or 0) <= float(r["step_time_s"] or 0)
+    # issue 29's goal on this model at W = 8: at every budget a peer fits, gaswap at or below the best of them
+    # (torch's sac_milp included where pulp and pwlf are installed)
+    assert "W=8: at 5 of 5 budgets" in out
 
 
 def test_offload_is_a_peer_and_a_gene_where_the_experiment_searches_it():

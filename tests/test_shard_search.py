@@ -83,18 +83,22 @@ def test_seeds_decode_to_the_knobs_they_name():
 
 
 def test_a_class_splits_its_units_between_two_choices():
-    """Genes per class: first choice (mode, bit per selectable op), second choice, then how many units (in
-    forward order) take the first; the split point ranges over 0..len(class)."""
+    """Genes per class: first choice (mode, bit per selectable op, ladder rung), second choice, then how many
+    units (in forward order) take the first; the split point ranges over 0..len(class)."""
     p = problem()
-    assert p.length() == len(p.bounds()) == 2 * (1 + 2) + 1 + 1 + len(UNITS) + 2
-    assert p.bounds()[6] == len(UNITS) and p.bounds()[7] == 0  # no offload gene: the host is not priced
-    tail = list(p.seed("keep_all"))[7:]
+    assert p.length() == len(p.bounds()) == 2 * (1 + 2 + 1) + 1 + 1 + len(UNITS) + 2 and p.class_genes() == 9
+    assert p.bounds()[8] == len(UNITS) and p.bounds()[9] == 0  # no offload gene: the host is not priced
+    tail = list(p.seed("keep_all"))[9:]
     for k in range(len(UNITS) + 1):
-        genes = [2, 0, 1] + [1, 0, 0] + [k] + tail  # first: recompute the activation; rest: full AC
+        genes = [2, 0, 1, 0] + [1, 0, 0, 0] + [k] + tail  # first: recompute the activation; rest: full AC
         recompute = p.decode(genes).recompute
         assert recompute == {u: (1,) if i < k else "full" for i, u in enumerate(UNITS)}
-    later = p.evaluate([1, 0, 0, 0, 0, 0, 1] + tail)  # only layers.0 (whose activations live longest) full
-    first = p.evaluate([0, 0, 0, 1, 0, 0, 2] + tail)  # only layers.2 full
+    rungs = p.ladders[0]
+    assert p.bounds()[3] == p.bounds()[7] == len(rungs) - 1
+    for r, rung in enumerate(rungs):  # mode 3: the rung's positions, whatever the bits say
+        assert p.decode([3, 1, 1, r] + [0, 0, 0, 0] + [2] + tail).recompute == {u: rung.positions for u in UNITS[:2]}
+    later = p.evaluate([1, 0, 0, 0, 0, 0, 0, 0, 1] + tail)  # only layers.0 (whose activations live longest) full
+    first = p.evaluate([0, 0, 0, 0, 1, 0, 0, 0, 2] + tail)  # only layers.2 full
     assert later.knobs.recompute == {"layers.0": "full"} and first.knobs.recompute == {"layers.2": "full"}
     assert later.peak < first.peak
 
@@ -104,11 +108,11 @@ def test_offload_gene_moves_units_state_to_the_host_at_a_price():
     gradients and optimizer state leave the device; the step pays the copies and the host's optimizer step."""
     costs = estimate(toy()[0], load_profile("h100-sxm-80gb"))
     p = problem(host_link=costs, host_step=1e-6)
-    assert p.offload_order == list(UNITS) + [""] and p.bounds()[7] == len(UNITS) + 1
+    assert p.offload_order == list(UNITS) + [""] and p.bounds()[9] == len(UNITS) + 1
     genes = list(p.seed("keep_all"))
     points = []
     for k in range(len(UNITS) + 2):
-        genes[7] = k
+        genes[9] = k
         points.append(p.evaluate(genes))
         assert points[-1].knobs.offload == tuple(p.offload_order[:k])
     # each unit: its 64-byte shard (8 x 4 float32 over 2 ranks) and 2 x 64 bytes of optimizer state, resident all
@@ -117,7 +121,7 @@ def test_offload_gene_moves_units_state_to_the_host_at_a_price():
     assert all(a.step_time < b.step_time for a, b in zip(points, points[1:-1]))
     rank = p.rank(points[2].knobs)
     assert rank.host_bytes["sharded params"] == 2 * 64 and rank.host_bytes["optimizer state"] == 2 * 128
-    genes[7] = 2
+    genes[9] = 2
     unpriced = problem(host_link=costs, host_step=0.0).evaluate(genes)  # the same plan, a free host step
     assert points[2].step_time == pytest.approx(unpriced.step_time + 2 * 64 * 1e-6)
 

@@ -16,7 +16,9 @@ simulator's per-rank peak, `sharding.step_time`'s predicted step time), at world
   best chance (the fastest of its plans under the budget); skipped, and said, where pulp or pwlf is missing;
 - gaswap's search (`shard_search.search`), once per peer's per-rank peak used as the budget, once halfway between
   each two consecutive peaks (where only the lower peer fits) and once below the lowest of them; at each budget,
-  the fastest plan the searches at that world size evaluated under it.
+  the fastest plan the searches at that world size evaluated under it, and what first proposed it (a seed, the
+  budget's fill, a random plan or the GA); and again restricted to the plans with the experiment's reshard and
+  prefetch settings (the peers' own), which isolates what gaswap's recompute (and offload) choices gain.
 
 With `--gloo` (a small model only), each method's plan at the experiment's world size is also applied with
 `gaswap.shard.apply.shard` and run under gloo (`gaswap.shard.gloo.run_gloo`): each rank's measured peak and CPU
@@ -43,6 +45,7 @@ from gaswap.shard import sac_milp
 WORLD_SIZES = (8, 64, 256)
 PEERS = ("no AC", "full AC", "torchtitan SAC", "torchtitan AC every 2")
 SAC_MILP = "torch sac_milp"
+SAME_KNOBS = "gaswap, peers' FSDP knobs"  # gaswap's plans with the experiment's reshard and prefetch settings
 OFFLOAD_PEER = "full AC + CPU offload"  # torchtitan's training.enable_cpu_offload, where the experiment searches offload
 SAC_NOTE = ("torch sac_milp: torch's MILP and per-module op choice, fed gaswap's per-op times and sizes; at each "
             "budget the fastest of its plans (its `memory_budget` argument bisected) whose peak, by gaswap's "
@@ -116,18 +119,25 @@ def compare(problem: ShardProblem, exp: config.Experiment, *, reserved: bool = T
                         max_seconds=exp.ga.max_seconds)
         seconds += result.seconds
     evaluated = list(problem.cache.values())
-    for budget in budgets + [below]:
-        under = [p for p in evaluated if p.peak <= budget]
-        best = min(under, key=lambda p: (p.step_time, p.peak)) if under else None
-        row = _row(problem, exp, f"gaswap ({labels[budget]})", best, budget, reserved)
-        same = [n for n, q in peers.items() if best is not None and q.knobs == best.knobs]
-        if same:  # the search was seeded with the peers' plans: say when its pick is one of them
-            row["recompute"] += f" (= {same[0]}'s plan)"
-        rows.append(row)
+    spec = _fsdp(method_knobs(problem, "no AC"))
+    for name, plans in (("gaswap", evaluated), (SAME_KNOBS, [p for p in evaluated if _fsdp(p.knobs) == spec])):
+        for budget in budgets + [below]:
+            under = [p for p in plans if p.peak <= budget]
+            best = min(under, key=lambda p: (p.step_time, p.peak)) if under else None
+            row = _row(problem, exp, f"{name} ({labels[budget]})", best, budget, reserved)
+            same = [n for n, q in peers.items() if best is not None and q.knobs == best.knobs]
+            if same:  # the search was seeded with the peers' plans: say when its pick is one of them
+                row["recompute"] += f" (= {same[0]}'s plan)"
+            rows.append(row)
     for r in rows:
         r["search_cpu_s"] = seconds
         r["plans_evaluated"] = len(evaluated)
     return rows
+
+
+def _fsdp(knobs: Knobs) -> tuple:
+    """The reshard and prefetch settings of `knobs`."""
+    return knobs.reshard, knobs.forward_prefetch, knobs.backward_prefetch
 
 
 def _row(problem, exp, name, p: Point | None, budget, reserved: bool) -> dict:
@@ -135,7 +145,8 @@ def _row(problem, exp, name, p: Point | None, budget, reserved: bool) -> dict:
            "peak_bytes": p.peak if p else None, "reserved_bytes": None, "step_time_s": p.step_time if p else None,
            "recompute": _describe(problem, p.knobs) if p else "nothing fits",
            "reshard_after_forward_false": sum(not p.knobs.reshard.get(u, True) for u in problem.units) if p else None,
-           "prefetch": f"{p.knobs.forward_prefetch}/{p.knobs.backward_prefetch}" if p else None}
+           "prefetch": f"{p.knobs.forward_prefetch}/{p.knobs.backward_prefetch}" if p else None,
+           "found_by": (p.origin or "-") if p and name.startswith("gaswap") else None}
     if p and reserved:
         row["reserved_bytes"] = memory(problem, p, exp.optimizer)["reserved_bytes"]
     return row
@@ -156,36 +167,41 @@ def _describe(problem: ShardProblem, knobs: Knobs) -> str:
 
 def verdicts(rows: list[dict]) -> list[str]:
     """Per world size: at each budget above the lowest peer's peak, gaswap's time against the best peer's that fits
-    there (sac_milp's plans included); below the lowest peer, whether gaswap fits."""
+    there (sac_milp's plans included), also with the peers' FSDP knobs only; below the lowest peer, whether gaswap
+    fits."""
     out = []
     for w in dict.fromkeys(r["world_size"] for r in rows):
         mine = [r for r in rows if r["world_size"] == w]
         peers = [r for r in mine if not r["method"].startswith("gaswap")]
-        ours = [r for r in mine if r["method"].startswith("gaswap")]
-        wins = 0
-        for g in ours[:-1]:
-            fitting = [r for r in peers if r["peak_bytes"] is not None and r["peak_bytes"] <= g["budget_bytes"]]
-            best = min(fitting, key=lambda r: r["step_time_s"])
-            ok = g["step_time_s"] is not None and g["step_time_s"] <= best["step_time_s"]
-            wins += ok
+        ours = [r for r in mine if r["method"].startswith("gaswap (")]
+        restricted = [r for r in mine if r["method"].startswith(SAME_KNOBS)]
+        wins, same = (sum(_wins(g, peers) for g in rs[:-1]) for rs in (ours, restricted))
         below = ours[-1]
         out.append(f"W={w}: at {wins} of {len(ours) - 1} budgets gaswap's step time is at or below the best "
-                   f"fitting peer's; below every peer's peak ({format_size(below['budget_bytes'])}): "
+                   f"fitting peer's ({same} of {len(restricted) - 1} with the peers' FSDP knobs); below every "
+                   f"peer's peak ({format_size(below['budget_bytes'])}): "
                    + (f"gaswap fits at {format_size(below['peak_bytes'])}, {below['step_time_s'] * 1e3:.1f} ms"
                       if below["peak_bytes"] is not None else "gaswap finds no plan either"))
     return out
 
 
+def _wins(g: dict, peers: list[dict]) -> bool:
+    """Whether gaswap's row `g` is at or below the fastest of `peers` under its budget."""
+    fitting = [r for r in peers if r["peak_bytes"] is not None and r["peak_bytes"] <= g["budget_bytes"]]
+    best = min(fitting, key=lambda r: r["step_time_s"])
+    return g["step_time_s"] is not None and g["step_time_s"] <= best["step_time_s"]
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| W | method | budget | peak (live) | reserved | step time | recompute | RAF false | prefetch f/b |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [("| W | method | budget | peak (live) | reserved | step time | recompute | RAF false | prefetch f/b | "
+              "found by |"), "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         size = lambda n: format_size(n) if n is not None else "-"  # noqa: E731
         t = f"{r['step_time_s'] * 1e3:.2f} ms" if r["step_time_s"] is not None else "-"
         lines.append(f"| {r['world_size']} | {r['method']} | {size(r['budget_bytes'])} | {size(r['peak_bytes'])} | "
                      f"{size(r['reserved_bytes'])} | {t} | {r['recompute']} | "
                      f"{r['reshard_after_forward_false'] if r['reshard_after_forward_false'] is not None else '-'} | "
-                     f"{r['prefetch'] or '-'} |")
+                     f"{r['prefetch'] or '-'} | {r['found_by'] or '-'} |")
     return "\n".join(lines)
 
 

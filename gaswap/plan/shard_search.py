@@ -2,8 +2,9 @@
 peak, step time) under a per-rank budget. No torch here.
 
 Genes (`ShardProblem.decode`): per class of identical units (`unit_classes`: their own forward ops match one by
-one), two recompute choices, each a mode (0 keep, 1 full AC, 2 selective) and one bit per recomputable forward op
-of the class (recomputed when selective), and a count k: the class's first k units (in forward order, whose
+one), two recompute choices, each a mode (0 keep, 1 full AC, 2 selective, 3 a rung of the class's ladder), one bit
+per recomputable forward op of the class (recomputed when selective) and a rung (`recompute_ladder.ladder`: the op
+sets a static model of one block finds best for their held bytes and seconds), and a count k: the class's first k units (in forward order, whose
 activations live longest) take the first choice, the others the second; an offload count k (the first k of
 `offload_order`, the non-root units then the root, get FSDP2's CPUOffloadPolicy: their parameters, gradients and
 optimizer state on the host; only where the host's copies and optimizer step can be priced, `host_link` and
@@ -18,11 +19,14 @@ single-device costs, recomputed ops as their originals, collectives from a `Link
 beats any over it, and of two over it the smaller peak wins. Seeds (`SEEDS`): keep-all, full AC and torchtitan's
 selective AC (matmul and attention outputs saved, the rest recomputed) on every unit, full AC on the first half
 of the units with the rest kept or selective, full AC with half or all of the units offloaded, and greedy
-selective choices (a block's ops freeing the most bytes per second of recomputation first). Randomness is
-passed in.
+selective choices (a block's ops freeing the most bytes per second of recomputation first), and the budget's fill
+(`ShardProblem.fill`: ladder rungs mixed over the blocks as a knapsack on the static model, for the spec's FSDP
+knobs and each prefetch depth). After the generations, the fill is redone for the FSDP knobs of the fastest plans seen (`FILL_FINAL`).
+Randomness is passed in.
 """
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from dataclasses import dataclass, field, replace
@@ -31,6 +35,15 @@ from deap import base, tools
 
 from gaswap.plan.costs import Costs, HardwareProfile
 from gaswap.plan.graph import Graph
+from gaswap.plan.recompute_ladder import (
+    FULL,
+    KEEP,
+    BlockModel,
+    fill,
+    fill_first,
+    hull,
+    ladder,
+)
 from gaswap.plan.sharding import (
     OUTSIDE,
     ROOT,
@@ -46,7 +59,9 @@ from gaswap.plan.sharding import (
     step_time,
 )
 
-MODES = ("keep", "full", "selective")
+MODES = ("keep", "full", "selective", "ladder")
+FILL_TRIES = 4  # evaluations a fill may take to come under the budget (each raises the saving by the overshoot)
+FILL_FINAL = 3  # after the generations, the fill redone for the FSDP knobs of this many of the fastest plans
 MAX_PREFETCH = 2
 MIN_BACKWARD_PREFETCH = 1  # FSDP2 (torch 2.13) prefetches one unit in the backward at least: an empty list is 1
 MAX_RESHARD_GROUP = 8  # the largest integer reshard_after_forward a gene takes (ranks within one node)
@@ -137,12 +152,14 @@ class Knobs:
 
 @dataclass(frozen=True)
 class Point:
-    """An evaluated plan: per-rank peak (bytes), step time (s), its knobs and genes."""
+    """An evaluated plan: per-rank peak (bytes), step time (s), its knobs and genes, and what first proposed it
+    (`origin`: "seed NAME", "fill ..." (`ShardProblem.fill`), "random" or "GA")."""
 
     peak: int
     step_time: float
     knobs: Knobs
     genes: tuple
+    origin: str = ""
 
     def fits(self, budget: int) -> bool:
         return self.peak <= budget
@@ -165,6 +182,8 @@ class ShardProblem:
     host_step: float | None = None  # CPU offload: seconds of the host's optimizer step per offloaded shard byte
     classes: list = field(init=False)
     selectable: list = field(init=False)  # per class: the positions a selective gene may recompute
+    ladders: list = field(init=False)  # per class: its ladder of recompute choices (`recompute_ladder.Rung`)
+    hulls: list = field(init=False)  # per class: the lower convex hull of its keep, ladder and full points
     units: list = field(init=False)  # non-root units, in the spec's order
     owned: dict = field(init=False)  # unit -> its own forward ops
     reshard_groups: tuple = field(init=False)  # the integer reshard_after_forward values a gene takes
@@ -179,6 +198,14 @@ class ShardProblem:
                            for c in self.classes]
         self.units = [u for u in units if u != ROOT]
         self.owned = owned
+        self.ladders, self.hulls = [], []
+        for c, sel in zip(self.classes, self.selectable):
+            model = BlockModel(self.graph, c[0], owned[c[0]], self.op_time)
+            rungs = ladder(model, sel, self.by_bytes_per_second(c[0], sel))
+            full = model.cost(range(model.n))
+            self.ladders.append(rungs)
+            self.hulls.append(hull([(model.keep().held, 0.0, KEEP)] + [(r.held, r.seconds, i) for i, r in
+                                                                       enumerate(rungs)] + [(full.held, full.seconds, FULL)]))
         W = self.spec.shard_size
         self.reshard_groups = tuple(k for k in range(2, min(MAX_RESHARD_GROUP, W - 1) + 1) if W % k == 0)
         priced = self.host_step is not None and self.host_link is not None and self.spec.offload is False
@@ -186,13 +213,17 @@ class ShardProblem:
 
     # --- genes ---
     def length(self) -> int:
-        return sum(3 + 2 * len(s) for s in self.selectable) + 1 + len(self.units) + 2
+        return self.class_genes() + 1 + len(self.units) + 2
+
+    def class_genes(self) -> int:
+        """How many genes the classes' recompute choices take (they come first)."""
+        return sum(5 + 2 * len(s) for s in self.selectable)
 
     def decode(self, genes) -> Knobs:
         genes, k, recompute = list(genes), 0, {}
-        for cls, sel in zip(self.classes, self.selectable):
-            first, k = self._choice(genes, k, sel)
-            rest, k = self._choice(genes, k, sel)
+        for cls, sel, rungs in zip(self.classes, self.selectable, self.ladders):
+            first, k = self._choice(genes, k, sel, rungs)
+            rest, k = self._choice(genes, k, sel, rungs)
             for i, u in enumerate(cls):  # the first `genes[k]` units (in forward order) take `first`
                 chosen = first if i < genes[k] else rest
                 if chosen:
@@ -205,11 +236,12 @@ class ShardProblem:
         return Knobs(recompute, reshard, genes[k], MIN_BACKWARD_PREFETCH + genes[k + 1], offload)
 
     @staticmethod
-    def _choice(genes: list, k: int, sel: tuple) -> tuple:
-        """One recompute choice (a mode gene, then a bit per selectable op) read at `k`, and the next position."""
-        mode, bits = genes[k], genes[k + 1:k + 1 + len(sel)]
-        chosen = "full" if mode == 1 else tuple(p for p, b in zip(sel, bits) if b) if mode == 2 else ()
-        return chosen, k + 1 + len(sel)
+    def _choice(genes: list, k: int, sel: tuple, rungs: list) -> tuple:
+        """One recompute choice (a mode gene, a bit per selectable op, a rung) read at `k`, and the next position."""
+        mode, bits, rung = genes[k], genes[k + 1:k + 1 + len(sel)], genes[k + 1 + len(sel)]
+        chosen = "full" if mode == 1 else tuple(p for p, b in zip(sel, bits) if b) if mode == 2 else \
+            rungs[rung].positions if mode == 3 and rungs else ()
+        return chosen, k + 2 + len(sel)
 
     def seed(self, name: str) -> tuple:
         """Genes of a seed (`SEEDS`), with the spec's reshard and prefetch knobs: "keep_all", "full_ac",
@@ -221,12 +253,12 @@ class ShardProblem:
         genes = []
         for cls, sel in zip(self.classes, self.selectable):
             saves = torchtitan_saves([self.graph.ops[i].target for i in self.owned[cls[0]]])
-            choices = {"keep": [0] + [0] * len(sel), "full": [1] + [0] * len(sel),
-                       "selective": [2] + [int(not saves[p]) for p in sel]}
+            choices = {"keep": [0] + [0] * len(sel) + [0], "full": [1] + [0] * len(sel) + [0],
+                       "selective": [2] + [int(not saves[p]) for p in sel] + [0]}
             ranked = self.by_bytes_per_second(cls[0], sel)
             for greedy, fraction in GREEDY.items():
                 chosen = set(ranked[:round(fraction * len(ranked))])
-                choices[greedy] = [2] + [int(p in chosen) for p in sel]
+                choices[greedy] = [2] + [int(p in chosen) for p in sel] + [0]
             first, rest, k, _ = SEEDS[name]
             genes += choices[first] + choices[rest] + [len(cls) if k == "all" else (len(cls) + 1) // 2]
         offload = round(SEEDS[name][3] * len(self.offload_order))
@@ -249,10 +281,49 @@ class ShardProblem:
     def bounds(self) -> list[int]:
         """The largest value of each gene."""
         out = []
-        for cls, sel in zip(self.classes, self.selectable):
-            out += ([len(MODES) - 1] + [1] * len(sel)) * 2 + [len(cls)]
+        for cls, sel, rungs in zip(self.classes, self.selectable, self.ladders):
+            out += ([len(MODES) - 1] + [1] * len(sel) + [max(len(rungs) - 1, 0)]) * 2 + [len(cls)]
         return out + [len(self.offload_order)] + [1 + len(self.reshard_groups)] * len(self.units) + \
             [MAX_PREFETCH, MAX_PREFETCH - MIN_BACKWARD_PREFETCH]
+
+    def fill(self, genes, origin: str = "fill") -> tuple:
+        """`genes` with each class's recompute choices replaced by the fill for the problem's budget
+        (`recompute_ladder.fill` on `hulls`), the FSDP and offload genes unchanged: the saving asked for is the
+        peak of the same genes with every unit kept, less the budget, raised by the overshoot of each try that
+        does not fit (`FILL_TRIES` at most). Where the first try does not fit, the static model missed part of
+        the peak: often the last unit's recompute, which runs as the backward starts, at the peak; so the fill is
+        also tried with each class's last unit kept (`recompute_ladder.fill_first`). The faster fitting result is returned
+        (none fitting: the smaller peak)."""
+        tail = list(genes[self.class_genes():])
+        keep = self.with_choices([(KEEP, KEEP, 0)] * len(self.classes), tail)
+        need = self.evaluate(keep, origin).peak - self.budget
+        if need <= 0:
+            return keep
+        found = []
+        for last in (0, 1):  # the classes' last units counted, then kept
+            saving = need
+            for tries in range(1, FILL_TRIES + 1):
+                way = fill_first if last else fill
+                out = self.with_choices(way([(len(c), h) for c, h in zip(self.classes, self.hulls)], saving), tail)
+                point = self.evaluate(out, origin)
+                saving += point.peak - self.budget
+                if point.fits(self.budget):
+                    break
+            found.append(point)
+            if tries == 1 and point.fits(self.budget):
+                break
+        return min(found, key=lambda p: (0, p.step_time) if p.fits(self.budget) else (1, p.peak)).genes
+
+    def with_choices(self, choices: list[tuple], tail: list) -> tuple:
+        """Genes from per class (the first units' choice, the others', how many are first), each choice KEEP,
+        FULL or a rung of the class's ladder, then `tail` (the offload, reshard and prefetch genes)."""
+        genes = []
+        for (first, rest, k), sel in zip(choices, self.selectable):
+            for tag in (first, rest):
+                mode = 0 if tag == KEEP else 1 if tag == FULL else 3
+                genes += [mode] + [0] * len(sel) + [tag if mode == 3 else 0]
+            genes.append(k)
+        return tuple(genes + tail)
 
     def reshard_value(self, gene: int):
         """A reshard gene's `reshard_after_forward`: 0 False, 1 True, 2.. `reshard_groups`."""
@@ -269,13 +340,14 @@ class ShardProblem:
     def rank(self, knobs: Knobs) -> RankGraph:
         return shard_step(self.graph, self.params, knobs.spec(self.spec))
 
-    def evaluate(self, genes) -> Point:
+    def evaluate(self, genes, origin: str = "") -> Point:
+        """The plan of `genes` (simulated once per distinct knobs; `origin` is kept from the first time)."""
         knobs = self.decode(genes)
         key = (tuple(sorted(knobs.recompute.items())), tuple(sorted(knobs.reshard.items())),
                knobs.forward_prefetch, knobs.backward_prefetch, knobs.offload)
         if key not in self.cache:
             rank = self.rank(knobs)
-            self.cache[key] = Point(peak_bytes(rank), self.time(rank), knobs, tuple(genes))
+            self.cache[key] = Point(peak_bytes(rank), self.time(rank), knobs, tuple(genes), origin)
         return replace(self.cache[key], genes=tuple(genes))
 
     def time(self, rank: RankGraph) -> float:
@@ -347,11 +419,15 @@ def search(problem: ShardProblem, rng: random.Random, *, population: int = 16, g
     population); stops after `generations` or `max_seconds` of CPU time."""
     started = time.process_time()
     bounds = problem.bounds()
-    seeds = {name: problem.evaluate(problem.seed(name)) for name in SEEDS}
+    seeds = {name: problem.evaluate(problem.seed(name), f"seed {name}") for name in SEEDS}
+    base = list(problem.seed("keep_all"))
+    for f, b in itertools.product(range(MAX_PREFETCH + 1), range(MIN_BACKWARD_PREFETCH, MAX_PREFETCH + 1)):
+        name = f"fill prefetch {f}/{b}"  # the budget's fill for each prefetch depth, the spec's other knobs
+        seeds[name] = problem.evaluate(problem.fill(base[:-2] + [f, b - MIN_BACKWARD_PREFETCH], name), name)
     pop = [_Individual(p.genes, p) for p in seeds.values()]
     for _ in range(population):  # beside the seeds, a population of random plans: FSDP's knobs vary
         genes = [rng.randint(0, hi) for hi in bounds]
-        pop.append(_Individual(genes, problem.evaluate(genes)))
+        pop.append(_Individual(genes, problem.evaluate(genes, "random")))
     seen = list(pop)
     pop = select(pop, population, problem.budget)
     history = []
@@ -362,14 +438,31 @@ def search(problem: ShardProblem, rng: random.Random, *, population: int = 16, g
         for _ in range(population):
             a, b = (min(rng.sample(pop, 2), key=lambda i: _rank_key(i, problem.budget)) for _ in range(2))
             genes = _vary(a, b, bounds, rng, cx_prob, mut_prob)
-            children.append(_Individual(genes, problem.evaluate(genes)))
+            children.append(_Individual(genes, problem.evaluate(genes, "GA")))
         seen += children
         pop = select(pop + children, population, problem.budget)
         front = _front(seen, problem.budget)
         history.append((min((p.step_time for p in front), default=float("inf")), len(front)))
+    seen += [_Individual(g, problem.evaluate(g, "fill after the GA")) for g in _final_fills(problem, seen)]
     front = _front(seen, problem.budget)
     best = min(front, key=lambda p: p.step_time) if front else None
     return ShardResult(seeds, front, best, len(problem.cache), time.process_time() - started, history)
+
+
+def _final_fills(problem: ShardProblem, seen: list) -> list[tuple]:
+    """The fill (`ShardProblem.fill`) for the FSDP and offload genes of the fastest plans seen: those of the
+    fastest under the budget first, then of the fastest at all, `FILL_FINAL` distinct settings at most."""
+    n = problem.class_genes()
+    tails = []
+    ranked = sorted((i for i in seen if i.point.fits(problem.budget)), key=lambda i: i.point.step_time) + \
+        sorted(seen, key=lambda i: i.point.step_time)
+    for i in ranked:
+        if tuple(i[n:]) not in tails:
+            tails.append(tuple(i[n:]))
+        if len(tails) == FILL_FINAL:
+            break
+    return [problem.fill(problem.with_choices([(KEEP, KEEP, 0)] * len(problem.classes), list(t)), "fill after the GA")
+            for t in tails]
 
 
 def _rank_key(ind, budget: int) -> tuple:
