@@ -61,14 +61,23 @@ def fused_graph(graph: Graph, loss: str = "sum", cpu: bool = True) -> Graph:
     them to the backward's end matched the resident-set meter on the CNN, but torch's allocator counts
     show the frees: that variant predicted keep-all 15 % high on the CNN and 12 % high on DenseNet.)
     """
-    return with_loss(without(graph, inlined(graph, cpu)[0]), loss)
+    inside, recomputable = inlined(graph, cpu)
+    return with_loss(written(without(graph, inside), recomputable), loss)
 
 
-def without(graph: Graph, inside: set[str]) -> Graph:
+def written(graph: Graph, keep_apart: set[str] = frozenset()) -> Graph:
+    """`graph` (`without` its inlined tensors) with the tensors written into a buffer they read sized 0, that
+    buffer living until their readers have run (`in_place`)."""
+    return without(graph, in_place(graph, keep_apart))
+
+
+def without(graph: Graph, inside: set[str] | dict[str, str]) -> Graph:
     """`graph` with the tensors `inside` sized 0, and each op reading one of them reading what it is computed
-    from instead."""
+    from instead (`inside` a dict: what each is written into, `in_place`)."""
     producer = {op.name: op for op in graph.ops}
     sources: dict[str, tuple[str, ...]] = {}  # inside tensor -> the materialized tensors it is computed from
+    if isinstance(inside, dict):
+        sources = {t: (s,) for t, s in inside.items()}
 
     def source(t: str) -> tuple[str, ...]:
         if t not in inside:
@@ -173,6 +182,41 @@ def _small_enough(graph: Graph, op: Op, t: str, users: list[Op], expression, pos
                 and any(graph.tensors[s].size >= graph.tensors[t].size for s in srcs))
 
 
+def in_place(graph: Graph, keep_apart: set[str] = frozenset()) -> dict[str, str]:
+    """{tensor: the tensor whose buffer it is written into} of `graph` (a fused graph, `without` its inlined
+    tensors): as inductor's scheduler does, a generated kernel writes an output into a buffer it reads
+    that dies there (the kernel is its last reader), of the same bytes, instead of allocating one. Only
+    where that holds under every policy: the output an activation that is not a candidate and not the
+    loss; the buffer an activation, not one of `keep_apart` (candidates inductor inlines when recomputed),
+    read last by the kernel in the graph's order (a candidate the backward reads dies at its last backward
+    reader, kept or recomputed). A buffer written into again is followed: it dies at the last reader of
+    what was written into it. (On compare_cnn_cpu, the backward writes ReLU's recomputation into the saved
+    convolution it reads, and a gradient into the next; counted apart, a policy's peak was 20 % high.)"""
+    position = graph.op_index()
+    readers = graph.consumers()
+    calls = library_calls(graph)
+    candidates = set(graph.candidates())
+    last = {t: max((position[r] for r in rs), default=-1) for t, rs in readers.items()}
+    root: dict[str, str] = {}  # tensor -> the buffer it is written into, followed to the first
+    for op in graph.ops:
+        if op.name in calls:
+            continue
+        here = position[op.name]
+        dying = [b for b in dict.fromkeys(root.get(t, t) for t in op.inputs)
+                 if last[b] == here and b not in keep_apart and b != graph.loss
+                 and graph.tensors[b].kind == "activation" and graph.tensors[b].size > 0]
+        for t in op.outputs:
+            tensor = graph.tensors[t]
+            if tensor.kind != "activation" or not tensor.size or t in candidates or t == graph.loss:
+                continue
+            buffer = next((b for b in dying if graph.tensors[b].size == tensor.size), None)
+            if buffer is not None:
+                dying.remove(buffer)
+                root[t] = buffer
+                last[buffer] = max(last[buffer], last[t])
+    return root
+
+
 LOSS_OP = "gaswap.loss"
 
 
@@ -208,7 +252,7 @@ class CompiledProblem(Problem):
         super().__init__(graph, costs, budget, space, actions=actions)
         self.loss, self.calibration = loss, calibration
         inside, recomputable = inlined(graph, cpu=costs.device.startswith("cpu"))  # else inductor's GPU rules
-        self.fused = with_loss(without(graph, inside), loss)  # = fused_graph(graph, loss, cpu)
+        self.fused = with_loss(written(without(graph, inside), recomputable), loss)  # = fused_graph(graph, loss, cpu)
         index = self.fused.op_index()
         self._position = [index[op.name] for op in graph.ops]  # joint graph's op k -> the fused graph's op
         self._loss = index.get(LOSS_OP)
@@ -222,11 +266,12 @@ class CompiledProblem(Problem):
         self.simulator = Simulator(self.fused, replace(simulated, op_time=simulated.op_time | loss_time), budget,
                                    hold_sources=True,
                                    inlined_if_recomputed=recomputable)
-        self._offset = 0.0
+        self._offset, self._peak_offset = 0.0, 0
         if calibration is not None:  # the keep-all step (masks and saved bytes aside) costs `base`
             keep_all = self.simulate(self.encoding.uniform(Action.KEEP))
             self._offset = calibration.base - (keep_all.step_time - calibration.mask_rate * self.kept_mask_bytes(
                 self.encoding.uniform(Action.KEEP)) - calibration.saved_rate * keep_all.saved_bytes)
+            self._peak_offset = calibration.peak_offset
 
     def __getstate__(self) -> dict:
         return super().__getstate__() | {"loss": self.loss, "calibration": self.calibration}
@@ -246,7 +291,7 @@ class CompiledProblem(Problem):
         if self.calibration is None:
             return r
         return replace(r, step_time=r.step_time + self._offset + self.calibration.mask_rate * self.kept_mask_bytes(c)
-                       + self.calibration.saved_rate * r.saved_bytes)
+                       + self.calibration.saved_rate * r.saved_bytes, peak_bytes=r.peak_bytes + self._peak_offset)
 
     def canonical(self, c: Chromosome) -> Chromosome:
         """`c` as it runs: the candidates computed from constants alone recomputed, whatever `c` says."""
@@ -310,7 +355,14 @@ class Calibration:
     Why masks are priced apart: inductor's CPU kernels that store and read a kept mask can be several
     times slower than the ones that recompute it (on compare_cnn_cpu, the ReLU mask `le` is stored in
     another layout than the channels-last convolution outputs around it, and both kernels transpose it
-    8x8 bools at a time: keep-all 114 ms a step, the same with the masks recomputed 62 ms)."""
+    8x8 bools at a time: keep-all 114 ms a step, the same with the masks recomputed 62 ms).
+
+    Why a `peak_offset` (bytes added to every simulated peak, fitted on the calibration policies' measured
+    peaks, `with_peaks`; `peak_samples` its (label, simulated, measured) points): the programs inductor
+    generates on a CPU hold buffers no op of the joint graph makes, the same under every policy: the
+    batch and the weights copied into the channels-last layout the convolutions take, kept for the
+    weights' gradients (on compare_cnn_cpu 0.83 MB, which the simulator missed on five of seven points).
+    The median leaves out the points the simulator errs on for reasons of their own."""
 
     base: float
     scale: float
@@ -318,6 +370,8 @@ class Calibration:
     mask_rate: float = 0.0
     saved_rate: float = 0.0
     samples: tuple = ()
+    peak_offset: int = 0
+    peak_samples: tuple = ()
 
     @property
     def points(self) -> tuple:
@@ -337,9 +391,18 @@ class Calibration:
         """The largest relative error of the fit on its own points."""
         return max((abs(p - m) / m for _, m, p in self.points), default=0.0)
 
+    def with_peaks(self, peak_samples: list[tuple[str, int, int]]) -> Calibration:
+        """This calibration with its `peak_offset` fitted on `peak_samples` (label, simulated peak, measured
+        peak, both above resident): the median of measured less simulated (`peak_offset`'s why)."""
+        if not peak_samples:
+            return self
+        offset = int(np.median([measured - simulated for _, simulated, measured in peak_samples]))
+        return replace(self, peak_offset=offset, peak_samples=tuple(peak_samples))
+
     def to_dict(self) -> dict:
         return {"base_s": self.base, "scale": self.scale, "extern_scale": self.extern_scale,
                 "mask_s_per_byte": self.mask_rate, "saved_s_per_byte": self.saved_rate,
+                "peak_offset_bytes": self.peak_offset,
                 "points": [list(p) for p in self.points]}
 
 
@@ -415,7 +478,7 @@ def refit(calibration: Calibration, problem: CompiledProblem, measured: list[tup
           ) -> Calibration:
     """`calibration` fitted again on its samples and the `measured` (label, policy, CPU seconds a step) besides,
     priced by `problem` (of the same graph; its own calibration, if any, is not used)."""
-    return fit([*calibration.samples, *samples(problem, measured)])
+    return fit([*calibration.samples, *samples(problem, measured)]).with_peaks(list(calibration.peak_samples))
 
 
 def samples(problem: CompiledProblem, measured: list[tuple[str, Chromosome, float]]) -> list[tuple]:
@@ -427,8 +490,20 @@ def samples(problem: CompiledProblem, measured: list[tuple[str, Chromosome, floa
 def calibrate(graph: Graph, costs: Costs, cpu_times, loss: str = "sum") -> Calibration:
     """Fit the compiled step's cost (`fit`) on `graph` compiled under each of `calibration_policies`:
     `cpu_times(actions)` compiles and trains under each set of per-tensor actions (see `Problem.actions_of`)
-    and returns CPU seconds per step."""
+    and returns CPU seconds per step, or (CPU seconds, measured peak bytes above resident) pairs: then the
+    peak's offset is fitted too (`Calibration.with_peaks`)."""
     problem = CompiledProblem(graph, costs, None, actions=(Action.KEEP, Action.RECOMPUTE), loss=loss)
     chosen = calibration_policies(problem)
-    seconds = cpu_times([problem.actions_of(c) for c in chosen.values()])
-    return fit(samples(problem, list(zip(chosen, chosen.values(), seconds))))
+    measured = cpu_times([problem.actions_of(c) for c in chosen.values()])
+    seconds = [m[0] if isinstance(m, tuple) else m for m in measured]
+    calibration = fit(samples(problem, list(zip(chosen, chosen.values(), seconds))))
+    peaks = [(label, c, m[1]) for label, c, m in zip(chosen, chosen.values(), measured) if isinstance(m, tuple)]
+    return calibration.with_peaks(peak_samples(problem, peaks))
+
+
+def peak_samples(problem: CompiledProblem, measured: list[tuple[str, Chromosome, int]]) -> list[tuple[str, int, int]]:
+    """The `measured` (label, policy, peak bytes above resident) as `Calibration.with_peaks`' samples (label,
+    simulated peak above resident, measured), simulated by `problem` (its calibration's offset left out)."""
+    resident = problem.fused.resident_bytes()
+    offset = problem.calibration.peak_offset if problem.calibration is not None else 0
+    return [(label, problem.simulate(c).peak_bytes - offset - resident, peak) for label, c, peak in measured]
