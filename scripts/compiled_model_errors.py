@@ -101,6 +101,9 @@ def measure_experiment(path: str, out: Path, program_dir: Path, rounds: int, ste
     n_cal = len(calibration_policies)
     calibration = step_model.fit(step_model.samples(problem, [
         (label, c, row["step_s"]) for (label, _, c, _), row in zip(entries[:n_cal], first[:n_cal])]))
+    if hasattr(step_model, "peak_samples"):  # the model before it had no peak offset
+        calibration = calibration.with_peaks(step_model.peak_samples(problem, [
+            (label, c, row["peak_bytes"]) for (label, _, c, _), row in zip(entries[:n_cal], first[:n_cal])]))
     resident = problem.fused.resident_bytes()
     torch_peaks = sorted({row["peak_bytes"] for row in first[n_cal:]}, reverse=True)
     budgets = [resident + p for p in torch_peaks] + [resident + int(BELOW * torch_peaks[-1])]
