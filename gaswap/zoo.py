@@ -467,12 +467,11 @@ class _WindowBlock(nn.Module):
         return x.view(b, h // s, s, w // s, s, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, s * s, c)
 
     def _mask(self, h: int, w: int, device):  # [windows, s*s, s*s]: True where two tokens came from apart
-        region = torch.zeros(1, h, w, 1, device=device)
-        if self.shift:
-            cuts = (slice(0, -self.window), slice(-self.window, -self.shift), slice(-self.shift, None))
-            for k, (i, j) in enumerate((i, j) for i in cuts for j in cuts):
-                region[:, i, j, :] = k
-        ids = self._windows(region).squeeze(-1)
+        def bands(n: int):  # 0, 1, 2: the rows (columns) before the last window, in it before the shift, after
+            at = torch.arange(n, device=device)
+            return (at >= n - self.window).long() + (at >= n - self.shift).long()
+        region = (bands(h)[:, None] * 3 + bands(w)[None, :]) if self.shift else torch.zeros(h, w, device=device)
+        ids = self._windows(region[None, :, :, None].float()).squeeze(-1)
         return ids[:, :, None] != ids[:, None, :]
 
     def forward(self, x):

@@ -101,9 +101,9 @@ def measure_experiment(path: str, out: Path, program_dir: Path, rounds: int, ste
     n_cal = len(calibration_policies)
     calibration = step_model.fit(step_model.samples(problem, [
         (label, c, row["step_s"]) for (label, _, c, _), row in zip(entries[:n_cal], first[:n_cal])]))
-    if hasattr(step_model, "peak_samples"):  # the model before it had no peak offset
-        calibration = calibration.with_peaks(step_model.peak_samples(problem, [
-            (label, c, row["peak_bytes"]) for (label, _, c, _), row in zip(entries[:n_cal], first[:n_cal])]))
+    if hasattr(step_model, "fit_peaks"):  # the model before it fitted no peaks
+        calibration = step_model.fit_peaks(calibration, problem, [
+            (label, c, row["peak_bytes"]) for (label, _, c, _), row in zip(entries[:n_cal], first[:n_cal])])
     resident = problem.fused.resident_bytes()
     torch_peaks = sorted({row["peak_bytes"] for row in first[n_cal:]}, reverse=True)
     budgets = [resident + p for p in torch_peaks] + [resident + int(BELOW * torch_peaks[-1])]
@@ -128,9 +128,6 @@ def measure_experiment(path: str, out: Path, program_dir: Path, rounds: int, ste
                          "step_s": row["step_s"], "step_min": row["step_min"], "step_max": row["step_max"],
                          "programs": ";".join(f.name for f in files),
                          "first_step_s": early["step_s"] if early is not None else None})
-        if early is not None and kind == "calibration":  # the time the calibration was fitted on
-            out_rows[-1] = out_rows[-1] | {"step_s": early["step_s"], "step_min": early["step_min"],
-                                           "step_max": early["step_max"]}
     (out / "measured").mkdir(parents=True, exist_ok=True)
     _write(out / "measured" / f"{exp.name}.csv", out_rows, MEASURED)
 
@@ -166,9 +163,9 @@ def report_experiment(path: str, out: Path, program_dir: Path) -> list[dict]:
     cal = [r for r in stored if r["kind"] == "calibration"]
     calibration = step_model.fit(step_model.samples(problem, [
         (r["label"], _chromosome(problem, r["actions"]), float(r["step_s"])) for r in cal]))
-    if hasattr(step_model, "peak_samples"):  # the model before it had no peak offset
-        calibration = calibration.with_peaks(step_model.peak_samples(problem, [
-            (r["label"], problem.canonical(_chromosome(problem, r["actions"])), int(r["peak_bytes"])) for r in cal]))
+    if hasattr(step_model, "fit_peaks"):  # the model before it fitted no peaks
+        calibration = step_model.fit_peaks(calibration, problem, [
+            (r["label"], problem.canonical(_chromosome(problem, r["actions"])), int(r["peak_bytes"])) for r in cal])
     priced = step_model.CompiledProblem(graph, costs, None, space, loss=exp.loss, calibration=calibration)
     opwise = Problem(graph, costs, None, space)
     resident = priced.fused.resident_bytes()

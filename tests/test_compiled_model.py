@@ -1,6 +1,5 @@
-"""The compiled model's facts about inductor (gaswap.compiled.step_model): buffers a kernel writes into a buffer
-it reads that dies there (`in_place`), and the peak offset fitted on measured calibration peaks. Hand-made
-graphs."""
+"""The memory side of the compiled model's calibration (gaswap.compiled.step_model): the peak offset and the
+inlining of recomputed candidates, fitted on the calibration runs' measured peaks. Hand-made graphs."""
 import pytest
 from helpers import unit_costs
 
@@ -13,7 +12,8 @@ MB = 1 << 20
 
 def _backward(read_again: bool = False, small: bool = False) -> Graph:
     """x -mm-> a -mm-> y; backward: g1 = mm(y) (a library call), g2 = mul(g1, a) (generated), g3 = mul(g2, a),
-    gw = mm(g3, x); with `read_again`, the last mm reads g1 too; with `small`, g2 is half g1's size."""
+    gw = mm(g3, x); with `read_again`, the last mm reads g1 too; with `small`, g2 is half g1's size.
+    `sig`, sigmoid(a), is a candidate read by the last mul: inlined by inductor when recomputed."""
     t = {"x": Tensor("x", MB, "input"), "w": Tensor("w", MB, "param"), "gw": Tensor("gw", MB, "grad", "wgrad")}
     for name, producer, size in (("a", "mm1", MB), ("y", "mm2", MB), ("g1", "gout", MB),
                                  ("g2", "mul", MB // 2 if small else MB), ("g3", "mul2", MB // 2 if small else MB)):
@@ -25,37 +25,6 @@ def _backward(read_again: bool = False, small: bool = False) -> Graph:
            Op("mul2", "aten.mul.Tensor", ("g2", "a"), ("g3",), phase="bwd"),
            Op("wgrad", "aten.mm.default", ("g3", "x", *(("g1",) if read_again else ())), ("gw",), phase="bwd"))
     return Graph(ops, t, loss="y")
-
-
-def test_a_kernel_writes_into_a_buffer_of_its_size_that_dies_there_and_follows_it():
-    g = _backward()
-    assert "a" in g.candidates() and "g2" not in g.candidates()
-    # g2 takes g1's buffer (the mul is g1's last reader); g3 takes it next, as g2 dies at mul2; a, a candidate
-    # the backward reads, is read last by mul2, but mul2's output went to g1's buffer already
-    assert cc.in_place(g) == {"g2": "g1", "g3": "g1"}
-    fused = cc.written(g)
-    assert fused.tensors["g2"].size == 0 and fused.tensors["g3"].size == 0 and fused.tensors["g1"].size == MB
-    assert "g1" in {op.name: op for op in fused.ops}["wgrad"].inputs  # g1's buffer lives until g3's reader
-    assert cc.in_place(_backward(read_again=True)) == {"g3": "g2"}  # g1 read after the mul: not written into
-    assert cc.in_place(_backward(small=True)) == {"g3": "g2"}  # g2 is smaller than g1: its own buffer
-    assert cc.in_place(g, keep_apart={"g1"}) == {"g3": "g2"}  # g1 not written into
-
-
-def test_a_policys_peak_counts_a_buffer_written_into_once():
-    g = _backward()
-    problem = cc.CompiledProblem(g, unit_costs(g), None, actions=(Action.KEEP, Action.RECOMPUTE))
-    keep_all = problem.simulate(problem.encoding.uniform(Action.KEEP))
-    apart = cc.CompiledProblem(g, unit_costs(g), None, actions=(Action.KEEP, Action.RECOMPUTE))
-    apart.fused = cc.with_loss(g, "sum")  # the same graph, each buffer counted apart
-    # during mul: a (saved), g1 and g2 apart; written into g1, one buffer less
-    assert keep_all.peak_bytes <= keep_all_peak(apart) - MB
-
-
-def keep_all_peak(problem) -> int:
-    """Keep-all's peak of `problem` simulated on its `fused` graph as set."""
-    from gaswap.plan.simulator import Simulator
-    sim = Simulator(problem.fused, problem.costs, None, hold_sources=True)
-    return sim.run(list(range(len(problem.fused.ops))), (int(Action.KEEP),) * len(problem.fused.candidates())).peak_bytes
 
 
 def test_the_peak_offset_is_the_median_of_measured_less_simulated_and_moves_every_peak():
@@ -96,3 +65,42 @@ def test_calibrate_fits_the_peak_offset_when_the_runs_give_their_peaks():
     assert with_peaks.peak_offset == 4096 and len(with_peaks.peak_samples) == len(with_peaks.samples)
     without = cc.calibrate(g, unit_costs(g), lambda a: runs(a, False))
     assert without.peak_offset == 0 and without.base == pytest.approx(with_peaks.base)
+
+
+def _gated() -> Graph:
+    """x -mm-> a; s = sigmoid(a), p = mul(s, a) (generated), y = mm(p); backward: g = mm(y), h = mul(g, s),
+    gw = mm(h, a)."""
+    t = {"x": Tensor("x", MB, "input"), "w": Tensor("w", MB, "param"), "gw": Tensor("gw", MB, "grad", "wgrad")}
+    for name, producer in (("a", "mm1"), ("s", "sig"), ("p", "prod"), ("y", "mm2"), ("g", "gout"), ("h", "mul")):
+        t[name] = Tensor(name, 4 * MB if name in "gh" else MB, "activation", producer)  # the backward's peak
+    ops = (Op("mm1", "aten.mm.default", ("x", "w"), ("a",)),
+           Op("sig", "aten.sigmoid.default", ("a",), ("s",)),
+           Op("prod", "aten.mul.Tensor", ("s", "a"), ("p",)),
+           Op("mm2", "aten.mm.default", ("p", "w"), ("y",)),
+           Op("gout", "aten.mm.default", ("y", "w"), ("g",), phase="bwd"),
+           Op("mul", "aten.mul.Tensor", ("g", "s"), ("h",), phase="bwd"),
+           Op("wgrad", "aten.mm.default", ("h", "a"), ("gw",), phase="bwd"))
+    return Graph(ops, t, loss="y")
+
+
+def test_the_peaks_choose_whether_recomputed_candidates_are_inlined():
+    g = _gated()
+    actions = (Action.KEEP, Action.RECOMPUTE)
+    plain = cc.CompiledProblem(g, unit_costs(g), None, actions=actions)
+    assert "s" in cc.inlined(g)[1]  # the rules inline s where it is recomputed
+    counted = cc.CompiledProblem(g, unit_costs(g), None, actions=actions,
+                                 calibration=cc.Calibration(1.0, 1.0, inline_recomputed=False))
+    policies = [(label, c) for label, c in (("keep-all", plain.encoding.uniform(Action.KEEP)),
+                                            ("recompute", plain.encoding.uniform(Action.RECOMPUTE)))]
+    resident = plain.fused.resident_bytes()
+    inlined_peak = plain.simulate(policies[1][1]).peak_bytes
+    counted_peak = counted.simulate(policies[1][1]).peak_bytes
+    assert counted_peak > inlined_peak  # s takes memory of its own in the backward
+    for variant, truth in ((False, counted), (True, plain)):  # peaks measured as each variant says, 512 bytes over
+        measured = [(label, c, truth.simulate(c).peak_bytes - resident + 512) for label, c in policies]
+        fitted = cc.fit_peaks(cc.Calibration(1.0, 1.0), plain, measured)
+        assert fitted.inline_recomputed is variant and fitted.peak_offset == 512
+        assert fitted.to_dict()["inline_recomputed"] is variant
+        again = cc.refit(fitted, plain, [("again", policies[0][1], 2.0)])
+        assert again.inline_recomputed is variant and again.peak_offset == 512
+    assert cc.fit_peaks(cc.Calibration(1.0, 1.0), plain, []) == cc.Calibration(1.0, 1.0)
