@@ -21,6 +21,9 @@ and its costs into what the compiled step does, leaving the simulator as it is:
   whole step's generated ops with one scale: fusion makes the forward's several times cheaper than their
   standalone sum while a recomputation in the backward is not, so one scale could not fit both. On GPT-2 it
   priced recomputing every generated op free, where it measured +32 %.)
+- `fit_peaks`: the memory side, fitted on the same runs' metered peaks when they are given: a peak offset
+  (what inductor's programs hold under every policy and no op makes) and whether the recomputed candidates
+  `inlined` names take memory (`Calibration`'s why).
 - The standalone op times are `gaswap.run.measure`'s, which on a CPU are CPU seconds, not wall seconds (wall
   time taken on a loaded machine is several times the op's cost: that made the first compiled predictions
   9-13x too slow on DenseNet).
