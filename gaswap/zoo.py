@@ -1,7 +1,8 @@
 """A small built-in model zoo (torch.nn only) and `resolve` for "module:callable" model paths.
 
-CNNs (alexnet, vgg16, resnet18/50, tiny_cnn, unet), an mlp, an unrolled gru, transformers (gpt, bert, a vision
-transformer vit) and, for sharded runs, a Llama-3-shaped decoder (llama) and an MLP of square blocks (block_mlp). Factories from
+CNNs (alexnet, vgg16, resnet18/50, tiny_cnn, unet, a depthwise-separable separable_cnn), an mlp, an unrolled
+gru, a shifted-window attention net (window_attention), a top-k mixture of experts (mixture), a net of
+normalisation variants (norm_mix), transformers (gpt, bert, a vision transformer vit) and, for sharded runs, a Llama-3-shaped decoder (llama) and an MLP of square blocks (block_mlp). Factories from
 installed packages are named by path, e.g. "torchvision.models:resnet50"; `huggingface` builds a
 transformers model from its class name and config.
 """
@@ -415,6 +416,174 @@ def gru(vocab: int = 256, width: int = 128, steps: int = 24) -> nn.Module:
     return _UnrolledGRU(vocab, width, steps)
 
 
+
+# --- models that differ in kind, for the compiled model's errors on unseen models (scripts/compiled_model_errors.py):
+# depthwise and grouped convolutions, windowed attention with a shift mask, a top-k mixture, normalisation mixes ---
+
+class _SeparableBlock(nn.Module):
+    def __init__(self, width: int, groups: int):
+        super().__init__()
+        self.depthwise = nn.Conv2d(width, width, 3, padding=1, groups=width, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.grouped = nn.Conv2d(width, 2 * width, 3, padding=1, groups=groups, bias=False)
+        self.bn2 = nn.BatchNorm2d(2 * width)
+        self.pointwise = nn.Conv2d(2 * width, width, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(width)
+
+    def forward(self, x):
+        y = F.relu6(self.bn1(self.depthwise(x)))
+        y = F.hardswish(self.bn2(self.grouped(y)))
+        return F.relu(x + self.bn3(self.pointwise(y)))
+
+
+def separable_cnn(num_classes: int = 10, width: int = 32, blocks: int = 3, groups: int = 4) -> nn.Module:
+    """A depthwise-separable CNN: a conv-BN-ReLU stem, `blocks` residual blocks of depthwise 3x3 (ReLU6),
+    grouped 3x3 (`groups` groups, hardswish) and pointwise 1x1 convolutions, a strided depthwise downsample
+    after the first, pooling and a linear head."""
+    parts: list[nn.Module] = [nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU()]
+    for b in range(blocks):
+        parts.append(_SeparableBlock(width, groups))
+        if b == 0:
+            parts += [nn.Conv2d(width, width, 3, stride=2, padding=1, groups=width, bias=False), nn.BatchNorm2d(width)]
+    parts += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, num_classes)]
+    return nn.Sequential(*parts)
+
+
+class _WindowBlock(nn.Module):
+    """Attention inside `window` x `window` windows of a [B, H, W, C] map, the windows shifted by half a window
+    (`shift`) with the mask that keeps the wrapped-around tokens apart, then an MLP; both pre-norm."""
+
+    def __init__(self, width: int, heads: int, window: int, shift: bool):
+        super().__init__()
+        self.heads, self.window, self.shift = heads, window, window // 2 if shift else 0
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.bias = nn.Parameter(torch.zeros(heads, window * window, window * window))
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+
+    def _windows(self, x):  # [B, H, W, C] -> [B * windows, window * window, C]
+        b, h, w, c = x.shape
+        s = self.window
+        return x.view(b, h // s, s, w // s, s, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, s * s, c)
+
+    def _mask(self, h: int, w: int, device):  # [windows, s*s, s*s]: True where two tokens came from apart
+        def bands(n: int):  # 0, 1, 2: the rows (columns) before the last window, in it before the shift, after
+            at = torch.arange(n, device=device)
+            return (at >= n - self.window).long() + (at >= n - self.shift).long()
+        region = (bands(h)[:, None] * 3 + bands(w)[None, :]) if self.shift else torch.zeros(h, w, device=device)
+        ids = self._windows(region[None, :, :, None].float()).squeeze(-1)
+        return ids[:, :, None] != ids[:, None, :]
+
+    def forward(self, x):
+        b, h, w, c = x.shape
+        y = torch.roll(self.ln1(x), (-self.shift, -self.shift), (1, 2)) if self.shift else self.ln1(x)
+        q, k, v = self.qkv(self._windows(y)).view(-1, self.window ** 2, 3, self.heads, c // self.heads
+                                                   ).permute(2, 0, 3, 1, 4)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.heads) + self.bias
+        mask = self._mask(h, w, x.device).repeat(b, 1, 1)[:, None]
+        att = att.masked_fill(mask, torch.finfo(att.dtype).min).softmax(-1)
+        y = self.proj((att @ v).transpose(1, 2).reshape(-1, self.window ** 2, c))
+        s = self.window
+        y = y.view(b, h // s, w // s, s, s, c).permute(0, 1, 3, 2, 4, 5).reshape(b, h, w, c)
+        x = x + (torch.roll(y, (self.shift, self.shift), (1, 2)) if self.shift else y)
+        return x + self.mlp(self.ln2(x))
+
+
+class _WindowNet(nn.Module):
+    def __init__(self, image: int, patch: int, width: int, heads: int, window: int, layers: int, classes: int):
+        super().__init__()
+        self.embed = nn.Conv2d(3, width, patch, stride=patch)
+        self.blocks = nn.ModuleList(_WindowBlock(width, heads, window, k % 2 == 1) for k in range(layers))
+        self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, classes)
+
+    def forward(self, images):
+        x = self.embed(images).permute(0, 2, 3, 1)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x).mean((1, 2)))
+
+
+def window_attention(image: int = 32, patch: int = 2, width: int = 48, heads: int = 3, window: int = 4,
+                     layers: int = 2, classes: int = 10) -> nn.Module:
+    """A shifted-window attention net (Swin-like): patches embedded by a strided convolution, `layers` blocks
+    alternating plain and shifted `window` x `window` windows (a learned bias per head and a mask on the
+    shifted ones), mean pooling and a linear head: images [B, 3, image, image] -> logits [B, classes]."""
+    return _WindowNet(image, patch, width, heads, window, layers, classes)
+
+
+class _TopKMixture(nn.Module):
+    """A gated mixture of `experts` MLPs, each token sent to its `k` best (softmax gates over the chosen,
+    renormalised); computed densely (every expert on every token, weighted by a gate that is 0 where the
+    token was not sent), so that the graph is static."""
+
+    def __init__(self, width: int, experts: int, k: int):
+        super().__init__()
+        self.k = k
+        self.router = nn.Linear(width, experts, bias=False)
+        self.up = nn.Parameter(torch.randn(experts, width, 2 * width) / math.sqrt(width))
+        self.down = nn.Parameter(torch.randn(experts, 2 * width, width) / math.sqrt(2 * width))
+
+    def forward(self, x):  # [N, width]
+        top, chosen = self.router(x).topk(self.k, -1)
+        gates = torch.zeros(x.shape[0], self.up.shape[0], device=x.device, dtype=x.dtype)
+        gates = gates.scatter(1, chosen, top.softmax(-1))  # [N, experts]
+        hidden = F.silu(torch.einsum("nd,edh->enh", x, self.up))
+        return torch.einsum("enh,ehd,ne->nd", hidden, self.down, gates)
+
+
+class _MixtureNet(nn.Module):
+    def __init__(self, vocab: int, width: int, experts: int, k: int, layers: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(layers))
+        self.mixtures = nn.ModuleList(_TopKMixture(width, experts, k) for _ in range(layers))
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        b, t, c = x.shape
+        x = x.view(b * t, c)
+        for norm, mixture in zip(self.norms, self.mixtures):
+            x = x + self.drop(mixture(norm(x)))
+        return self.head(x).view(b, t, -1)
+
+
+def mixture(vocab: int = 256, width: int = 64, experts: int = 4, k: int = 2, layers: int = 2) -> nn.Module:
+    """A token model of `layers` top-`k` gated mixtures of `experts` MLPs (pre-norm, residual, dropout): ids
+    [B, T] -> logits [B, T, vocab]."""
+    return _MixtureNet(vocab, width, experts, k, layers)
+
+
+class _NormMix(nn.Module):
+    def __init__(self, width: int, groups: int, classes: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride=2, padding=1)
+        self.gn = nn.GroupNorm(groups, width)
+        self.conv3 = nn.Conv2d(width, width, 3, padding=1)
+        self.inorm = nn.InstanceNorm2d(width, affine=True)
+        self.ln = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.rms = RMSNorm(2 * width)
+        self.fc2 = nn.Linear(2 * width, width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):
+        x = F.relu(self.bn(self.conv1(x)))
+        x = F.silu(self.gn(self.conv2(x)))
+        x = x + F.gelu(self.inorm(self.conv3(x)))
+        t = x.flatten(2).transpose(1, 2)  # [B, tokens, width]
+        t = t + self.fc2(F.gelu(self.rms(self.fc1(self.ln(t)))))
+        return self.head(t.mean(1))
+
+
+def norm_mix(width: int = 32, groups: int = 4, classes: int = 10) -> nn.Module:
+    """A net of normalisation variants: conv-BatchNorm-ReLU, strided conv-GroupNorm-SiLU, a residual
+    conv-InstanceNorm-GELU, then tokens through LayerNorm, an MLP with RMSNorm inside, mean pooling and a head."""
+    return _NormMix(width, groups, classes)
+
 # --- sharded-run models: an MLP of square blocks and a Llama-3-shaped decoder (RoPE, SwiGLU, RMSNorm, grouped
 # key/value heads), each with the module class its FSDP units are made of (`UNIT_CLASS`) ---
 
@@ -589,7 +758,7 @@ NOT_FACTORIES = ("torch", "numpy", "yaml", "pickle", "dill", "cloudpickle", "job
 # The zoo's factories: the only functions of gaswap a factory may name, and the only factories a policy file
 # may have validate and plot build without the user naming the experiment (see `shipped`).
 MODELS = ("alexnet", "vgg16", "resnet18", "resnet50", "mlp", "tiny_cnn", "gpt", "bert", "unet", "densenet", "gru",
-          "llama", "block_mlp", "huggingface", "vit")
+          "llama", "block_mlp", "huggingface", "vit", "separable_cnn", "window_attention", "mixture", "norm_mix")
 
 
 def resolve(path: str, base=None):
