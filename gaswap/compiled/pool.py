@@ -7,6 +7,11 @@ folder for this user); they build the experiment's model and inputs as `methods.
 of each job: a gaswap policy (`partition.compile`) or torch.compile at an activation memory budget
 (`methods.torch_compiled`). Timing stays in the measuring process, never while workers run.
 
+Inductor's cache keys must come out the same in the workers as in the measuring process: `stable_cache_keys`
+(both call it) names memory formats by a function of this module in the pickles hashed into the keys; left
+to pickle, `torch.contiguous_format` is named by the first module in `sys.modules` that imported torch,
+which differs between processes that imported other modules first (every compile then misses the cache).
+
 The pool is only a shortcut: a job a worker fails on (or a pool that breaks) is left to the measuring process,
 which compiles it itself and meets the same error there, as it would without a pool. A worker can also say
 which activations a policy's partition saves (`partition.partitioned_by`, no code generated): policies that
@@ -14,6 +19,7 @@ save the same ones generate the same programs, and are compiled once (`distinct`
 """
 from __future__ import annotations
 
+import copyreg
 import logging
 import os
 import time
@@ -104,6 +110,7 @@ class CompilePool:
 
     def _start(self):
         if self.workers > 0 and self._executor is None:
+            stable_cache_keys()  # the keys of the measuring process's compiles, as the workers hash them
             self._executor = ProcessPoolExecutor(self.workers, mp_context=get_context("spawn"), initializer=_init,
                                                  initargs=(self.path,))
         return self._executor
@@ -154,27 +161,39 @@ class Programs:
             m.precompiled_s = seconds
 
 
+def stable_cache_keys() -> None:
+    """Pickle `torch.memory_format`s as `_memory_format(name)` in this process (see the module's doc)."""
+    import torch
+
+    copyreg.pickle(torch.memory_format, _reduce_memory_format)
+
+
+def _reduce_memory_format(memory_format) -> tuple:
+    return _memory_format, (str(memory_format).removeprefix("torch."),)
+
+
+def _memory_format(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
 # --- in a worker -----------------------------------------------------------------------------------------
 
 def _init(experiment_path: str) -> None:
-    """Build the experiment's model and inputs in this worker as `methods.setup` does, less the capture."""
-    import torch
+    """Set up this worker as `methods.setup` sets up the measuring process (the same model, inputs and
+    threads), its cache keys as stable (`stable_cache_keys`)."""
     from torch._inductor import config as inductor_config
 
     from gaswap.base import config
-    from gaswap.run import experiment
-    from gaswap.run.measure import resolve_device, use_cpu
+    from gaswap.compiled import methods
 
     for name in ("torch._inductor", "torch._dynamo", "torch._functorch"):
         logging.getLogger(name).setLevel(logging.ERROR)  # e.g. "failed to pickle cache key" of partitioned_by
     inductor_config.compile_threads = 1  # the workers are the parallelism
+    stable_cache_keys()
     exp = config.load_experiment(experiment_path)
-    device = resolve_device("auto")
-    if device.type == "cpu":
-        use_cpu(exp.costs.threads)
-    torch.manual_seed(exp.seed)
-    model = experiment.build_model(exp, device=str(device))
-    inputs, target = experiment.make_inputs(exp, str(device), torch.Generator(device).manual_seed(exp.seed))
+    device, model, inputs, target, _ = methods.setup(exp)
     _state.update(exp=exp, model=model, inputs=inputs, target=target, device=device)
 
 
