@@ -29,6 +29,13 @@ from dataclasses import dataclass
 from multiprocessing import get_context
 from typing import Self
 
+import torch
+from torch._inductor import config as inductor_config
+
+from gaswap.base import config
+from gaswap.compiled import methods, partition
+from gaswap.run import training
+
 MAX_WORKERS = 4  # each holds a copy of the model and inductor's compile state
 _state: dict = {}  # a worker's experiment, model, inputs, target and device (`_init`)
 
@@ -163,8 +170,6 @@ class Programs:
 
 def stable_cache_keys() -> None:
     """Pickle `torch.memory_format`s as `_memory_format(name)` in this process (see the module's doc)."""
-    import torch
-
     copyreg.pickle(torch.memory_format, _reduce_memory_format)
 
 
@@ -173,8 +178,6 @@ def _reduce_memory_format(memory_format) -> tuple:
 
 
 def _memory_format(name: str):
-    import torch
-
     return getattr(torch, name)
 
 
@@ -183,11 +186,6 @@ def _memory_format(name: str):
 def _init(experiment_path: str) -> None:
     """Set up this worker as `methods.setup` sets up the measuring process (the same model, inputs and
     threads), its cache keys as stable (`stable_cache_keys`)."""
-    from torch._inductor import config as inductor_config
-
-    from gaswap.base import config
-    from gaswap.compiled import methods
-
     for name in ("torch._inductor", "torch._dynamo", "torch._functorch"):
         logging.getLogger(name).setLevel(logging.ERROR)  # e.g. "failed to pickle cache key" of partitioned_by
     inductor_config.compile_threads = 1  # the workers are the parallelism
@@ -199,11 +197,6 @@ def _init(experiment_path: str) -> None:
 
 def _compile(job: Job) -> float | None:
     """Train one step of the job's compiled model (the compile); its wall seconds, None if it failed."""
-    import torch
-
-    from gaswap.compiled import methods, partition
-    from gaswap.run import training
-
     exp = _state["exp"]
     model, optimizer = training.fresh_copy(_state["model"], exp.optimizer)
     run = (partition.compile(model, job.policy) if job.policy is not None
@@ -219,8 +212,6 @@ def _compile(job: Job) -> float | None:
 
 
 def _partition(policy) -> tuple | None:
-    import torch
-
     try:
         return partition_of(_state["model"], _state["inputs"], policy)
     finally:
@@ -230,7 +221,6 @@ def _partition(policy) -> tuple | None:
 def partition_of(model, inputs, policy) -> tuple | None:
     """(saved, offloaded) of `policy`'s partition of `model`'s step on `inputs` (sorted activation names,
     `partition.partitioned_by`), None if it failed (the compile that follows reports why)."""
-    from gaswap.compiled import partition
 
     quiet = logging.getLogger("torch._inductor.codecache")  # "failed to pickle cache key": the stop is not cached
     level = quiet.level
