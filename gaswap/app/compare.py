@@ -21,6 +21,12 @@ by how far over their predictions those finalists measured (`_refit_budgets`). T
 budget is the fastest whose measured peak fits it, of the last round that timed any there; a budget none
 fits is left out (`_final_choice`). A policy's predictions are those of the model that picked it, before
 it was timed. The verdicts of compare.md are `gaswap.app.compare_report`'s.
+Compiling is most of a compare's time (a cold compile of an unrolled GRU takes a minute of CPU): policies
+whose partitions save the same activations generate the same programs, so each finalist (and calibration
+policy) is partitioned first and one per partition is compiled and timed (`gaswap.compiled.pool.Programs`;
+a torch partition's name passes on to the search's policy it equals); the compiles run in worker processes
+(one per CPU, `workers`), each into inductor's caches, before the measuring process loads them (about a
+second each) and times them with no worker running.
 Policies are simulated as inductor runs them (`gaswap.compiled.step_model`): standalone op costs in CPU
 seconds, fused intermediates not counted, the keep-all step, the cost of recomputation, of kept masks and
 of saved bytes calibrated on policies compiled and timed first (`step_model.calibrate`, seven). The
