@@ -90,6 +90,22 @@ def test_without_workers_the_pool_compiles_nothing_and_says_nothing():
     assert pool.default_workers() in (0, *range(2, pool.MAX_WORKERS + 1))
 
 
+def test_workers_that_cannot_start_leave_the_compiles_to_the_measuring_process(monkeypatch):
+    class NoProcesses:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def submit(self, fn, *args):
+            raise OSError("no processes here")
+
+    monkeypatch.setattr(pool, "ProcessPoolExecutor", NoProcesses)
+    lines = []
+    workers = pool.CompilePool("unused.yaml", 2, lines.append)
+    assert workers.partitions(["p", "q"]) == [None, None] and workers.workers == 0
+    assert workers.compile([pool.Job("a", policy="p")]) == [None]
+    assert lines == ["  the compile workers stopped; compiling in this process"]
+
+
 @pytest.mark.slow
 def test_a_worker_compiles_into_the_caches_the_measuring_process_loads(tmp_path, monkeypatch):
     from torch._dynamo.utils import counters

@@ -84,8 +84,10 @@ class CompilePool:
     def submit(self, jobs: list[Job]) -> None:
         """Start compiling `jobs` in the workers (`compile` waits for them)."""
         executor = self._start() if jobs else None
-        if executor is not None:
-            self._pending |= {executor.submit(_compile, job): job for job in jobs}
+        try:
+            self._pending |= {executor.submit(_compile, job): job for job in jobs} if executor else {}
+        except (OSError, BrokenProcessPool):  # no process to start here: this process compiles
+            self._broken()
 
     def compile(self, jobs: list[Job]) -> list[float | None]:
         """Compile `jobs` in the workers and wait for them and those submitted before; per job of `jobs` the
@@ -108,10 +110,10 @@ class CompilePool:
         if self.workers <= 0:
             return [None if self.local is None else partition_of(*self.local, policy) for policy in policies]
         executor = self._start() if policies else None
-        futures = [executor.submit(_partition, policy) for policy in policies] if executor else []
         try:
+            futures = [executor.submit(_partition, policy) for policy in policies] if executor else []
             return [future.result() for future in futures] if futures else [None] * len(policies)
-        except BrokenProcessPool:
+        except (OSError, BrokenProcessPool):
             self._broken()
             return [None] * len(policies)
 
