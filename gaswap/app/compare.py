@@ -83,7 +83,8 @@ COLUMNS = ("method", "knob", "predicted_peak_bytes", "predicted_step_s", "peak_b
 # step_*: CPU seconds; opwise_*: the joint graph's ops one by one (no fusion model); program_peak_bytes: the
 # peak of the programs inductor generated for the method (`gaswap.compiled.programs`); budget: the gaswap
 # budget a torch.compile row's measured peak became, a gaswap row's own (`gaswap.app.compare_report`);
-# steps_timed: fewer for a finalist no longer timed once clearly slower (`_contenders`)
+# steps_timed: fewer for a finalist no longer timed once clearly slower (`_contenders`); compile_s: wall seconds
+# compiling (in a worker, `gaswap.compiled.pool`, plus loading it in the measuring process)
 FINALIST_COLUMNS = (*COLUMNS, "round")  # finalists.csv: the round that timed the finalist (`_finalists_round`)
 
 
