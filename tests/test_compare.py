@@ -178,17 +178,18 @@ def test_a_second_round_times_the_new_finalists_beside_the_first_choice_which_st
         "  at D: left out, no policy at or under the budget (by the model or measured)"]
 
 
-def test_the_picked_policies_are_the_ones_timed_and_one_picked_twice_is_compiled_apart():
+def test_the_picked_policies_are_the_ones_timed_and_one_picked_twice_runs_the_same_compiled_step_apart():
     evaluated, method, time_methods, actions_of, problem_of, timed = _finalist_harness(
         {(1,): (40, 1.0), (2,): (30, 2.0)})
     made = {}
     compare._finalists_round([("A", [evaluated(1), evaluated(2)])], 1, "timed", made, method, {"A": 110}, 10,
                              time_methods, lambda line: None)
+    made[(1,)][0].run = object()  # stands for its compiled step
     picked = compare._picked({"A": evaluated(1), "B": evaluated(1), "C": evaluated(3)}, made, method,
                              {"A": 110, "B": 60, "C": 40}, "untimed")
     (a, policy_a), (b, _), (c, policy_c) = picked
-    assert a is made[(1,)][0] and b is not a and actions_of[id(b)] == (1,)  # the same policy, compiled apart
-    assert problem_of[id(b)] == "timed" and problem_of[id(c)] == "untimed"  # predicted as it was when timed
+    assert a is made[(1,)][0] and b is not a and b.run is a.run  # the same policy: its own row, not compiled again
+    assert len(actions_of) == 3 and problem_of[id(c)] == "untimed"  # only the policy never made is made
     assert [m.knob for m, _ in picked] == ["A", "B", "C"]
     assert policy_a.provenance == {"budget": "A", "budget_bytes": 110}
     assert policy_c.provenance == {"budget": "C", "budget_bytes": 40}
@@ -259,9 +260,13 @@ def test_finalists_clearly_slower_or_over_every_budget_of_theirs_are_timed_no_lo
             row(60, 0.5, 0.5, 0.5)]
     # A: #0 fastest (slowest step 1.1); #1's fastest 1.25 is over 1.1 x 1.1: out; #2's 1.15 within. B: #4 is over
     # it (60 above resident > 50), fast as it is; #2 is B's fastest that fits, #3 within 1.25 x 1.1 of it.
-    assert compare._contenders(timed, finalists, {"A": 110, "B": 60}, 10, rows) == {0, 2, 3}
+    index = {a: i for i, a in enumerate(timed)}
+    assert compare._contenders(index, finalists, {"A": 110, "B": 60}, 10, rows) == {0, 2, 3}
     rows[3]["step_min"] = 1.4  # now clearly slower than #2 too
-    assert compare._contenders(timed, finalists, {"A": 110, "B": 60}, 10, rows) == {0, 2}
+    assert compare._contenders(index, finalists, {"A": 110, "B": 60}, 10, rows) == {0, 2}
+    # (5,) runs #1's programs (its partition saves the same): one row, kept while a budget of either needs it
+    finalists.append(("C", [e(5)]))
+    assert compare._contenders(index | {(5,): 1}, finalists, {"A": 110, "B": 60, "C": 100}, 10, rows) == {0, 1, 2}
 
 
 def test_measure_meters_the_first_rounds_only_and_stops_timing_what_prune_drops(monkeypatch):

@@ -21,6 +21,12 @@ by how far over their predictions those finalists measured (`_refit_budgets`). T
 budget is the fastest whose measured peak fits it, of the last round that timed any there; a budget none
 fits is left out (`_final_choice`). A policy's predictions are those of the model that picked it, before
 it was timed. The verdicts of compare.md are `gaswap.app.compare_report`'s.
+Compiling is most of a compare's time (a cold compile of an unrolled GRU takes a minute of CPU): policies
+whose partitions save the same activations generate the same programs, so each finalist (and calibration
+policy) is partitioned first and one per partition is compiled and timed (`gaswap.compiled.pool.Programs`;
+a torch partition's name passes on to the search's policy it equals); the compiles run in worker processes
+(one per CPU, `workers`), each into inductor's caches, before the measuring process loads them (about a
+second each) and times them with no worker running.
 Policies are simulated as inductor runs them (`gaswap.compiled.step_model`): standalone op costs in CPU
 seconds, fused intermediates not counted, the keep-all step, the cost of recomputation, of kept masks and
 of saved bytes calibrated on policies compiled and timed first (`step_model.calibrate`, seven). The
@@ -58,7 +64,7 @@ from gaswap.base import config
 from gaswap.base.config import format_size
 from gaswap.base.files import csv_text, write_atomic
 from gaswap.compiled import methods as compiled_methods
-from gaswap.compiled import partition, programs, step_model
+from gaswap.compiled import partition, pool, programs, step_model
 from gaswap.compiled.methods import Method
 from gaswap.plan import policy as policies
 from gaswap.plan.encoding import Action, Chromosome
@@ -77,13 +83,16 @@ COLUMNS = ("method", "knob", "predicted_peak_bytes", "predicted_step_s", "peak_b
 # step_*: CPU seconds; opwise_*: the joint graph's ops one by one (no fusion model); program_peak_bytes: the
 # peak of the programs inductor generated for the method (`gaswap.compiled.programs`); budget: the gaswap
 # budget a torch.compile row's measured peak became, a gaswap row's own (`gaswap.app.compare_report`);
-# steps_timed: fewer for a finalist no longer timed once clearly slower (`_contenders`)
+# steps_timed: fewer for a finalist no longer timed once clearly slower (`_contenders`); compile_s: wall seconds
+# compiling (in a worker, `gaswap.compiled.pool`, plus loading it in the measuring process)
 FINALIST_COLUMNS = (*COLUMNS, "round")  # finalists.csv: the round that timed the finalist (`_finalists_round`)
 
 
 def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), finalists: int = FINALISTS,
-        results_root="results", cache_dir=None, progress=print) -> list[dict]:
-    """Compare the methods on one experiment; write compare.csv / compare.md; return the rows (COLUMNS)."""
+        results_root="results", cache_dir=None, progress=print, workers: int | None = None) -> list[dict]:
+    """Compare the methods on one experiment; write compare.csv / compare.md; return the rows (COLUMNS).
+    `workers`: processes that compile before the measuring process loads (`gaswap.compiled.pool`; default
+    one per CPU, 0: compile in the measuring process)."""
     exp = config.load_experiment(experiment_path)
     if exp.loss == "external":
         raise config.ConfigError(f"{exp.path}: loss: compare computes the loss outside the compiled model; give a "
@@ -94,11 +103,14 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     costs = measure(graph, device, cache_dir, threads=exp.costs.threads)
     space = config.load_search_space(partition.SPACE)
     provenance = {"optimizer": exp.optimizer, "counts": sorted(exp.counts)}
+    compile_pool = pool.CompilePool(exp.path, pool.default_workers() if workers is None else workers, progress,
+                                    local=(model, inputs))
+    compile_pool.submit([pool.Job(f"torch.compile {b:g}", budget=b) for b in TORCH_BUDGETS])  # after the costs
 
     def cpu_times(actions):
         progress(f"  calibrating the compiled model: {len(actions)} policies compiled and timed")
         made = [partition.make_policy(graph, a, provenance=provenance) for a in actions]
-        return _cpu_times(made, model, inputs, target, exp, device, progress)
+        return _cpu_times(made, model, inputs, target, exp, device, progress, pool.Programs(compile_pool))
 
     calibration = step_model.calibrate(graph, costs, cpu_times, exp.loss)
     progress(f"  keep-all {calibration.base * 1e3:.2f} ms a step; recomputed generated ops cost "
@@ -123,13 +135,16 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
 
     eager, opt = training.fresh_copy(model, exp.optimizer)
     methods = [Method("eager", "-", eager, eager, opt)]
+    compile_pool.compile([])  # those submitted: torch's
     for budget, (chromosome, r) in torch_points.items():
         m, opt = training.fresh_copy(model, exp.optimizer)
         methods.append(Method("torch.compile", f"{budget:g}", m, compiled_methods.torch_compiled(m, budget), opt,
-                              predicted(chromosome, r), _count(chromosome)))
+                              predicted(chromosome, r), _count(chromosome),
+                              precompiled_s=compile_pool.seconds.get(f"torch.compile {budget:g}")))
     reached = []
     for k, m in enumerate(methods[1:]):
-        progress(f"  compiling torch.compile {m.knob} ({k + 1} of {len(methods) - 1})")
+        progress(f"  {'compiling' if m.precompiled_s is None else 'loading'} torch.compile {m.knob} "
+                 f"({k + 1} of {len(methods) - 1})")
         reached.append(_peak_reached(m, inputs, target, exp, device, progress))
     budgets = _budgets([peak + resident for peak in reached], below, resident)
     budget_of_torch = dict(zip((m.knob for m in methods[1:]), _labels_of(budgets, [p + resident for p in reached])))
@@ -175,8 +190,12 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     else:
         chosen, tuning = _two_rounds(
             shortlist, unbounded, budgets, resident, made, method, measure_methods, progress,
-            lambda refit, again: _search(exp, graph, costs, refit, space, seeds, again, resident, progress, finalists))
+            lambda refit, again: _search(exp, graph, costs, refit, space, seeds, again, resident, progress, finalists),
+            pool.Programs(compile_pool))
     picked = _picked(chosen, made, method, budget_of, unbounded)
+    untimed = {tuple(sorted(policy.actions.items())): (m, policy) for m, policy in picked if not m.compile_s}
+    pool.Programs(compile_pool).compile(list(untimed.values()), "pick")  # with finalists 1: each policy once
+    compile_pool.close()  # its workers idle and hold memory: gone before the head to head
     methods += [m for m, _ in picked]
     rows = measure_methods(methods, rounds, steps)
     for row in rows:
@@ -244,15 +263,16 @@ def _with_partitions(finalists, partitions: dict, budgets) -> list[tuple[str, li
 
 
 def _two_rounds(shortlist, problem, budgets, resident, made: dict, method, measure_methods, progress,
-                search_again) -> tuple[dict, list[dict]]:
+                search_again, programs=None) -> tuple[dict, list[dict]]:
     """The policy compared at each budget ({label: Evaluated}) and the finalists' measured rows: `shortlist`'s
     finalists timed (round 1); the time model of `problem` (calibrated) refit on their times; the search
     run again with it (`search_again(calibration, budgets)`: (label, [Evaluated]) pairs), under a budget
     lowered by the model's peak error where no finalist fit (`_refit_budgets`); its new finalists timed
-    beside round 1's choice (round 2)."""
+    beside round 1's choice (round 2). `programs` (`pool.Programs`): finalists of one partition compiled and
+    timed once, in worker processes first."""
     budget_of, labels = dict(budgets), [label for label, _ in budgets]
     chosen, first, unfit = _finalists_round(shortlist, 1, problem, made, method, budget_of, resident,
-                                            measure_methods, progress)
+                                            measure_methods, progress, programs)
     if not first:  # nothing fits by the model: nothing to refit on or to search again for
         return _final_choice(labels, {}, {}, progress), []
     keys = problem.encoding.captured_keys()
@@ -268,33 +288,35 @@ def _two_rounds(shortlist, problem, budgets, resident, made: dict, method, measu
                                               calibration=refit)
     standing = {label: first[e.chromosome.actions]["step_s"] for label, e in chosen.items()}
     chosen2, second, _ = _finalists_round(_second_round(retry, made, chosen, standing, refit.worst_error(), progress),
-                                          2, refitted, made, method, budget_of, resident, measure_methods, progress)
-    return _final_choice(labels, chosen, chosen2, progress), [*first.values(), *second.values()]
+                                          2, refitted, made, method, budget_of, resident, measure_methods, progress,
+                                          programs)
+    tuning = {id(row): row for row in [*first.values(), *second.values()]}  # a row per program and round
+    return _final_choice(labels, chosen, chosen2, progress), list(tuning.values())
 
 
 def _finalists_round(finalists, number: int, problem, made: dict, method, budget_of, resident, measure_methods,
-                     progress) -> tuple[dict, dict, dict]:
-    """Round `number` of the finalists ((label, [Evaluated]) pairs): each distinct one not in `made` compiled
-    (`method(label, evaluated, problem)`, added to `made` as (Method, Policy, problem), numbered in its knob),
-    then all timed together in rounds of their own (`measure_methods`), so the head to head that follows
-    times the chosen ones afresh: picking the fastest of several noisy timings does not flatter the figures
-    compared. Returns per budget the finalist measured fastest among those whose measured peak is at or
-    under the budget ({label: Evaluated}), the measured rows ({actions: row}, with their `round`), and the
-    budgets where none is, each with the largest measured / predicted peak of its finalists
-    (`_refit_budgets`)."""
-    for label, evaluated in finalists:
-        for e in evaluated:
-            if e.chromosome.actions not in made:
-                m, policy = method(label, e, problem)
-                m.knob = f"{label} #{len(made) + 1}"
-                made[e.chromosome.actions] = (m, policy, problem)
+                     progress, programs=None) -> tuple[dict, dict, dict]:
+    """Round `number` of the finalists ((label, [Evaluated]) pairs): each distinct one not in `made` made
+    (`method(label, evaluated, problem)`, added to `made` as (Method, Policy, problem)); with `programs`
+    (`pool.Programs`), one whose partition saves what one made before saves stands for that one (its entry in
+    `made` is that one's: the same programs, compiled and timed once) and the others are compiled in worker
+    processes; each program numbered in its knob. Then all timed together in rounds of their own
+    (`measure_methods`), so the head to head that follows times the chosen ones afresh: picking the fastest
+    of several noisy timings does not flatter the figures compared. Returns per budget the finalist measured
+    fastest among those whose measured peak is at or under the budget ({label: Evaluated}), the measured rows
+    ({actions: row}, with their `round`; one row per program), and the budgets where none is, each with the
+    largest measured / predicted peak of its finalists (`_refit_budgets`)."""
+    _make(finalists, problem, made, method, programs)
     timed = list(dict.fromkeys(e.chromosome.actions for _, evaluated in finalists for e in evaluated))
     if not timed:
         return {}, {}, {}
-    progress(f"  timing {len(timed)} finalists (round {number})")
-    contenders = partial(_contenders, timed, finalists, budget_of, resident)
-    measured = measure_methods([made[a][0] for a in timed], TUNING_ROUNDS, TUNING_STEPS, metered=1, prune=contenders)
-    rows = {a: row | {"round": number} for a, row in zip(timed, measured)}
+    methods = list({id(made[a][0]): made[a][0] for a in timed}.values())
+    index = {a: [id(m) for m in methods].index(id(made[a][0])) for a in timed}
+    progress(f"  timing {len(methods)} finalists (round {number})")
+    contenders = partial(_contenders, index, finalists, budget_of, resident)
+    measured = [row | {"round": number} for row in
+                measure_methods(methods, TUNING_ROUNDS, TUNING_STEPS, metered=1, prune=contenders)]
+    rows = {a: measured[index[a]] for a in timed}
     chosen, unfit = {}, {}
     number_of = lambda e: made[e.chromosome.actions][0].knob.rsplit(" ", 1)[-1]
     for label, evaluated in finalists:
@@ -305,16 +327,43 @@ def _finalists_round(finalists, number: int, problem, made: dict, method, budget
             continue
         chosen[label] = min(fits, key=lambda e: rows[e.chromosome.actions]["step_s"])
         progress(f"  at {label}: finalist {number_of(chosen[label])} of "
-                 + ", ".join(number_of(e) for e in evaluated))
+                 + ", ".join(dict.fromkeys(number_of(e) for e in evaluated)))
     return chosen, rows, unfit
 
 
-def _contenders(timed: list, finalists, budget_of: dict, resident: int, rows: list[dict]) -> set[int]:
-    """The indices in `timed` (actions, in the order of `rows`, their measured rows so far) of the finalists
-    still worth timing: at some budget of theirs (`finalists`: (label, [Evaluated]) pairs) measured at or under
-    it and not clearly slower than the fastest there (its slowest step faster than their fastest, by
-    `SEPARATED`). The others cannot be chosen: over every budget of theirs, or separated by the timings alone."""
-    row_of = dict(zip(timed, rows))
+def _make(finalists, problem, made: dict, method, programs=None) -> None:
+    """Add to `made` the finalists not in it (`_finalists_round`): made by `method`, those of a partition
+    made before standing for that one (`programs.same`; a torch partition's origin passed on to it), each
+    other numbered after the programs made so far, and compiled by `programs`."""
+    new = {}
+    for label, evaluated in finalists:
+        for e in evaluated:
+            if e.chromosome.actions not in made and e.chromosome.actions not in new:
+                new[e.chromosome.actions] = (label, *method(label, e, problem))
+    same = programs.same([(m, policy) for _, m, policy in new.values()], "finalist") if programs else [None] * len(new)
+    count = len({id(m) for m, *_ in made.values()})
+    fresh = []
+    for (a, (label, m, policy)), first in zip(new.items(), same):
+        if first is None:
+            count += 1
+            m.knob = f"{label} #{count}"
+            made[a] = (m, policy, problem)
+            fresh.append((m, policy))
+        else:
+            if first.origin == "search" and m.origin not in ("", "search"):
+                first.origin = m.origin  # a torch partition's programs: say so
+            made[a] = next(v for v in made.values() if v[0] is first)
+    if programs:
+        programs.compile(fresh, "finalist")
+
+
+def _contenders(index: dict, finalists, budget_of: dict, resident: int, rows: list[dict]) -> set[int]:
+    """The indices in `rows` (the measured rows so far; `index`: each finalist's actions -> the index of its
+    row) of the finalists still worth timing: at some budget of theirs (`finalists`: (label, [Evaluated])
+    pairs) measured at or under it and not clearly slower than the fastest there (its slowest step faster than
+    their fastest, by `SEPARATED`). The others cannot be chosen: over every budget of theirs, or separated by
+    the timings alone."""
+    row_of = {a: rows[i] for a, i in index.items()}
     keep = set()
     for label, evaluated in finalists:
         fits = [e.chromosome.actions for e in evaluated
@@ -322,7 +371,7 @@ def _contenders(timed: list, finalists, budget_of: dict, resident: int, rows: li
         if fits:
             best = min(fits, key=lambda a: row_of[a]["step_s"])
             keep |= {a for a in fits if row_of[a]["step_min"] <= row_of[best]["step_max"] * (1 + SEPARATED)}
-    return {i for i, a in enumerate(timed) if a in keep}
+    return {index[a] for a in keep}
 
 
 def _second_round(finalists, made: dict, chosen: dict, standing: dict | None = None, error: float = 0.0,
@@ -360,16 +409,18 @@ def _final_choice(labels, first: dict, second: dict, progress) -> dict:
 
 def _picked(chosen: dict, made: dict, method, budget_of, problem) -> list[tuple[Method, policies.Policy]]:
     """[(Method, Policy)] of the `chosen` ({label: Evaluated}) at each budget, knobbed by it: the one `made`
-    (actions -> (Method, Policy, problem)) if not picked already, else one compiled apart (the same policy
-    picked at two budgets); a policy not made is compiled as `problem` predicts it (untimed finalists)."""
+    (actions -> (Method, Policy, problem)), and where it was picked already (the same programs picked at two
+    budgets) a Method of its own running the same compiled step; a policy not made is compiled as `problem`
+    predicts it (untimed finalists)."""
     out, used = [], set()
     for label, e in chosen.items():
         a = e.chromosome.actions
-        if a in made and a not in used:
+        if a in made:
             m, policy, _ = made[a]
+            m = replace(m, knob=label) if id(m) in used else m
         else:
-            m, policy = method(label, e, made[a][2] if a in made else problem)
-        used.add(a)
+            m, policy = method(label, e, problem)
+        used.add(id(m))
         m.knob = label
         out.append((m, _with_budget(policy, label, budget_of[label])))
     return out
@@ -432,15 +483,24 @@ def _peak_reached(m: Method, inputs, target, exp, device, progress) -> int:
     return training.metered_peak(partial(m.step, inputs, target, exp.loss, device), device)[0]
 
 
-def _cpu_times(policies_, model, inputs, target, exp, device, progress, rounds: int = 4, steps: int = 3) -> list[float]:
+def _cpu_times(policies_, model, inputs, target, exp, device, progress, programs=None, rounds: int = 4,
+               steps: int = 3) -> list[float]:
     """Median CPU seconds per training step of `model` compiled under each policy, timed as the methods
-    compared are (`compiled_methods.measure`: rotated rounds, each after a metered and an untimed step)."""
-    methods = []
+    compared are (`compiled_methods.measure`: rotated rounds, each after a metered and an untimed step). With
+    `programs` (`pool.Programs`), policies of one partition are compiled and timed once, in worker processes
+    first."""
+    made = []
     for k, policy in enumerate(policies_):
         m, opt = training.fresh_copy(model, exp.optimizer)
-        methods.append(Method("calibration", str(k + 1), m, partition.compile(m, policy), opt))
-    rows = compiled_methods.measure(methods, inputs, target, exp.loss, device, rounds, steps, progress, metered=1)
-    return [row["step_s"] for row in rows]
+        made.append((Method("calibration", str(k + 1), m, partition.compile(m, policy), opt), policy))
+    same = programs.same(made, "calibration policy") if programs else [None] * len(made)
+    fresh = [(m, policy) for (m, policy), first in zip(made, same) if first is None]
+    if programs:
+        programs.compile(fresh, "calibration policy")
+    rows = compiled_methods.measure([m for m, _ in fresh], inputs, target, exp.loss, device, rounds, steps,
+                                    progress, metered=1)
+    seconds = {id(m): row["step_s"] for (m, _), row in zip(fresh, rows)}
+    return [seconds[id(first or m)] for (m, _), first in zip(made, same)]
 
 
 def _count(chromosome) -> int:
@@ -451,7 +511,7 @@ def command(args) -> int:
     """Run the comparison from parsed arguments and print the table."""
     below = tuple(float(b) for b in args.below.split(",") if b.strip())
     run(args.experiment, rounds=args.rounds, steps=args.steps, below=below, finalists=args.finalists,
-        results_root=args.results, cache_dir=args.cache)
+        results_root=args.results, cache_dir=args.cache, workers=getattr(args, "workers", None))
     name = config.load_experiment(args.experiment).name
     print((Path(args.results) / name / "compare.md").read_text(), end="")
     print(f"wrote {Path(args.results) / name}/ (compare.csv, compare.md, compiled/)")

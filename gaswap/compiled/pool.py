@@ -1,0 +1,236 @@
+"""Compile in worker processes: each compiles a method's step into inductor's on-disk caches (its FX graphs,
+the AOT autograd artifact, the C++ kernels), so that the process that times the methods loads each compiled
+program from the caches (about a second) instead of generating it (tens of seconds to minutes, cold).
+
+Workers share the caches with the measuring process (`TORCHINDUCTOR_CACHE_DIR`, else inductor's default
+folder for this user); they build the experiment's model and inputs as `methods.setup` does and train one step
+of each job: a gaswap policy (`partition.compile`) or torch.compile at an activation memory budget
+(`methods.torch_compiled`). Timing stays in the measuring process, never while workers run.
+
+Inductor's cache keys must come out the same in the workers as in the measuring process: `stable_cache_keys`
+(both call it) names memory formats by a function of this module in the pickles hashed into the keys; left
+to pickle, `torch.contiguous_format` is named by the first module in `sys.modules` that imported torch,
+which differs between processes that imported other modules first (every compile then misses the cache).
+
+The pool is only a shortcut: a job a worker fails on (or a pool that breaks) is left to the measuring process,
+which compiles it itself and meets the same error there, as it would without a pool. A worker can also say
+which activations a policy's partition saves (`partition.partitioned_by`, no code generated): policies that
+save the same ones generate the same programs, and are compiled once (`distinct`).
+"""
+from __future__ import annotations
+
+import copyreg
+import logging
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from multiprocessing import get_context
+from typing import Self
+
+import torch
+from torch._inductor import config as inductor_config
+
+from gaswap.base import config
+from gaswap.compiled import methods, partition
+from gaswap.run import training
+
+MAX_WORKERS = 4  # each holds a copy of the model and inductor's compile state
+_state: dict = {}  # a worker's experiment, model, inputs, target and device (`_init`)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One compile: `policy` (a compiled gaswap Policy), else torch.compile at activation memory `budget`;
+    `label` names it in progress lines."""
+
+    label: str
+    policy: object = None
+    budget: float | None = None
+
+
+def default_workers() -> int:
+    """Worker processes for this machine: one per CPU this process may run on, at most `MAX_WORKERS`; none
+    (compile in the measuring process) on a single CPU, where workers only add their start-up."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return 0 if cpus < 2 else min(cpus, MAX_WORKERS)
+
+
+class CompilePool:
+    """`with CompilePool(experiment_path, workers) as pool:` then `pool.submit(jobs)` (compiling starts),
+    `pool.compile(jobs)` (those and the submitted ones compiled: the caches filled) and `pool.partitions(
+    policies)` (what each saves). With `workers` 0 it compiles nothing (compile in the measuring process) and
+    finds partitions in this process with `local` ((model, inputs)), else not."""
+
+    def __init__(self, experiment_path, workers: int, progress=print, local: tuple | None = None):
+        self.path, self.workers, self.progress, self.local = str(experiment_path), workers, progress, local
+        self.seconds: dict[str, float] = {}  # a job's label -> the worker's wall seconds compiling it
+        self._executor = None
+        self._pending: dict = {}  # future -> Job
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the workers (their memory is not the timed steps' to share)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor, self._pending = None, {}
+
+    def submit(self, jobs: list[Job]) -> None:
+        """Start compiling `jobs` in the workers (`compile` waits for them)."""
+        executor = self._start() if jobs else None
+        try:
+            self._pending |= {executor.submit(_compile, job): job for job in jobs} if executor else {}
+        except (OSError, BrokenProcessPool):  # no process to start here: this process compiles
+            self._broken()
+
+    def compile(self, jobs: list[Job]) -> list[float | None]:
+        """Compile `jobs` in the workers and wait for them and those submitted before; per job of `jobs` the
+        worker's wall seconds, or None where it left the job to the measuring process."""
+        self.submit(jobs)
+        if self._pending:
+            pending = list(self._pending.values())
+            self.progress(f"  compiling {len(pending)} in {min(self.workers, len(pending))} worker processes: "
+                          + ", ".join(job.label for job in pending))
+            for k, (job, seconds) in enumerate(self._wait(), 1):
+                if seconds is not None:
+                    self.seconds[job.label] = seconds
+                    self.progress(f"  compiled {job.label} ({k} of {len(pending)}, {len(pending) - k} to go; "
+                                  f"{seconds:.0f} s in a worker)")
+        return [self.seconds.get(job.label) for job in jobs]
+
+    def partitions(self, policies: list) -> list[tuple | None]:
+        """Per policy, the activations its partition saves and those it offloads ((saved, offloaded), sorted
+        names), found in the workers (without workers, in this process with `local`); None where not found."""
+        if self.workers <= 0:
+            return [None if self.local is None else partition_of(*self.local, policy) for policy in policies]
+        executor = self._start() if policies else None
+        try:
+            futures = [executor.submit(_partition, policy) for policy in policies] if executor else []
+            return [future.result() for future in futures] if futures else [None] * len(policies)
+        except (OSError, BrokenProcessPool):
+            self._broken()
+            return [None] * len(policies)
+
+    def _start(self):
+        if self.workers > 0 and self._executor is None:
+            stable_cache_keys()  # the keys of the measuring process's compiles, as the workers hash them
+            self._executor = ProcessPoolExecutor(self.workers, mp_context=get_context("spawn"), initializer=_init,
+                                                 initargs=(self.path,))
+        return self._executor
+
+    def _wait(self):
+        """(Job, seconds or None) of the pending jobs as they finish."""
+        try:
+            for future in as_completed(list(self._pending)):
+                yield self._pending.pop(future), future.result()
+        except BrokenProcessPool:
+            self._broken()
+
+    def _broken(self) -> None:
+        self.progress("  the compile workers stopped; compiling in this process")
+        self.workers, self._executor, self._pending = 0, None, {}
+
+
+class Programs:
+    """The programs made so far, one per distinct partition: `same` finds, for new methods, the one made
+    before for a policy whose partition saves the same activations (the same programs: compiled and timed
+    once); `compile` compiles the others in the pool."""
+
+    def __init__(self, pool: CompilePool):
+        self.pool = pool
+        self._by_key: dict = {}
+
+    def same(self, made: list, what: str) -> list:
+        """`made`: [(Method, its Policy)] (`what`s, in progress lines); per entry the Method made before (earlier
+        here or in an earlier call) whose partition saves the same activations, else None (this one now stands
+        for its partition)."""
+        keys = self.pool.partitions([policy for _, policy in made]) if len(made) > 1 or self._by_key else [None]
+        out = []
+        for (m, _), key in zip(made, keys):
+            first = m if key is None else self._by_key.setdefault(key, m)
+            out.append(None if first is m else first)
+        repeated = sum(first is not None for first in out)
+        if repeated:
+            self.pool.progress(f"  {repeated} of {len(made)} {what}s save the same activations as one made before "
+                               f"(the same programs): compiled and timed once")
+        return out
+
+    def compile(self, made: list, what: str) -> None:
+        """Compile `made` ([(Method, its Policy)]) in the pool, each named `what` and its knob in progress;
+        each Method's `precompiled_s` set (None: left to this process)."""
+        jobs = [Job(f"{what} {m.knob}" + ("" if m.recomputed is None else f" ({m.recomputed} recomputed)"), policy)
+                for m, policy in made]
+        for (m, _), seconds in zip(made, self.pool.compile(jobs)):
+            m.precompiled_s = seconds
+
+
+def stable_cache_keys() -> None:
+    """Pickle `torch.memory_format`s as `_memory_format(name)` in this process (see the module's doc)."""
+    copyreg.pickle(torch.memory_format, _reduce_memory_format)
+
+
+def _reduce_memory_format(memory_format) -> tuple:
+    return _memory_format, (str(memory_format).removeprefix("torch."),)
+
+
+def _memory_format(name: str):
+    return getattr(torch, name)
+
+
+# --- in a worker -----------------------------------------------------------------------------------------
+
+def _init(experiment_path: str) -> None:
+    """Set up this worker as `methods.setup` sets up the measuring process (the same model, inputs and
+    threads), its cache keys as stable (`stable_cache_keys`)."""
+    for name in ("torch._inductor", "torch._dynamo", "torch._functorch"):
+        logging.getLogger(name).setLevel(logging.ERROR)  # e.g. "failed to pickle cache key" of partitioned_by
+    inductor_config.compile_threads = 1  # the workers are the parallelism
+    stable_cache_keys()
+    exp = config.load_experiment(experiment_path)
+    device, model, inputs, target, _ = methods.setup(exp)
+    _state.update(exp=exp, model=model, inputs=inputs, target=target, device=device)
+
+
+def _compile(job: Job) -> float | None:
+    """Train one step of the job's compiled model (the compile); its wall seconds, None if it failed."""
+    exp = _state["exp"]
+    model, optimizer = training.fresh_copy(_state["model"], exp.optimizer)
+    run = (partition.compile(model, job.policy) if job.policy is not None
+           else methods.torch_compiled(model, job.budget))
+    started = time.perf_counter()
+    try:
+        training.train_step(run, optimizer, _state["inputs"], _state["target"], exp.loss, _state["device"])
+    except Exception:  # noqa: BLE001 - the measuring process compiles it again and reports what fails
+        return None
+    finally:
+        torch._dynamo.reset()
+    return time.perf_counter() - started
+
+
+def _partition(policy) -> tuple | None:
+    try:
+        return partition_of(_state["model"], _state["inputs"], policy)
+    finally:
+        torch._dynamo.reset()  # a worker traces the model afresh for each policy: no recompile limit to reach
+
+
+def partition_of(model, inputs, policy) -> tuple | None:
+    """(saved, offloaded) of `policy`'s partition of `model`'s step on `inputs` (sorted activation names,
+    `partition.partitioned_by`), None if it failed (the compile that follows reports why)."""
+
+    quiet = logging.getLogger("torch._inductor.codecache")  # "failed to pickle cache key": the stop is not cached
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        p = partition.partitioned_by(model, policy, *inputs)
+    except Exception:  # noqa: BLE001 - the measuring process compiles it and reports what fails
+        return None
+    finally:
+        quiet.setLevel(level)
+    return tuple(sorted(p.saved)), tuple(sorted(p.offloaded))
