@@ -33,6 +33,11 @@ from gaswap.base.config import format_size
 from gaswap.base.signals import from_code, named_interrupts
 
 
+def _workers(text: str):
+    """An argparse type: a count of worker processes, or "auto" (None: one per CPU)."""
+    return None if text == "auto" else _at_least(0, int)(text)
+
+
 def _at_least(minimum: float, kind=int):
     """An argparse type: a number of `kind` that is at least `minimum`."""
     def parse(text: str):
@@ -106,6 +111,9 @@ def main(argv=None) -> int:
                         "1: the fastest in prediction, untimed)")
     p.add_argument("--results", default="results", help="folder of result folders (default: results)")
     p.add_argument("--cache", default=None, help="cost cache folder (default: $GASWAP_CACHE or ~/.cache/gaswap)")
+    p.add_argument("--workers", type=_workers, default=0,
+                   help="processes that compile the policies before they are timed (default 0: the measuring process "
+                        "compiles; auto: one per CPU); not yet shown to pay, see docs/compiled.md")
     p.set_defaults(run=compare)
     p = add_parser("shard-compare", help="a sharded run's checkpointing head to head: no AC, full AC, torchtitan's "
                                          "SAC and per-layer AC, gaswap; per rank at W = 8, 64, 256")

@@ -24,9 +24,10 @@ it was timed. The verdicts of compare.md are `gaswap.app.compare_report`'s.
 Compiling is most of a compare's time (a cold compile of an unrolled GRU takes a minute of CPU): policies
 whose partitions save the same activations generate the same programs, so each finalist (and calibration
 policy) is partitioned first and one per partition is compiled and timed (`gaswap.compiled.pool.Programs`;
-a torch partition's name passes on to the search's policy it equals); the compiles run in worker processes
-(one per CPU, `workers`), each into inductor's caches, before the measuring process loads them (about a
-second each) and times them with no worker running.
+a torch partition's name passes on to the search's policy it equals); with `workers` (`--workers`), the compiles run
+in worker processes, each into inductor's caches, before the measuring process loads them (about a second
+each) and times them with no worker running. Workers are off by default: on this project's 2-core machine
+they have not yet been shown to save time (docs/compiled.md, "Compare's time").
 Policies are simulated as inductor runs them (`gaswap.compiled.step_model`): standalone op costs in CPU
 seconds, fused intermediates not counted, the keep-all step, the cost of recomputation, of kept masks and
 of saved bytes calibrated on policies compiled and timed first (`step_model.calibrate`, seven). The
@@ -89,10 +90,10 @@ FINALIST_COLUMNS = (*COLUMNS, "round")  # finalists.csv: the round that timed th
 
 
 def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), finalists: int = FINALISTS,
-        results_root="results", cache_dir=None, progress=print, workers: int | None = None) -> list[dict]:
+        results_root="results", cache_dir=None, progress=print, workers: int | None = 0) -> list[dict]:
     """Compare the methods on one experiment; write compare.csv / compare.md; return the rows (COLUMNS).
-    `workers`: processes that compile before the measuring process loads (`gaswap.compiled.pool`; default
-    one per CPU, 0: compile in the measuring process)."""
+    `workers`: processes that compile before the measuring process loads (`gaswap.compiled.pool`; 0, the
+    default: compile in the measuring process; None: one per CPU)."""
     exp = config.load_experiment(experiment_path)
     if exp.loss == "external":
         raise config.ConfigError(f"{exp.path}: loss: compare computes the loss outside the compiled model; give a "
@@ -117,7 +118,9 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
              f"{calibration.scale:.2f}x their ops one by one, library calls {calibration.extern_scale:.2f}x; "
              f"a kept mask {calibration.mask_rate * 1e9:.1f} ms per MB, saved tensors "
              f"{calibration.saved_rate * 1e9:.1f} ms per MB; fit within "
-             f"{calibration.worst_error():.1%} on its points")
+             f"{calibration.worst_error():.1%} on its points; peaks offset by "
+             f"{'-' if calibration.peak_offset < 0 else '+'}{format_size(abs(calibration.peak_offset))}"
+             f" (recomputed values inductor inlines {'held' if not calibration.inline_recomputed else 'not held'})")
     unbounded = step_model.CompiledProblem(graph, costs, None, space, loss=exp.loss, calibration=calibration)
     opwise = Problem(graph, costs, None, space)  # the model before: every op alone, every tensor counted
     encoding = unbounded.encoding
@@ -484,8 +487,9 @@ def _peak_reached(m: Method, inputs, target, exp, device, progress) -> int:
 
 
 def _cpu_times(policies_, model, inputs, target, exp, device, progress, programs=None, rounds: int = 4,
-               steps: int = 3) -> list[float]:
-    """Median CPU seconds per training step of `model` compiled under each policy, timed as the methods
+               steps: int = 3) -> list[tuple[float, int]]:
+    """Median CPU seconds per training step of `model` compiled under each policy and its metered peak above
+    the bytes resident before the step, timed as the methods
     compared are (`compiled_methods.measure`: rotated rounds, each after a metered and an untimed step). With
     `programs` (`pool.Programs`), policies of one partition are compiled and timed once, in worker processes
     first."""
@@ -499,8 +503,8 @@ def _cpu_times(policies_, model, inputs, target, exp, device, progress, programs
         programs.compile(fresh, "calibration policy")
     rows = compiled_methods.measure([m for m, _ in fresh], inputs, target, exp.loss, device, rounds, steps,
                                     progress, metered=1)
-    seconds = {id(m): row["step_s"] for (m, _), row in zip(fresh, rows)}
-    return [seconds[id(first or m)] for (m, _), first in zip(made, same)]
+    measured = {id(m): (row["step_s"], row["peak_bytes"]) for (m, _), row in zip(fresh, rows)}
+    return [measured[id(first or m)] for (m, _), first in zip(made, same)]
 
 
 def _count(chromosome) -> int:
@@ -511,7 +515,7 @@ def command(args) -> int:
     """Run the comparison from parsed arguments and print the table."""
     below = tuple(float(b) for b in args.below.split(",") if b.strip())
     run(args.experiment, rounds=args.rounds, steps=args.steps, below=below, finalists=args.finalists,
-        results_root=args.results, cache_dir=args.cache, workers=getattr(args, "workers", None))
+        results_root=args.results, cache_dir=args.cache, workers=args.workers)
     name = config.load_experiment(args.experiment).name
     print((Path(args.results) / name / "compare.md").read_text(), end="")
     print(f"wrote {Path(args.results) / name}/ (compare.csv, compare.md, compiled/)")
