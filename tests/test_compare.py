@@ -415,3 +415,14 @@ def test_warm_up_records_a_compiled_methods_programs_and_reads_its_peak():
         compiled_.step((x,), y, "cross_entropy", torch.device("cpu"))
     predicted = compare._program_peak(compiled_, 8 * 5 * 4, "cross_entropy", lines.append)
     assert abs(meter.peak / predicted - 1) <= 0.05, (meter.peak, predicted)
+
+
+def test_workers_option_takes_a_count_or_auto():
+    import argparse
+
+    from gaswap.app.cli import _workers
+
+    assert _workers("auto") is None  # one per CPU
+    assert _workers("0") == 0 and _workers("2") == 2
+    with pytest.raises(argparse.ArgumentTypeError):
+        _workers("-1")
