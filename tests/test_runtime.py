@@ -520,3 +520,29 @@ def test_a_tensor_retired_twice_keeps_both_device_copies_until_their_frees():
         torch.manual_seed(5)
         got = runner(fresh_args(cap, model, inputs, target))
         assert all(torch.equal(a, b) for a, b in zip(expected, got)), prompt
+
+
+def test_the_peak_meter_is_not_lowered_by_garbage_of_an_earlier_metered_block():
+    """Cyclic garbage holding a tensor allocated under an earlier meter, collected mid-block, would take its bytes
+    off the running total (the allocator knows their size): the meter collects before it starts."""
+    import gc
+
+    from gaswap.run.peak_meter import PeakMeter
+
+    class Node:
+        pass
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with PeakMeter("cpu"):
+            node = Node()
+            node.tensor, node.itself = torch.ones(100_000), node
+        del node  # garbage now, freed only by the collector
+        with PeakMeter("cpu") as meter:
+            gc.collect()  # as the collector may run in the middle of a step
+            made = torch.ones(200_000)
+        assert meter.peak == made.nbytes
+    finally:
+        if enabled:
+            gc.enable()
