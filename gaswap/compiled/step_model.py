@@ -226,12 +226,11 @@ class CompiledProblem(Problem):
                                    hold_sources=True,
                                    inlined_if_recomputed=recomputable if calibration is None
                                    or calibration.inline_recomputed else ())
-        self._offset, self._peak_offset = 0.0, 0
+        self._offset = 0.0
         if calibration is not None:  # the keep-all step (masks and saved bytes aside) costs `base`
             keep_all = self.simulate(self.encoding.uniform(Action.KEEP))
             self._offset = calibration.base - (keep_all.step_time - calibration.mask_rate * self.kept_mask_bytes(
                 self.encoding.uniform(Action.KEEP)) - calibration.saved_rate * keep_all.saved_bytes)
-            self._peak_offset = calibration.peak_offset
 
     def __getstate__(self) -> dict:
         return super().__getstate__() | {"loss": self.loss, "calibration": self.calibration}
@@ -251,7 +250,7 @@ class CompiledProblem(Problem):
         if self.calibration is None:
             return r
         return replace(r, step_time=r.step_time + self._offset + self.calibration.mask_rate * self.kept_mask_bytes(c)
-                       + self.calibration.saved_rate * r.saved_bytes, peak_bytes=r.peak_bytes + self._peak_offset)
+                       + self.calibration.saved_rate * r.saved_bytes, peak_bytes=r.peak_bytes + self.calibration.peak_offset)
 
     def canonical(self, c: Chromosome) -> Chromosome:
         """`c` as it runs: the candidates computed from constants alone recomputed, whatever `c` says."""
