@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gaswap.base import config
+from gaswap.base.files import csv_text, write_atomic
 from gaswap.compiled import methods as compiled_methods
 from gaswap.compiled import partition, programs, step_model
 from gaswap.compiled.methods import Method
@@ -135,10 +136,8 @@ def measure_experiment(path: str, out: Path, program_dir: Path, rounds: int, ste
 
 
 def _write(path: Path, rows: list[dict], columns) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, columns, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
+    """`rows`' `columns` (others left out) to the CSV file `path`, whole or not at all."""
+    write_atomic(path, csv_text([{k: row.get(k) for k in columns} for row in rows], columns))
 
 
 def _program_peak(folder: Path, names: str, output_bytes: int, loss: str) -> int | None:
