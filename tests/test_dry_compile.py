@@ -1,0 +1,69 @@
+"""gaswap.compiled.dry_compile: the programs inductor writes for a policy, without compiling their kernels, are
+the programs a real compile runs; nothing runs and the model compiles for real afterwards."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gaswap import zoo
+from gaswap.compiled import dry_compile, methods, partition
+from gaswap.compiled.programs import Recorder, step_peak
+
+pytestmark = pytest.mark.slow
+OUTPUT_BYTES = 16 * 10 * 4  # the tiny CNN's logits: batch 16, 10 classes, float32
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model, x, y = zoo.tiny_cnn(num_classes=10, width=8), torch.randn(16, 3, 16, 16), torch.randint(0, 10, (16,))
+    graph = partition.capture(model, x)
+    candidates = graph.candidates()
+    recomputable = [t for t in candidates if graph.ops[[op.name for op in graph.ops].index(
+        graph.tensors[t].producer)].recomputable]
+    policy = partition.make_policy(graph, {t: "recompute" for t in recomputable[::2]})
+    return model, x, y, policy
+
+
+def _real_peak(compiled, x, y) -> int:
+    with Recorder() as recorder:
+        F.cross_entropy(compiled(x), y).backward()
+    return step_peak(recorder.programs, OUTPUT_BYTES, "cross_entropy")
+
+
+def test_a_policy_s_dry_programs_are_the_ones_a_real_compile_runs_and_nothing_ran(tiny):
+    model, x, y, policy = tiny
+    dry_model = copy.deepcopy(model)
+    before = [p.detach().clone() for p in dry_model.parameters()]
+    dry = dry_compile.programs_of(partition.compile(dry_model, policy), x)
+    assert len(dry) == 2 and [p.is_backward for p in dry] == [False, True]
+    assert all(p.grad is None for p in dry_model.parameters())  # no backward ran
+    assert all(torch.equal(a, b) for a, b in zip(before, dry_model.parameters()))
+    real = _real_peak(partition.compile(copy.deepcopy(model), policy), x, y)  # compiles for real after the dry one
+    assert step_peak(dry, OUTPUT_BYTES, "cross_entropy") == real
+    assert dry_compile.policy_peak(copy.deepcopy(model), policy, (x,), OUTPUT_BYTES, "cross_entropy") == real
+
+
+def test_torch_s_partition_dry_is_its_real_compile(tiny):
+    model, x, y, _ = tiny
+    dry = dry_compile.torch_peak(copy.deepcopy(model), 0.5, (x,), OUTPUT_BYTES, "cross_entropy")
+    assert dry == _real_peak(methods.torch_compiled(copy.deepcopy(model), 0.5), x, y)
+
+
+def test_a_model_that_fails_to_compile_says_so_in_one_line():
+    class Breaks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return y.sum() if y.sum().item() > 0 else -y.sum()  # a branch the data decides: a graph break
+
+    with pytest.raises(dry_compile.ProgramError, match="inductor wrote 0 of a step's two programs: .+"):
+        dry_compile.programs_of(torch.compile(Breaks(), backend="inductor", fullgraph=True, dynamic=False),
+                                torch.randn(3, 4))
+    with torch.no_grad(), pytest.raises(dry_compile.ProgramError, match="inference graph"):
+        dry_compile.programs_of(torch.compile(torch.nn.Linear(4, 4), backend="inductor", fullgraph=True,
+                                              dynamic=False), torch.randn(3, 4))
