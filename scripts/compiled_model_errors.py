@@ -29,6 +29,7 @@ import argparse
 import csv
 import statistics
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 from gaswap.base import config
 from gaswap.base.files import csv_text, write_atomic
 from gaswap.compiled import methods as compiled_methods
-from gaswap.compiled import partition, programs, step_model
+from gaswap.compiled import dry_compile, partition, programs, step_model
 from gaswap.compiled.methods import Method
 from gaswap.plan.encoding import Action, Chromosome
 from gaswap.plan.problem import Problem
@@ -133,6 +134,40 @@ def measure_experiment(path: str, out: Path, program_dir: Path, rounds: int, ste
                          "first_step_s": early["step_s"] if early is not None else None})
     (out / "measured").mkdir(parents=True, exist_ok=True)
     _write(out / "measured" / f"{exp.name}.csv", out_rows, MEASURED)
+
+
+DRY = ("experiment", "label", "kind", "peak_bytes", "program_peak_bytes", "dry_peak_bytes", "dry_peak_error",
+       "same_as_program", "dry_cpu_s")
+
+
+def dry_experiment(path: str, out: Path, program_dir: Path) -> list[dict]:
+    """Each stored policy's program peak written by inductor without compiling its kernels
+    (`dry_compile`), beside the meter's and the stored real compile's program peak."""
+    exp = config.load_experiment(path)
+    with open(out / "measured" / f"{exp.name}.csv") as f:
+        stored = list(csv.DictReader(f))
+    _, _, model, inputs, _, graph, costs, space = _setup(path, out)
+    problem = step_model.CompiledProblem(graph, costs, None, space, loss=exp.loss)
+    output_bytes = graph.tensors[graph.loss].size
+    provenance = {"optimizer": exp.optimizer, "counts": sorted(exp.counts)}
+    rows = []
+    for r in stored:
+        start = time.process_time()
+        if r["kind"] == "torch":
+            dry = dry_compile.torch_peak(model, float(r["label"].split()[1]), inputs, output_bytes, exp.loss)
+        else:
+            policy = partition.make_policy(graph, problem.actions_of(_chromosome(problem, r["actions"])),
+                                           provenance=provenance)
+            dry = dry_compile.policy_peak(model, policy, inputs, output_bytes, exp.loss)
+        program = _program_peak(program_dir / exp.name, r["programs"], output_bytes, exp.loss)
+        rows.append({"experiment": exp.name, "label": r["label"], "kind": r["kind"], "peak_bytes": int(r["peak_bytes"]),
+                     "program_peak_bytes": program, "dry_peak_bytes": dry,
+                     "dry_peak_error": _error(dry, int(r["peak_bytes"])),
+                     "same_as_program": None if program is None else dry == program,
+                     "dry_cpu_s": round(time.process_time() - start, 2)})
+        print(f"{exp.name} {r['label']}: dry {dry} program {program} metered {r['peak_bytes']} "
+              f"({rows[-1]['dry_cpu_s']} CPU s)", flush=True)
+    return rows
 
 
 def _write(path: Path, rows: list[dict], columns) -> None:
@@ -239,7 +274,7 @@ def markdown(rows: list[dict], tag: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("verb", choices=("measure", "report"))
+    parser.add_argument("verb", choices=("measure", "report", "dry"))
     parser.add_argument("experiments", nargs="+")
     parser.add_argument("--out", default=str(ROOT / "results" / "compiled_model"))
     parser.add_argument("--programs", default="/tmp/gaswap_compiled_model_programs")
@@ -251,6 +286,10 @@ def main() -> None:
     if args.verb == "measure":
         for path in args.experiments:
             measure_experiment(path, out, program_dir, args.rounds, args.steps)
+        return
+    if args.verb == "dry":
+        rows = [row for path in args.experiments for row in dry_experiment(path, out, program_dir)]
+        _write(out / f"dry_{args.tag}.csv", rows, DRY)
         return
     rows = [row for path in args.experiments for row in report_experiment(path, out, program_dir)]
     _write(out / f"errors_{args.tag}.csv", rows, ERRORS)

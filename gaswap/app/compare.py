@@ -61,6 +61,7 @@ from pathlib import Path
 import torch
 
 from gaswap.app.compare_report import budget_labels, to_markdown
+from gaswap.app.compare_screen import ProgramPeaks, describe, offset
 from gaswap.base import config
 from gaswap.base.config import format_size
 from gaswap.base.files import csv_text, write_atomic
@@ -76,6 +77,7 @@ from gaswap.run.measure import device_name, measure
 
 TORCH_BUDGETS = (1.0, 0.5, 0.2)
 FINALISTS = 3  # gaswap policies per budget compiled and timed before the head to head; the fastest is compared
+SCREENED = 3  # candidates per finalist whose programs inductor writes (no kernels compiled) to find those that fit
 TUNING_ROUNDS, TUNING_STEPS = 3, 2
 SEPARATED = 0.10  # a finalist whose fastest step is this much slower than the slowest of the fastest is not timed on
 COLUMNS = ("method", "knob", "predicted_peak_bytes", "predicted_step_s", "peak_bytes", "peak_min", "peak_max",
@@ -152,7 +154,12 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     budgets = _budgets([peak + resident for peak in reached], below, resident)
     budget_of_torch = dict(zip((m.knob for m in methods[1:]), _labels_of(budgets, [p + resident for p in reached])))
     seeds = {f"torch_{b:g}": c for b, (c, _) in torch_points.items()}
-    shortlist = _search(exp, graph, costs, calibration, space, seeds, budgets, resident, progress, finalists)
+    output_bytes = graph.tensors[graph.loss].size
+    peaks = ProgramPeaks(model, inputs, output_bytes, exp.loss,
+                         lambda c: partition.make_policy(graph, unbounded.actions_of(c), provenance=provenance),
+                         offset(reached, [_program_peak(m, output_bytes, exp.loss, progress) for m in methods[1:]]),
+                         progress) if finalists > 1 else None
+    shortlist = _search(exp, graph, costs, calibration, space, seeds, budgets, resident, progress, finalists, peaks)
     folder = Path(results_root) / exp.name
     budget_of = dict(budgets)
     partitions = {f"torch {b:g}": (c, r, peak + resident) for (b, (c, r)), peak in zip(torch_points.items(), reached)}
@@ -178,8 +185,6 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
         return Method("gaswap", label, m, partition.compile(m, policy), opt, predicted(evaluated.chromosome, r),
                       _count(evaluated.chromosome), origin=origin.get(evaluated.chromosome.actions, "search")), policy
 
-    output_bytes = graph.tensors[graph.loss].size
-
     def measure_methods(ms, rounds_, steps_, **options):
         rows_ = compiled_methods.measure(ms, inputs, target, exp.loss, device, rounds_, steps_, progress, **options)
         for m, row in zip(ms, rows_):
@@ -193,8 +198,10 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     else:
         chosen, tuning = _two_rounds(
             shortlist, unbounded, budgets, resident, made, method, measure_methods, progress,
-            lambda refit, again: _search(exp, graph, costs, refit, space, seeds, again, resident, progress, finalists),
+            lambda refit, again: _search(exp, graph, costs, refit, space, seeds, again, resident, progress, finalists,
+                                         peaks),
             pool.Programs(compile_pool))
+        progress(describe(peaks))
     picked = _picked(chosen, made, method, budget_of, unbounded)
     untimed = {tuple(sorted(policy.actions.items())): (m, policy) for m, policy in picked if not m.compile_s}
     pool.Programs(compile_pool).compile(list(untimed.values()), "pick")  # with finalists 1: each policy once
@@ -219,16 +226,30 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
 
 
 def _search(exp, graph, costs, calibration, space, seeds, budgets, resident, progress,
-            finalists: int = 1) -> list[tuple[str, list]]:
+            finalists: int = 1, peaks: ProgramPeaks | None = None) -> list[tuple[str, list]]:
     """gaswap's `finalists` policies (`_shortlist`) at each of `budgets` ((label, bytes) pairs), the GA seeded
-    with `seeds`: (label, [Evaluated, the fastest predicted first]) pairs, skipping budgets where nothing fits."""
-    out = []
-    for label, budget in budgets:
+    with `seeds`: (label, [Evaluated, the fastest predicted first]) pairs, skipping budgets where nothing fits.
+    With `peaks`, the `finalists` are the fastest of `SCREENED` times as many whose programs fit the budget
+    (`ProgramPeaks.screen`); where none does, the search runs once more under the budget lowered by how far
+    their programs' peaks exceed the model's."""
+
+    def shortlist_at(label, budget) -> list[Evaluated]:
         problem = step_model.CompiledProblem(graph, costs, budget, space, loss=exp.loss, calibration=calibration)
         result = search(problem, exp.ga, exp.seed, seeds=seeds)
         progress(f"  gaswap search at {label}: " + ("nothing fits" if result.best is None else
                  f"{format_size(result.best.peak_bytes - resident)}, {result.best.step_time * 1e3:.2f} ms predicted"))
-        shortlist = _shortlist(result.front, result.fastest, problem.canonical, finalists)
+        return _shortlist(result.front, result.fastest, problem.canonical,
+                          finalists * (SCREENED if peaks is not None else 1))
+
+    out = []
+    for label, budget in budgets:
+        shortlist = shortlist_at(label, budget)
+        if peaks is not None and shortlist:
+            shortlist, ratio = peaks.screen(label, budget, resident, shortlist, finalists)
+            if ratio > 1:
+                lowered = resident + int((budget - resident) / ratio)
+                shortlist, _ = peaks.screen(label, budget, resident, shortlist_at(
+                    f"{label}, lowered to {format_size(lowered - resident)}", lowered), finalists)
         if shortlist:
             out.append((label, shortlist))
     return out

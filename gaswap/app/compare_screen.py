@@ -1,0 +1,76 @@
+"""Compare's finalists checked against inductor's own programs before any is compiled.
+
+The search's model of a compiled step (`step_model`) guesses what inductor fuses and reuses, and errs up to
+30 % on a policy's peak on models it was not tuned for; a finalist it says fits can measure over its budget,
+and its compile (a minute of CPU) is wasted. `ProgramPeaks` asks inductor: it writes the forward and backward
+programs of a policy without compiling their kernels (`gaswap.compiled.dry_compile`, 2 to 16 CPU s here) and
+reads their peak (`programs.step_peak`, equal to the compiled programs' peak), plus the offset the meter reads
+beyond the programs on torch's partitions (what runs outside them: the optimizer's view of gradients, the
+loss). `screen` keeps a budget's fastest candidates (by the model) whose programs fit it.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import replace
+
+from gaswap.base.config import format_size
+from gaswap.compiled import dry_compile
+from gaswap.compiled.programs import ProgramError
+from gaswap.plan.policy import PolicyError
+from gaswap.plan.problem import Evaluated
+
+
+class ProgramPeaks:
+    """The peak above resident a finalist's compiled step will meter: its programs' peak (inductor's, no kernel
+    compiled) plus `offset`; one dry compile per distinct policy. `policy_of(chromosome)`: its compiled policy."""
+
+    def __init__(self, model, inputs, output_bytes: int, loss: str, policy_of, offset: int, progress=print):
+        self.model, self.inputs, self.output_bytes, self.loss = model, inputs, output_bytes, loss
+        self.policy_of, self.offset, self.progress = policy_of, offset, progress
+        self.known: dict[tuple, int | None] = {}  # actions -> programs' peak (None: inductor's program unreadable)
+
+    def peak(self, chromosome) -> int | None:
+        """Bytes above resident (None where inductor could not write or gaswap could not read its programs)."""
+        if chromosome.actions not in self.known:
+            try:
+                self.known[chromosome.actions] = dry_compile.policy_peak(
+                    self.model, self.policy_of(chromosome), self.inputs, self.output_bytes, self.loss)
+            except (ProgramError, PolicyError) as e:
+                self.progress(f"  a finalist's programs not read ({e}): kept on the model's word")
+                self.known[chromosome.actions] = None
+        peak = self.known[chromosome.actions]
+        return None if peak is None else peak + self.offset
+
+    def screen(self, label: str, budget: int, resident: int, evaluated: list[Evaluated], n: int
+               ) -> tuple[list[Evaluated], float]:
+        """Up to `n` of `evaluated` (fastest first), in order, whose programs fit `budget` (bytes, resident
+        included), each with its programs' peak as its `peak_bytes`; and, where none fits, the largest ratio of a
+        candidate's programs' peak to the model's (how far to lower the budget for another search; 1.0 else)."""
+        kept, ratio, checked = [], 1.0, 0
+        for e in evaluated:
+            if len(kept) == n:
+                break
+            checked += 1
+            peak = self.peak(e.chromosome)
+            if peak is None:
+                kept.append(e)
+            elif resident + peak <= budget:
+                kept.append(replace(e, peak_bytes=resident + peak))
+            else:
+                ratio = max(ratio, peak / max(e.peak_bytes - resident, 1))
+        self.progress(f"  at {label}: {len(kept)} of {checked} candidates fit by inductor's programs"
+                      + ("" if kept else f" (up to {ratio:.2f}x the model's peak)"))
+        return kept, (1.0 if kept else ratio)
+
+
+def offset(metered: list[int], program_peaks: list[int | None]) -> int:
+    """The median of what the meter read beyond the programs' peak, over the runs whose programs were read (0
+    where none was)."""
+    gaps = [m - p for m, p in zip(metered, program_peaks) if p is not None]
+    return int(statistics.median(gaps)) if gaps else 0
+
+
+def describe(peaks: ProgramPeaks) -> str:
+    """One line: how many programs were written and the offset."""
+    return (f"  inductor wrote the programs of {len(peaks.known)} finalist candidates (no kernels compiled); the "
+            f"meter reads {'-' if peaks.offset < 0 else '+'}{format_size(abs(peaks.offset))} beyond their peak")
