@@ -1,0 +1,94 @@
+"""gaswap.app.compare_screen: compare's finalists checked against inductor's programs (stand-ins for the dry
+compile here; `test_dry_compile` checks it against real compiles)."""
+import pytest
+
+from gaswap.app import compare_screen
+from gaswap.compiled import dry_compile
+from gaswap.compiled.programs import ProgramError
+from gaswap.plan.encoding import Chromosome
+from gaswap.plan.problem import Evaluated
+
+RESIDENT = 1000
+
+
+def _evaluated(action: int, seconds: float, model_peak: int) -> Evaluated:
+    return Evaluated(Chromosome((0.0,), (action,)), seconds, RESIDENT + model_peak)
+
+
+@pytest.fixture
+def peaks(monkeypatch):
+    """ProgramPeaks whose 'dry compile' reads a table: action -> programs' peak (None: unreadable); offset 10."""
+    program = {0: 100, 1: 150, 2: 90, 3: None, 4: 400}
+    written = []
+
+    def policy_peak(model, policy, inputs, output_bytes, loss):
+        written.append(policy)
+        if program[policy] is None:
+            raise ProgramError("a size that is not a number")
+        return program[policy]
+
+    monkeypatch.setattr(dry_compile, "policy_peak", policy_peak)
+    lines = []
+    made = compare_screen.ProgramPeaks(None, (), 0, "sum", lambda c: c.actions[0], 10, lines.append)
+    return made, written, lines
+
+
+def test_a_budget_keeps_its_fastest_candidates_whose_programs_fit_with_their_programs_peak(peaks):
+    made, written, lines = peaks
+    candidates = [_evaluated(1, 1.0, 100), _evaluated(0, 1.1, 100), _evaluated(2, 1.2, 80), _evaluated(4, 1.3, 90)]
+    kept, ratio = made.screen("A", RESIDENT + 120, RESIDENT, candidates, 2)
+    assert [e.chromosome.actions for e in kept] == [(0,), (2,)] and ratio == 1.0  # 1: 150 + 10 over 120
+    assert [e.peak_bytes for e in kept] == [RESIDENT + 110, RESIDENT + 100]  # programs' peak + offset
+    assert [e.step_time for e in kept] == [1.1, 1.2]  # the model's time stands
+    assert written == [1, 0, 2]  # stopped once two fit: 4 never written
+    assert "2 of 3 candidates fit" in lines[-1]
+    made.screen("B", RESIDENT + 500, RESIDENT, candidates, 4)
+    assert written == [1, 0, 2, 4]  # one dry compile per policy, whatever the budget
+
+
+def test_where_none_fits_the_ratio_says_how_far_the_programs_exceed_the_model(peaks):
+    made, _, lines = peaks
+    kept, ratio = made.screen("A", RESIDENT + 50, RESIDENT, [_evaluated(1, 1.0, 80), _evaluated(0, 1.1, 100)], 3)
+    assert kept == [] and ratio == pytest.approx(160 / 80)
+    assert "up to 2.00x the model's peak" in lines[-1]
+
+
+def test_a_policy_whose_programs_cannot_be_read_stays_on_the_models_word(peaks):
+    made, _, lines = peaks
+    unread = _evaluated(3, 1.0, 100)
+    kept, _ = made.screen("A", RESIDENT + 50, RESIDENT, [unread], 3)
+    assert kept == [unread] and made.peak(unread.chromosome) is None
+    assert any("not read (a size that is not a number)" in line for line in lines)
+
+
+def test_the_offset_is_the_median_gap_over_the_programs_read():
+    assert compare_screen.offset([110, 210, 330], [100, None, 300]) == 20
+    assert compare_screen.offset([110], [None]) == 0
+
+
+def test_a_budget_none_of_whose_candidates_fit_is_searched_again_under_the_programs_excess(peaks, monkeypatch):
+    from types import SimpleNamespace
+
+    from gaswap.app import compare
+    from gaswap.compiled import step_model
+
+    made, _, _ = peaks
+    searched = []
+
+    class Problem:  # stands for CompiledProblem: records the budget searched under
+        def __init__(self, graph, costs, budget, space, loss, calibration):
+            searched.append(budget - RESIDENT)
+            self.canonical = lambda c: c
+
+    def search(problem, ga, seed, seeds):  # at 200 above resident action 1 (programs 150 + 10); lower, action 2
+        front = [_evaluated(1, 1.0, 80)] if searched[-1] >= 100 else [_evaluated(2, 1.5, 60)]
+        return SimpleNamespace(best=front[0], front=front, fastest=front)
+
+    monkeypatch.setattr(step_model, "CompiledProblem", Problem)
+    monkeypatch.setattr(compare, "search", search)
+    exp = SimpleNamespace(loss="sum", ga=None, seed=0)
+    out = compare._search(exp, None, None, None, None, {}, [("A", RESIDENT + 200), ("B", RESIDENT + 120)], RESIDENT,
+                          lambda line: None, 3, made)
+    # A: action 1 fits (160 <= 200); B: it does not (160 / 80 = 2x the model): searched again under 120 / 2
+    assert searched == [200, 120, 60]
+    assert [(label, [e.chromosome.actions for e in es]) for label, es in out] == [("A", [(1,)]), ("B", [(2,)])]
