@@ -8,7 +8,8 @@ the lowest of them; the GA (search space `compiled`: keep / recompute, the compi
 torch's partitions, each read back as keep/recompute actions. The model cannot see every effect of fusion
 (keeping a bool mask can slow a kernel several times), so the `finalists` fastest policies it predicts at
 each budget (the search's Pareto front, filled up with the next fastest that fit where the front holds
-fewer: it can hold one or two when every policy is predicted nearly the same peak), and torch's partitions
+fewer: it can hold one or two when every policy is predicted nearly the same peak; of those, the first whose
+programs, written by inductor without compiling their kernels, fit the budget: `compare_screen`), and torch's partitions
 whose measured peak fits, are compiled and timed first, in rounds of their own (`_finalists_round`: the
 peak metered in the first, which the allocator gives the same every run; a finalist over every budget of
 its own, or clearly slower than the fastest there, timed no longer: `_contenders`). Then
