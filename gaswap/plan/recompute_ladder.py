@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gaswap.plan.graph import Graph
+from gaswap.plan.sharding import inside
 
 PRICES = 48  # local searches, at prices spread geometrically over the block's own seconds per byte
 KEEP, FULL = -1, -2  # hull points that are not ladder rungs: nothing recomputed, everything recomputed
@@ -80,11 +81,12 @@ class BlockModel:
 
 
 def backward_reads(graph: Graph, unit: str) -> tuple[set, set]:
-    """The tensors the backward ops of `unit` (its module or inside it) read, and those other backward ops read."""
+    """The tensors the backward ops of `unit` (a block: its module or inside it) read, and those other backward
+    ops read."""
     mine, other = set(), set()
     for op in graph.ops:
         if op.phase == "bwd":
-            (mine if op.layer == unit or op.layer.startswith(unit + ".") else other).update(op.inputs)
+            (mine if inside(op.layer, unit) else other).update(op.inputs)
     return mine, other
 
 

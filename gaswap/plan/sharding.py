@@ -172,11 +172,16 @@ class RankGraph:
         return self.group_size.get(op, self.spec.shard_size)
 
 
+def inside(path: str, unit: str) -> bool:
+    """Whether module `path` is `unit` or inside it (every path is inside the root, "")."""
+    return unit == ROOT or path == unit or path.startswith(unit + ".")
+
+
 def unit_of(path: str, units) -> str:
     """The unit owning a module path: the longest unit path that is it or contains it ("" owns the rest)."""
     best = ROOT
     for u in units:
-        if u and (path == u or path.startswith(u + ".")) and len(u) > len(best):
+        if u and inside(path, u) and len(u) > len(best):
             best = u
     return best
 
@@ -668,7 +673,7 @@ class _Builder:
         """Whether op `i` of module `layer` is one of unit `u`'s (the loss and the backward's seed are no unit's)."""
         if self.is_outside(layer) or i in self.seed:
             return False
-        return u == ROOT or layer == u or layer.startswith(u + ".")
+        return inside(layer, u)
 
     def members(self) -> dict[str, list[int]]:
         """{module path: the ops inside it, in order} ("" holds them all)."""
