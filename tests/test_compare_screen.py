@@ -49,8 +49,8 @@ def test_a_budget_keeps_its_fastest_candidates_whose_programs_fit_with_their_pro
 def test_where_none_fits_the_ratio_says_how_far_the_programs_exceed_the_model(peaks):
     made, _, lines = peaks
     kept, ratio = made.screen("A", RESIDENT + 50, RESIDENT, [_evaluated(1, 1.0, 80), _evaluated(0, 1.1, 100)], 3)
-    assert kept == [] and ratio == pytest.approx(160 / 80)
-    assert "up to 2.00x the model's peak" in lines[-1]
+    assert kept == [] and ratio == pytest.approx(110 / 100)  # the least excess: 0's programs, 110 against 100
+    assert "(1.10x to 2.00x the model's peak)" in lines[-1]
 
 
 def test_a_policy_whose_programs_cannot_be_read_stays_on_the_models_word(peaks):

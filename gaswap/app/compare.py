@@ -231,8 +231,8 @@ def _search(exp, graph, costs, calibration, space, seeds, budgets, resident, pro
     """gaswap's `finalists` policies (`_shortlist`) at each of `budgets` ((label, bytes) pairs), the GA seeded
     with `seeds`: (label, [Evaluated, the fastest predicted first]) pairs, skipping budgets where nothing fits.
     With `peaks`, the `finalists` are the fastest of `SCREENED` times as many whose programs fit the budget
-    (`ProgramPeaks.screen`); where none does, the search runs once more under the budget lowered by how far
-    their programs' peaks exceed the model's."""
+    (`ProgramPeaks.screen`); where none does, the search runs once more under the budget lowered by the least
+    excess of their programs' peaks over the model's."""
 
     def shortlist_at(label, budget) -> list[Evaluated]:
         problem = step_model.CompiledProblem(graph, costs, budget, space, loss=exp.loss, calibration=calibration)

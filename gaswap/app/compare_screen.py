@@ -44,9 +44,10 @@ class ProgramPeaks:
     def screen(self, label: str, budget: int, resident: int, evaluated: list[Evaluated], n: int
                ) -> tuple[list[Evaluated], float]:
         """Up to `n` of `evaluated` (fastest first), in order, whose programs fit `budget` (bytes, resident
-        included), each with its programs' peak as its `peak_bytes`; and, where none fits, the largest ratio of a
-        candidate's programs' peak to the model's (how far to lower the budget for another search; 1.0 else)."""
-        kept, ratio, checked = [], 1.0, 0
+        included), each with its programs' peak as its `peak_bytes`; and, where none fits, the smallest ratio of a
+        candidate's programs' peak to the model's (the least the budget must be lowered by for another search to
+        find policies that would fit were the model to err as little; 1.0 where one fits)."""
+        kept, ratios, checked = [], [], 0
         for e in evaluated:
             if len(kept) == n:
                 break
@@ -57,10 +58,10 @@ class ProgramPeaks:
             elif resident + peak <= budget:
                 kept.append(replace(e, peak_bytes=resident + peak))
             else:
-                ratio = max(ratio, peak / max(e.peak_bytes - resident, 1))
-        self.progress(f"  at {label}: {len(kept)} of {checked} candidates fit by inductor's programs"
-                      + ("" if kept else f" (up to {ratio:.2f}x the model's peak)"))
-        return kept, (1.0 if kept else ratio)
+                ratios.append(peak / max(e.peak_bytes - resident, 1))
+        excess = "" if kept or not ratios else f" ({min(ratios):.2f}x to {max(ratios):.2f}x the model's peak)"
+        self.progress(f"  at {label}: {len(kept)} of {checked} candidates fit by inductor's programs{excess}")
+        return kept, (1.0 if kept or not ratios else min(ratios))
 
 
 def offset(metered: list[int], program_peaks: list[int | None]) -> int:
