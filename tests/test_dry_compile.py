@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._inductor.compile_fx import compile_fx
 
 from gaswap import zoo
 from gaswap.compiled import dry_compile, methods, partition
@@ -27,6 +28,7 @@ def tiny():
 
 
 def _real_peak(compiled, x, y) -> int:
+    torch.manual_seed(1)  # the CNN's dropout
     with Recorder() as recorder:
         F.cross_entropy(compiled(x), y).backward()
     return step_peak(recorder.programs, OUTPUT_BYTES, "cross_entropy")
@@ -36,13 +38,32 @@ def test_a_policy_s_dry_programs_are_the_ones_a_real_compile_runs_and_nothing_ra
     model, x, y, policy = tiny
     dry_model = copy.deepcopy(model)
     before = [p.detach().clone() for p in dry_model.parameters()]
-    dry = dry_compile.programs_of(partition.compile(dry_model, policy), x)
+    dry = dry_compile.programs_of(dry_model, partition.backend(policy), x)
     assert len(dry) == 2 and [p.is_backward for p in dry] == [False, True]
     assert all(p.grad is None for p in dry_model.parameters())  # no backward ran
     assert all(torch.equal(a, b) for a, b in zip(before, dry_model.parameters()))
     real = _real_peak(partition.compile(copy.deepcopy(model), policy), x, y)  # compiles for real after the dry one
     assert step_peak(dry, OUTPUT_BYTES, "cross_entropy") == real
     assert dry_compile.policy_peak(copy.deepcopy(model), policy, (x,), OUTPUT_BYTES, "cross_entropy") == real
+
+
+def test_a_real_compile_after_a_dry_one_reads_both_graphs_from_inductor_s_cache(tiny, tmp_path, monkeypatch):
+    from torch._dynamo.utils import counters
+
+    model, x, y, policy = tiny
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # empty: what the dry compile writes, alone
+    counters.clear()
+    dry = step_peak(dry_compile.programs_of(copy.deepcopy(model), partition.backend(policy), x), OUTPUT_BYTES,
+                    "cross_entropy")
+    assert counters["inductor"]["fxgraph_cache_miss"] == 2 and counters["inductor"]["fxgraph_cache_hit"] == 0
+    counters.clear()
+    after, fresh = copy.deepcopy(model), copy.deepcopy(model)
+    assert _real_peak(partition.compile(after, policy), x, y) == dry
+    assert counters["inductor"]["fxgraph_cache_hit"] == 2 and counters["inductor"]["fxgraph_cache_miss"] == 0
+    torch.manual_seed(1)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        F.cross_entropy(partition.compile(fresh, policy)(x), y).backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(after.parameters(), fresh.parameters()))
 
 
 def test_torch_s_partition_dry_is_its_real_compile(tiny):
@@ -62,8 +83,6 @@ def test_a_model_that_fails_to_compile_says_so_in_one_line():
             return y.sum() if y.sum().item() > 0 else -y.sum()  # a branch the data decides: a graph break
 
     with pytest.raises(dry_compile.ProgramError, match="inductor wrote 0 of a step's two programs: .+"):
-        dry_compile.programs_of(torch.compile(Breaks(), backend="inductor", fullgraph=True, dynamic=False),
-                                torch.randn(3, 4))
+        dry_compile.programs_of(Breaks(), compile_fx, torch.randn(3, 4))
     with torch.no_grad(), pytest.raises(dry_compile.ProgramError, match="inference graph"):
-        dry_compile.programs_of(torch.compile(torch.nn.Linear(4, 4), backend="inductor", fullgraph=True,
-                                              dynamic=False), torch.randn(3, 4))
+        dry_compile.programs_of(torch.nn.Linear(4, 4), compile_fx, torch.randn(3, 4))

@@ -70,6 +70,11 @@ def partition_actions(encoding: Encoding, actions: dict[str, str]) -> tuple[int,
 
 def torch_compiled(model, budget: float):
     """torch.compile with inductor, its partitioner at `activation_memory_budget = budget`."""
+    return torch.compile(model, backend=torch_backend(budget), fullgraph=True, dynamic=False)
+
+
+def torch_backend(budget: float):
+    """Inductor as a torch.compile backend, its partitioner at `activation_memory_budget = budget`."""
     from torch._functorch import config as functorch_config
     from torch._inductor.compile_fx import compile_fx
 
@@ -77,7 +82,7 @@ def torch_compiled(model, budget: float):
         with functorch_config.patch(activation_memory_budget=budget):
             return compile_fx(gm, example_inputs)
 
-    return torch.compile(model, backend=inductor_at_budget, fullgraph=True, dynamic=False)
+    return inductor_at_budget
 
 
 def allow_recompiles(count: int) -> None:
