@@ -223,8 +223,9 @@ def test_two_rounds_refit_the_time_model_on_round_one_and_time_round_twos_new_fi
     def time_methods(methods, rounds, steps, **options):
         return [{"knob": m.knob, **dict(zip(("peak_bytes", "step_s"), measured[m.origin]))} for m in methods]
 
-    def search_again(refit, budgets):
+    def search_again(refit, budgets, settled):
         searched.append((refit, budgets))
+        assert settled("A", evaluated(0, 0, 0)) and not settled("A", evaluated(1, 1, 1))  # made in round 1 or not
         return [("A", [evaluated(0, 0, 1), evaluated(1, 1, 1)]), ("B", [evaluated(0, 1, 1)])]
 
     # A: 40 above resident; B: 30 above, where neither finalist fits: measured 45 and 35, 40 predicted

@@ -1,5 +1,7 @@
 """gaswap.app.compare_screen: compare's finalists checked against inductor's programs (stand-ins for the dry
 compile here; `test_dry_compile` checks it against real compiles)."""
+from dataclasses import replace
+
 import pytest
 
 from gaswap.app import compare_screen
@@ -92,3 +94,10 @@ def test_a_budget_none_of_whose_candidates_fit_is_searched_again_under_the_progr
     # A: action 1 fits (160 <= 200); B: it does not (160 / 80 = 2x the model): searched again under 120 / 2
     assert searched == [200, 120, 60]
     assert [(label, [e.chromosome.actions for e in es]) for label, es in out] == [("A", [(1,)]), ("B", [(2,)])]
+
+
+def test_candidates_settled_already_are_passed_on_unchecked_and_count_toward_the_finalists(peaks):
+    made, written, _ = peaks
+    candidates = [_evaluated(1, 1.0, 100), _evaluated(0, 1.1, 100), _evaluated(2, 1.2, 80)]
+    kept, _ = made.screen("A", RESIDENT + 500, RESIDENT, candidates, 2, skip=lambda e: e.chromosome.actions == (1,))
+    assert kept == [candidates[0], replace(candidates[1], peak_bytes=RESIDENT + 110)] and written == [0]

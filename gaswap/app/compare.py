@@ -199,8 +199,8 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     else:
         chosen, tuning = _two_rounds(
             shortlist, unbounded, budgets, resident, made, method, measure_methods, progress,
-            lambda refit, again: _search(exp, graph, costs, refit, space, seeds, again, resident, progress, finalists,
-                                         peaks),
+            lambda refit, again, settled: _search(exp, graph, costs, refit, space, seeds, again, resident, progress,
+                                                  finalists, peaks, settled),
             pool.Programs(compile_pool))
         progress(describe(peaks))
     picked = _picked(chosen, made, method, budget_of, unbounded)
@@ -227,12 +227,13 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
 
 
 def _search(exp, graph, costs, calibration, space, seeds, budgets, resident, progress,
-            finalists: int = 1, peaks: ProgramPeaks | None = None) -> list[tuple[str, list]]:
+            finalists: int = 1, peaks: ProgramPeaks | None = None, settled=None) -> list[tuple[str, list]]:
     """gaswap's `finalists` policies (`_shortlist`) at each of `budgets` ((label, bytes) pairs), the GA seeded
     with `seeds`: (label, [Evaluated, the fastest predicted first]) pairs, skipping budgets where nothing fits.
     With `peaks`, the `finalists` are the fastest of `SCREENED` times as many whose programs fit the budget
-    (`ProgramPeaks.screen`); where none does, the search runs once more under the budget lowered by the least
-    excess of their programs' peaks over the model's."""
+    (`ProgramPeaks.screen`; `settled(label, evaluated)`: one not checked, passed on as it is); where none does,
+    the search runs once more under the budget lowered by the least excess of their programs' peaks over the
+    model's."""
 
     def shortlist_at(label, budget) -> list[Evaluated]:
         problem = step_model.CompiledProblem(graph, costs, budget, space, loss=exp.loss, calibration=calibration)
@@ -246,11 +247,12 @@ def _search(exp, graph, costs, calibration, space, seeds, budgets, resident, pro
     for label, budget in budgets:
         shortlist = shortlist_at(label, budget)
         if peaks is not None and shortlist:
-            shortlist, ratio = peaks.screen(label, budget, resident, shortlist, finalists)
+            skip = partial(settled, label) if settled else None
+            shortlist, ratio = peaks.screen(label, budget, resident, shortlist, finalists, skip)
             if ratio > 1:
                 lowered = resident + int((budget - resident) / ratio)
                 shortlist, _ = peaks.screen(label, budget, resident, shortlist_at(
-                    f"{label}, lowered to {format_size(lowered - resident)}", lowered), finalists)
+                    f"{label}, lowered to {format_size(lowered - resident)}", lowered), finalists, skip)
         if shortlist:
             out.append((label, shortlist))
     return out
@@ -291,7 +293,8 @@ def _two_rounds(shortlist, problem, budgets, resident, made: dict, method, measu
                 search_again, programs=None) -> tuple[dict, list[dict]]:
     """The policy compared at each budget ({label: Evaluated}) and the finalists' measured rows: `shortlist`'s
     finalists timed (round 1); the time model of `problem` (calibrated) refit on their times; the search
-    run again with it (`search_again(calibration, budgets)`: (label, [Evaluated]) pairs), under a budget
+    run again with it (`search_again(calibration, budgets, settled)`: (label, [Evaluated]) pairs; `settled(label,
+    evaluated)`: made already or not to be compiled, so not worth checking by its programs), under a budget
     lowered by the model's peak error where no finalist fit (`_refit_budgets`); its new finalists timed
     beside round 1's choice (round 2). `programs` (`pool.Programs`): finalists of one partition compiled and
     timed once, in worker processes first."""
@@ -308,10 +311,15 @@ def _two_rounds(shortlist, problem, budgets, resident, made: dict, method, measu
              f"(within {refit.worst_error():.1%} of them), searched again"
              + "".join(f"; at {label} under the budget over the peak error" for label in unfit))
     again = [(label, budget) for label, budget in budgets if label not in unfit]
-    retry = search_again(refit, again + _refit_budgets(unfit, budget_of, resident))
+    standing = {label: first[e.chromosome.actions]["step_s"] for label, e in chosen.items()}
+
+    def settled(label: str, e: Evaluated) -> bool:  # made already, or not to be compiled (`_second_round`)
+        return e.chromosome.actions in made or e.step_time > standing.get(label, float("inf")) * (
+            1 + refit.worst_error())
+
+    retry = search_again(refit, again + _refit_budgets(unfit, budget_of, resident), settled)
     refitted = step_model.CompiledProblem(problem.graph, problem.costs, None, problem.space, loss=problem.loss,
                                               calibration=refit)
-    standing = {label: first[e.chromosome.actions]["step_s"] for label, e in chosen.items()}
     chosen2, second, _ = _finalists_round(_second_round(retry, made, chosen, standing, refit.worst_error(), progress),
                                           2, refitted, made, method, budget_of, resident, measure_methods, progress,
                                           programs)

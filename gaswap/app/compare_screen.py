@@ -41,16 +41,20 @@ class ProgramPeaks:
         peak = self.known[chromosome.actions]
         return None if peak is None else peak + self.offset
 
-    def screen(self, label: str, budget: int, resident: int, evaluated: list[Evaluated], n: int
+    def screen(self, label: str, budget: int, resident: int, evaluated: list[Evaluated], n: int, skip=None
                ) -> tuple[list[Evaluated], float]:
         """Up to `n` of `evaluated` (fastest first), in order, whose programs fit `budget` (bytes, resident
-        included), each with its programs' peak as its `peak_bytes`; and, where none fits, the smallest ratio of a
+        included), each with its programs' peak as its `peak_bytes`, and those `skip(evaluated)` says need no
+        check (compiled already, or not to be), as they are; and, where none fits, the smallest ratio of a
         candidate's programs' peak to the model's (the least the budget must be lowered by for another search to
         find policies that would fit were the model to err as little; 1.0 where one fits)."""
         kept, ratios, checked = [], [], 0
         for e in evaluated:
             if len(kept) == n:
                 break
+            if skip is not None and skip(e):
+                kept.append(e)
+                continue
             checked += 1
             peak = self.peak(e.chromosome)
             if peak is None:
