@@ -53,6 +53,8 @@ def test_where_none_fits_the_ratio_says_how_far_the_programs_exceed_the_model(pe
     kept, ratio = made.screen("A", RESIDENT + 50, RESIDENT, [_evaluated(1, 1.0, 80), _evaluated(0, 1.1, 100)], 3)
     assert kept == [] and ratio == pytest.approx(110 / 100)  # the least excess: 0's programs, 110 against 100
     assert "(1.10x to 2.00x the model's peak)" in lines[-1]
+    kept, _ = made.screen("A", RESIDENT + 95, RESIDENT, [_evaluated(a, 1.0, 80) for a in (1, 4, 2)], 2)
+    assert kept == [] and "0 of 2 candidates" in lines[-1]  # two over, none under: 2 (90 + 10 fits) not checked
 
 
 def test_a_policy_whose_programs_cannot_be_read_stays_on_the_models_word(peaks):
@@ -94,6 +96,12 @@ def test_a_budget_none_of_whose_candidates_fit_is_searched_again_under_the_progr
     # A: action 1 fits (160 <= 200); B: it does not (160 / 80 = 2x the model): searched again under 120 / 2
     assert searched == [200, 120, 60]
     assert [(label, [e.chromosome.actions for e in es]) for label, es in out] == [("A", [(1,)]), ("B", [(2,)])]
+    searched.clear()  # C: action 2's programs (90 + 10) over 90, 100 / 60 the model's; lowered, the same again
+    compare._search(exp, None, None, None, None, {}, [("C", RESIDENT + 90)], RESIDENT, lambda line: None, 3, made)
+    assert searched == [90, int(90 / (100 / 60))] and made.unreached == {"C"}  # not searched in a second round
+    searched.clear()
+    assert compare._search(exp, None, None, None, None, {}, [("C", RESIDENT + 90)], RESIDENT, lambda line: None, 3,
+                           made) == [] and searched == []
 
 
 def test_candidates_settled_already_are_passed_on_unchecked_and_count_toward_the_finalists(peaks):

@@ -233,7 +233,7 @@ def _search(exp, graph, costs, calibration, space, seeds, budgets, resident, pro
     With `peaks`, the `finalists` are the fastest of `SCREENED` times as many whose programs fit the budget
     (`ProgramPeaks.screen`; `settled(label, evaluated)`: one not checked, passed on as it is); where none does,
     the search runs once more under the budget lowered by the least excess of their programs' peaks over the
-    model's."""
+    model's, and a budget where none fits then is not searched again (`ProgramPeaks.unreached`)."""
 
     def shortlist_at(label, budget) -> list[Evaluated]:
         problem = step_model.CompiledProblem(graph, costs, budget, space, loss=exp.loss, calibration=calibration)
@@ -245,6 +245,9 @@ def _search(exp, graph, costs, calibration, space, seeds, budgets, resident, pro
 
     out = []
     for label, budget in budgets:
+        if peaks is not None and label in peaks.unreached:
+            progress(f"  at {label}: not searched again (no policy's programs fit it, searched lower too)")
+            continue
         shortlist = shortlist_at(label, budget)
         if peaks is not None and shortlist:
             skip = partial(settled, label) if settled else None
@@ -253,6 +256,8 @@ def _search(exp, graph, costs, calibration, space, seeds, budgets, resident, pro
                 lowered = resident + int((budget - resident) / ratio)
                 shortlist, _ = peaks.screen(label, budget, resident, shortlist_at(
                     f"{label}, lowered to {format_size(lowered - resident)}", lowered), finalists, skip)
+                if not shortlist:
+                    peaks.unreached.add(label)  # the peaks are modelled alike in a second round: none would fit
         if shortlist:
             out.append((label, shortlist))
     return out

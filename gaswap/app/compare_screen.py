@@ -28,6 +28,7 @@ class ProgramPeaks:
         self.model, self.inputs, self.output_bytes, self.loss = model, inputs, output_bytes, loss
         self.policy_of, self.offset, self.progress = policy_of, offset, progress
         self.known: dict[tuple, int | None] = {}  # actions -> programs' peak (None: inductor's program unreadable)
+        self.unreached: set[str] = set()  # budgets (labels) no candidate fitted by its programs, even searched lower
 
     def peak(self, chromosome) -> int | None:
         """Bytes above resident (None where inductor could not write or gaswap could not read its programs)."""
@@ -44,13 +45,13 @@ class ProgramPeaks:
     def screen(self, label: str, budget: int, resident: int, evaluated: list[Evaluated], n: int, skip=None
                ) -> tuple[list[Evaluated], float]:
         """Up to `n` of `evaluated` (fastest first), in order, whose programs fit `budget` (bytes, resident
-        included), each with its programs' peak as its `peak_bytes`, and those `skip(evaluated)` says need no
+        included; the first `n` checked all over it end the check), each with its programs' peak as its `peak_bytes`, and those `skip(evaluated)` says need no
         check (compiled already, or not to be), as they are; and, where none fits, the smallest ratio of a
         candidate's programs' peak to the model's (the least the budget must be lowered by for another search to
         find policies that would fit were the model to err as little; 1.0 where one fits)."""
         kept, ratios, checked = [], [], 0
         for e in evaluated:
-            if len(kept) == n:
+            if len(kept) == n or (not kept and len(ratios) == n):  # n over the budget, none under: search lower
                 break
             if skip is not None and skip(e):
                 kept.append(e)
