@@ -319,8 +319,7 @@ def _two_rounds(shortlist, problem, budgets, resident, made: dict, method, measu
     standing = {label: first[e.chromosome.actions]["step_s"] for label, e in chosen.items()}
 
     def settled(label: str, e: Evaluated) -> bool:  # made already, or not to be compiled (`_second_round`)
-        return e.chromosome.actions in made or e.step_time > standing.get(label, float("inf")) * (
-            1 + refit.worst_error())
+        return e.chromosome.actions in made or e.step_time > _time_limit(standing, label, refit.worst_error())
 
     retry = search_again(refit, again + _refit_budgets(unfit, budget_of, resident), settled)
     refitted = step_model.CompiledProblem(problem.graph, problem.costs, None, problem.space, loss=problem.loss,
@@ -422,7 +421,7 @@ def _second_round(finalists, made: dict, chosen: dict, standing: dict | None = N
     out = []
     for label, evaluated in finalists:
         new = [e for e in evaluated if e.chromosome.actions not in made]
-        limit = (standing or {}).get(label, float("inf")) * (1 + error)
+        limit = _time_limit(standing or {}, label, error)
         hopeful = [e for e in new if e.step_time <= limit]
         if len(hopeful) < len(new):
             progress(f"  at {label}: {len(new) - len(hopeful)} of the second search's new finalists not compiled, "
@@ -430,6 +429,12 @@ def _second_round(finalists, made: dict, chosen: dict, standing: dict | None = N
         if hopeful:
             out.append((label, hopeful + ([chosen[label]] if label in chosen else [])))
     return out
+
+
+def _time_limit(standing: dict, label: str, error: float) -> float:
+    """The predicted seconds above which a second-round finalist at `label` is not compiled: the choice there
+    measured (`standing`: label -> seconds), plus the refit model's `error`; none where nothing stands."""
+    return standing.get(label, float("inf")) * (1 + error)
 
 
 def _final_choice(labels, first: dict, second: dict, progress) -> dict:
