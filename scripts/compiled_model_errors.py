@@ -4,6 +4,7 @@ policies, per experiment.
 
     PYTHONPATH=. python scripts/compiled_model_errors.py measure experiments/compare_cnn_cpu.yaml
     PYTHONPATH=. python scripts/compiled_model_errors.py report experiments/compare_*_cpu.yaml --tag after
+    PYTHONPATH=. python scripts/compiled_model_errors.py dry experiments/compare_*_cpu.yaml --tag after
 
 `measure` (the slow part: a compile per policy) compiles and trains, one experiment at a time: the seven
 calibration policies (`step_model.calibration_policies`) and torch.compile at activation_memory_budget 1.0 /
@@ -22,6 +23,10 @@ programs' peak (`programs.step_peak`); it writes `errors_<tag>.csv` and `errors_
 and kind, the largest error of each prediction and how many are within 5 % / 10 %; torch's partitions' time
 also against their first timing, beside the calibration's). The calibration policies are the fit's own
 points.
+
+`dry` has inductor write each stored policy's programs without compiling their kernels (`dry_compile`; torch's
+partitions through its own partitioner at their budget) and writes `dry_<tag>.csv`: their peak beside the
+meter's and the stored real compile's program peak, and the CPU seconds each took.
 """
 from __future__ import annotations
 
