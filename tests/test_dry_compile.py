@@ -34,36 +34,30 @@ def _real_peak(compiled, x, y) -> int:
     return step_peak(recorder.programs, OUTPUT_BYTES, "cross_entropy")
 
 
-def test_a_policy_s_dry_programs_are_the_ones_a_real_compile_runs_and_nothing_ran(tiny):
-    model, x, y, policy = tiny
-    dry_model = copy.deepcopy(model)
-    before = [p.detach().clone() for p in dry_model.parameters()]
-    dry = dry_compile.programs_of(dry_model, partition.backend(policy), x)
-    assert len(dry) == 2 and [p.is_backward for p in dry] == [False, True]
-    assert all(p.grad is None for p in dry_model.parameters())  # no backward ran
-    assert all(torch.equal(a, b) for a, b in zip(before, dry_model.parameters()))
-    real = _real_peak(partition.compile(copy.deepcopy(model), policy), x, y)  # compiles for real after the dry one
-    assert step_peak(dry, OUTPUT_BYTES, "cross_entropy") == real
-    assert dry_compile.policy_peak(copy.deepcopy(model), policy, (x,), OUTPUT_BYTES, "cross_entropy") == real
-
-
-def test_a_real_compile_after_a_dry_one_reads_both_graphs_from_inductor_s_cache(tiny, tmp_path, monkeypatch):
+def test_dry_programs_are_a_real_compile_s_nothing_ran_and_a_real_compile_after_reads_them_from_the_cache(
+        tiny, tmp_path, monkeypatch):
     from torch._dynamo.utils import counters
 
     model, x, y, policy = tiny
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # empty: what the dry compile writes, alone
+    dry_model = copy.deepcopy(model)
+    before = [p.detach().clone() for p in dry_model.parameters()]
     counters.clear()
-    dry = step_peak(dry_compile.programs_of(copy.deepcopy(model), partition.backend(policy), x), OUTPUT_BYTES,
-                    "cross_entropy")
+    dry = dry_compile.programs_of(dry_model, partition.backend(policy), x)
+    assert len(dry) == 2 and [p.is_backward for p in dry] == [False, True]
+    assert all(p.grad is None for p in dry_model.parameters())  # no backward ran
+    assert all(torch.equal(a, b) for a, b in zip(before, dry_model.parameters()))
     assert counters["inductor"]["fxgraph_cache_miss"] == 2 and counters["inductor"]["fxgraph_cache_hit"] == 0
+    peak = step_peak(dry, OUTPUT_BYTES, "cross_entropy")
+
     counters.clear()
     after, fresh = copy.deepcopy(model), copy.deepcopy(model)
-    assert _real_peak(partition.compile(after, policy), x, y) == dry
+    assert _real_peak(partition.compile(after, policy), x, y) == peak
     assert counters["inductor"]["fxgraph_cache_hit"] == 2 and counters["inductor"]["fxgraph_cache_miss"] == 0
-    torch.manual_seed(1)
-    with torch._inductor.config.patch(fx_graph_cache=False):
-        F.cross_entropy(partition.compile(fresh, policy)(x), y).backward()
+    with torch._inductor.config.patch(fx_graph_cache=False):  # a compile of its own, kernels and all
+        assert _real_peak(partition.compile(fresh, policy), x, y) == peak
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(after.parameters(), fresh.parameters()))
+    assert dry_compile.policy_peak(copy.deepcopy(model), policy, (x,), OUTPUT_BYTES, "cross_entropy") == peak
 
 
 def test_torch_s_partition_dry_is_its_real_compile(tiny):
