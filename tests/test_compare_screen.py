@@ -43,7 +43,7 @@ def test_a_budget_keeps_its_fastest_candidates_whose_programs_fit_with_their_pro
     assert [e.peak_bytes for e in kept] == [RESIDENT + 110, RESIDENT + 100]  # programs' peak + offset
     assert [e.step_time for e in kept] == [1.1, 1.2]  # the model's time stands
     assert written == [1, 0, 2]  # stopped once two fit: 4 never written
-    assert "2 of 3 candidates fit" in lines[-1]
+    assert "2 of 3 candidates checked fit" in lines[-1]
     made.screen("B", RESIDENT + 500, RESIDENT, candidates, 4)
     assert written == [1, 0, 2, 4]  # one dry compile per policy, whatever the budget
 
@@ -54,7 +54,7 @@ def test_where_none_fits_the_ratio_says_how_far_the_programs_exceed_the_model(pe
     assert kept == [] and ratio == pytest.approx(110 / 100)  # the least excess: 0's programs, 110 against 100
     assert "(1.10x to 2.00x the model's peak)" in lines[-1]
     kept, _ = made.screen("A", RESIDENT + 95, RESIDENT, [_evaluated(a, 1.0, 80) for a in (1, 4, 2)], 2)
-    assert kept == [] and "0 of 2 candidates" in lines[-1]  # two over, none under: 2 (90 + 10 fits) not checked
+    assert kept == [] and "0 of 2 candidates checked" in lines[-1]  # two over, none under: 2 (90 + 10 fits) not checked
 
 
 def test_a_policy_whose_programs_cannot_be_read_stays_on_the_models_word(peaks):
@@ -105,7 +105,9 @@ def test_a_budget_none_of_whose_candidates_fit_is_searched_again_under_the_progr
 
 
 def test_candidates_settled_already_are_passed_on_unchecked_and_count_toward_the_finalists(peaks):
-    made, written, _ = peaks
+    made, written, lines = peaks
     candidates = [_evaluated(1, 1.0, 100), _evaluated(0, 1.1, 100), _evaluated(2, 1.2, 80)]
     kept, _ = made.screen("A", RESIDENT + 500, RESIDENT, candidates, 2, skip=lambda e: e.chromosome.actions == (1,))
     assert kept == [candidates[0], replace(candidates[1], peak_bytes=RESIDENT + 110)] and written == [0]
+    assert lines[-1] == ("  at A: 1 of 1 candidates checked fit by inductor's programs; 1 passed on unchecked "
+                         "(compiled already, or not to be)")

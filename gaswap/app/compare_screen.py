@@ -49,12 +49,13 @@ class ProgramPeaks:
         check (compiled already, or not to be), as they are; and, where none fits, the smallest ratio of a
         candidate's programs' peak to the model's (the least the budget must be lowered by for another search to
         find policies that would fit were the model to err as little; 1.0 where one fits)."""
-        kept, ratios, checked = [], [], 0
+        kept, ratios, checked, passed = [], [], 0, 0
         for e in evaluated:
             if len(kept) == n or (not kept and len(ratios) == n):  # n over the budget, none under: search lower
                 break
             if skip is not None and skip(e):
                 kept.append(e)
+                passed += 1
                 continue
             checked += 1
             peak = self.peak(e.chromosome)
@@ -65,7 +66,9 @@ class ProgramPeaks:
             else:
                 ratios.append(peak / max(e.peak_bytes - resident, 1))
         excess = "" if kept or not ratios else f" ({min(ratios):.2f}x to {max(ratios):.2f}x the model's peak)"
-        self.progress(f"  at {label}: {len(kept)} of {checked} candidates fit by inductor's programs{excess}")
+        settled = f"; {passed} passed on unchecked (compiled already, or not to be)" if passed else ""
+        self.progress(f"  at {label}: {len(kept) - passed} of {checked} candidates checked fit by inductor's "
+                      f"programs{excess}{settled}")
         return kept, (1.0 if kept or not ratios else min(ratios))
 
 
