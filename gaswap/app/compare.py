@@ -62,7 +62,7 @@ from pathlib import Path
 import torch
 
 from gaswap.app.compare_report import budget_labels, to_markdown
-from gaswap.app.compare_screen import ProgramPeaks, describe, offset
+from gaswap.app.compare_screen import ProgramPeaks, offset
 from gaswap.base import config
 from gaswap.base.config import format_size
 from gaswap.base.files import csv_text, write_atomic
@@ -202,7 +202,7 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
             lambda refit, again, settled: _search(exp, graph, costs, refit, space, seeds, again, resident, progress,
                                                   finalists, peaks, settled),
             pool.Programs(compile_pool))
-        progress(describe(peaks))
+        progress(peaks.summary())
     picked = _picked(chosen, made, method, budget_of, unbounded)
     untimed = {tuple(sorted(policy.actions.items())): (m, policy) for m, policy in picked if not m.compile_s}
     pool.Programs(compile_pool).compile(list(untimed.values()), "pick")  # with finalists 1: each policy once

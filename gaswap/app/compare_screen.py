@@ -2,8 +2,8 @@
 
 The search's model of a compiled step (`step_model`) guesses what inductor fuses and reuses, and errs up to
 30 % on a policy's peak on models it was not tuned for; a finalist it says fits can measure over its budget,
-and its compile (a minute of CPU) is wasted. `ProgramPeaks` asks inductor: it writes the forward and backward
-programs of a policy without compiling their kernels (`gaswap.compiled.dry_compile`, 2 to 16 CPU s here) and
+and its compile (up to a minute of CPU) is wasted. `ProgramPeaks` asks inductor: it writes the forward and backward
+programs of a policy without compiling their kernels (`gaswap.compiled.dry_compile`, 1.8 to 30 CPU s a policy here) and
 reads their peak (`programs.step_peak`, equal to the compiled programs' peak), plus the offset the meter reads
 beyond the programs on torch's partitions (what runs outside them: the optimizer's view of gradients, the
 loss). `screen` keeps a budget's fastest candidates (by the model) whose programs fit it.
@@ -42,6 +42,11 @@ class ProgramPeaks:
         peak = self.known[chromosome.actions]
         return None if peak is None else peak + self.offset
 
+    def summary(self) -> str:
+        """One line: how many policies' programs were written, and the offset."""
+        return (f"  inductor wrote the programs of {len(self.known)} finalist candidates (no kernels compiled); the "
+                f"meter reads {'-' if self.offset < 0 else '+'}{format_size(abs(self.offset))} beyond their peak")
+
     def screen(self, label: str, budget: int, resident: int, evaluated: list[Evaluated], n: int, skip=None
                ) -> tuple[list[Evaluated], float]:
         """Up to `n` of `evaluated` (fastest first), in order, whose programs fit `budget` (bytes, resident
@@ -78,8 +83,3 @@ def offset(metered: list[int], program_peaks: list[int | None]) -> int:
     gaps = [m - p for m, p in zip(metered, program_peaks) if p is not None]
     return int(statistics.median(gaps)) if gaps else 0
 
-
-def describe(peaks: ProgramPeaks) -> str:
-    """One line: how many programs were written and the offset."""
-    return (f"  inductor wrote the programs of {len(peaks.known)} finalist candidates (no kernels compiled); the "
-            f"meter reads {'-' if peaks.offset < 0 else '+'}{format_size(abs(peaks.offset))} beyond their peak")

@@ -62,7 +62,7 @@ def programs_of(model, backend: Callable, *example_args) -> list[Program]:
             functorch_config.patch(force_non_lazy_backward_lowering=True):
         try:
             compiled(*example_args)
-        except Exception as e:  # noqa: BLE001 - dynamo wraps the stop (and any failure) in its own errors
+        except Exception as e:  # dynamo wraps the stop (and any failure) in its own errors
             if not stopped:
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise ProgramError(f"inductor wrote {len(recorder.programs)} of a step's two programs: {first}") from e
