@@ -42,8 +42,8 @@ sys.path.insert(0, str(ROOT))
 
 from gaswap.base import config
 from gaswap.base.files import csv_text, write_atomic
-from gaswap.compiled import methods as compiled_methods
 from gaswap.compiled import dry_compile, partition, programs, step_model
+from gaswap.compiled import methods as compiled_methods
 from gaswap.compiled.methods import Method
 from gaswap.plan.encoding import Action, Chromosome
 from gaswap.plan.problem import Problem
