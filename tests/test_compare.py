@@ -394,6 +394,7 @@ def test_validate_of_a_compiled_policy_from_another_device_or_none_named_warns(t
     assert main(["validate", str(tmp_path / "p.yaml"), "--steps", "3"]) == 0
     err = capsys.readouterr().err
     assert warned in err and err.count("warning:") == 1, err
+    assert ("--recalibrate times this policy's calibration here" in err) == (device is not None)  # the way out
 
 
 @pytest.mark.slow

@@ -84,6 +84,9 @@ def main(argv=None) -> int:
                    help="build the model from the factory the policy's experiment names, even outside gaswap.zoo")
     p.add_argument("--arena", action="store_true",
                    help="run the step's activations from one buffer allocated beforehand at planned offsets")
+    p.add_argument("--recalibrate", action="store_true",
+                   help="compiled policies: time the op costs and the calibration policies again here first and "
+                        "predict the step time from them too (for a policy planned on another device; minutes)")
     p.set_defaults(run=validate)
     p = add_parser("plot", help="write the Pareto, convergence, memory-timeline and action-map PNGs")
     p.add_argument("results", help="a results folder, e.g. results/alexnet_4gb")
@@ -455,12 +458,16 @@ def validate(args) -> int:
 
     with _bar(total=args.steps, desc="validate", unit="step", leave=False) as bar:
         r = run_validation(args.policy, args.steps, args.device, experiment=args.experiment,
-                           trust_factory=args.trust_factory, progress=_progress(bar), arena=args.arena)
+                           trust_factory=args.trust_factory, progress=_progress(bar), arena=args.arena,
+                           recalibrate=args.recalibrate, say=lambda line: bar.write(line, file=sys.stderr))
     p, m = r["predicted"], r["measured"]
     print(f"{r['experiment']} on {r['device']} ({r['steps']} steps; costs {r['cost_source']})")
     elsewhere = planned.mismatch(policies.load(args.policy).provenance, r["device"])
     for warning in [elsewhere] if elsewhere else r.get("warnings", []):  # compiled: a policy naming no device
         print(f"warning: {warning}", file=sys.stderr)
+    if elsewhere and r.get("compiled") and "recalibrated" not in r:
+        print("  (--recalibrate times this policy's calibration here first and predicts its step time from it)",
+              file=sys.stderr)
     print(f"  peak       predicted {format_size(p['peak_bytes'])}, measured {format_size(m['peak_bytes'])} "
           f"({r['peak_ratio'] - 1:+.1%}); budget {format_size(r['budget_bytes'])}")
     if "search_peak_ratio" in r:
@@ -468,6 +475,12 @@ def validate(args) -> int:
               f"{format_size(p['search_peak_bytes'])}: {r['search_peak_ratio'] - 1:+.1%})")
     print(f"  step time  predicted {_ms(p['step_time_s'])}, measured {_ms(m['step_time_s'])} ({r['time_ratio'] - 1:+.1%})"
           + (" (planned for another device)" if elsewhere else ""))
+    if "recalibrated" in r:
+        c = r["recalibrated"]
+        print(f"             recalibrated here: predicted {_ms(c['step_time_s'])}, measured beside the "
+              f"calibration {_ms(c['measured_beside_s'])} ({c['time_ratio'] - 1:+.1%}); timing the costs and "
+              f"{len(c['calibration']['points'])} calibration policies took {c['cpu_s']:.0f} CPU s, "
+              f"{c['wall_s']:.0f} s wall")
     if "arena" in r:
         a = r["arena"]
         copied = len(a["ops_out_composite"]) + len(a["ops_copied"])

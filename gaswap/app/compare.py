@@ -31,7 +31,8 @@ each) and times them with no worker running. Workers are off by default: on this
 they have not yet been shown to save time (docs/compiled.md, "Compare's time").
 Policies are simulated as inductor runs them (`gaswap.compiled.step_model`): standalone op costs in CPU
 seconds, fused intermediates not counted, the keep-all step, the cost of recomputation, of kept masks and
-of saved bytes calibrated on policies compiled and timed first (`step_model.calibrate`, seven). The
+of saved bytes calibrated on policies compiled and timed first (`step_model.calibrate`, seven;
+`calibration_run`). The
 table shows those predictions beside the ones of the joint graph's ops one by one (every op alone, every
 tensor counted).
 
@@ -66,8 +67,8 @@ from gaswap.app.compare_screen import ProgramPeaks, offset
 from gaswap.base import config
 from gaswap.base.config import format_size
 from gaswap.base.files import csv_text, write_atomic
+from gaswap.compiled import calibration_run, partition, pool, programs, step_model
 from gaswap.compiled import methods as compiled_methods
-from gaswap.compiled import partition, pool, programs, step_model
 from gaswap.compiled.methods import Method
 from gaswap.plan import policy as policies
 from gaswap.plan.encoding import Action, Chromosome
@@ -111,12 +112,8 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
                                     local=(model, inputs))
     compile_pool.submit([pool.Job(f"torch.compile {b:g}", budget=b) for b in TORCH_BUDGETS])  # after the costs
 
-    def cpu_times(actions):
-        progress(f"  calibrating the compiled model: {len(actions)} policies compiled and timed")
-        made = [partition.make_policy(graph, a, provenance=provenance) for a in actions]
-        return _cpu_times(made, model, inputs, target, exp, device, progress, pool.Programs(compile_pool))
-
-    calibration = step_model.calibrate(graph, costs, cpu_times, exp.loss)
+    calibration, _ = calibration_run.calibrate(exp, graph, costs, model, inputs, target, device, progress,
+                                               pool.Programs(compile_pool))
     progress(f"  keep-all {calibration.base * 1e3:.2f} ms a step; recomputed generated ops cost "
              f"{calibration.scale:.2f}x their ops one by one, library calls {calibration.extern_scale:.2f}x; "
              f"a kept mask {calibration.mask_rate * 1e9:.1f} ms per MB, saved tensors "
@@ -524,27 +521,6 @@ def _peak_reached(m: Method, inputs, target, exp, device, progress) -> int:
     """The peak one step of `m` measures (bytes above what is allocated before it), after its warm-up."""
     compiled_methods.warm_up(m, inputs, target, exp.loss, device, progress)
     return training.metered_peak(partial(m.step, inputs, target, exp.loss, device), device)[0]
-
-
-def _cpu_times(policies_, model, inputs, target, exp, device, progress, programs=None, rounds: int = 4,
-               steps: int = 3) -> list[tuple[float, int]]:
-    """Median CPU seconds per training step of `model` compiled under each policy and its metered peak above
-    the bytes resident before the step, timed as the methods
-    compared are (`compiled_methods.measure`: rotated rounds, each after a metered and an untimed step). With
-    `programs` (`pool.Programs`), policies of one partition are compiled and timed once, in worker processes
-    first."""
-    made = []
-    for k, policy in enumerate(policies_):
-        m, opt = training.fresh_copy(model, exp.optimizer)
-        made.append((Method("calibration", str(k + 1), m, partition.compile(m, policy), opt), policy))
-    same = programs.same(made, "calibration policy") if programs else [None] * len(made)
-    fresh = [(m, policy) for (m, policy), first in zip(made, same) if first is None]
-    if programs:
-        programs.compile(fresh, "calibration policy")
-    rows = compiled_methods.measure([m for m, _ in fresh], inputs, target, exp.loss, device, rounds, steps,
-                                    progress, metered=1)
-    measured = {id(m): (row["step_s"], row["peak_bytes"]) for (m, _), row in zip(fresh, rows)}
-    return [measured[id(first or m)] for (m, _), first in zip(made, same)]
 
 
 def _count(chromosome) -> int:

@@ -29,7 +29,8 @@ from gaswap.zoo import shipped
 
 
 def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, experiment: str | Path | None = None,
-             trust_factory: bool = False, progress=None, arena: bool = False) -> dict:
+             trust_factory: bool = False, progress=None, arena: bool = False, recalibrate: bool = False,
+             say=None) -> dict:
     """Train `steps` steps under the policy; return (and write beside it) predicted vs measured figures.
 
     The model comes from `experiment` when given, else from the experiment file the policy names; a factory
@@ -39,7 +40,9 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, e
     (CPU, the last step, which is left out of the timing because tracking slows it). `progress(done, steps)`
     after each step. With `arena`, the step's activations and gradients live in one buffer made beforehand at
     the offsets `arena.plan` gives (gaswap.run.arena_runtime), counted in the peak; the report says how big it is
-    and which ops had their results copied into it.
+    and which ops had their results copied into it. With `recalibrate` (compiled policies only), the compiled
+    step's model is timed again here first and its prediction reported beside the policy's
+    (`validate_compiled.recalibrated`; `say(line)` gets its progress).
     """
     _check_arguments(steps, device)
     policy_path = Path(policy_path)
@@ -52,7 +55,10 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, e
         # inductor loads only for compiled policies
         from gaswap.app.validate_compiled import validate_compiled
 
-        return validate_compiled(policy, policy_path, exp, steps, device, progress)
+        return validate_compiled(policy, policy_path, exp, steps, device, progress, recalibrate, say)
+    if recalibrate:
+        raise config.ConfigError(f"{policy_path}: --recalibrate times a compiled policy's calibration again; this "
+                                 f"policy's costs are per op: run `gaswap search` on its experiment here instead")
     if not policy.program:
         raise policies.PolicyError(f"{policy_path}: the policy has no program; re-run the search that made it")
     if not all(k in policy.predicted for k in ("peak_bytes", "step_time_s")):
