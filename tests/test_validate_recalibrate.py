@@ -1,4 +1,5 @@
 """`gaswap validate --recalibrate`: a compiled policy's step time predicted from a calibration timed here."""
+from dataclasses import replace
 from pathlib import Path
 
 from gaswap.app import validate_compiled
@@ -7,7 +8,7 @@ from gaswap.base import config
 from gaswap.compiled import calibration_run, partition, step_model
 from gaswap.compiled.methods import partition_actions, setup
 from gaswap.plan.encoding import Chromosome
-from gaswap.plan.policy import Policy, save
+from gaswap.plan.policy import Policy, load, save
 
 
 def _mlp_experiment(tmp_path) -> Path:
@@ -42,7 +43,7 @@ def test_recalibrating_fits_the_model_on_times_taken_here_and_prices_the_policy_
                         or [(law(p), 1000) for p in policies])
     policy = partition.make_policy(graph, dict.fromkeys(graph.candidates()[:2], "recompute"))  # the first layer's
     lines = []
-    r = validate_compiled.recalibrated(policy, exp, graph, dev, model, inputs, target, lines.append)
+    (r,) = validate_compiled.recalibrated([policy], exp, graph, dev, model, inputs, target, lines.append)
     (calibration_policies,) = timed  # timed in one go, the policy last
     assert calibration_policies[-1] is policy and len(calibration_policies) == len(r["calibration"]["points"]) + 1
     assert "1 beside them" in lines[0]
@@ -51,13 +52,14 @@ def test_recalibrating_fits_the_model_on_times_taken_here_and_prices_the_policy_
     assert abs(r["calibration"]["saved_s_per_byte"] / 3e-9 - 1) < 1e-9
     assert r["time_ratio"] == r["measured_beside_s"] / r["step_time_s"]
     assert r["device"] == measured_costs[-1].device and r["cpu_s"] >= 0 and r["wall_s"] >= 0
+    assert r["worst_fit"] < 1e-9  # the law is the model's own
 
 
 def test_the_report_sets_the_recalibrated_prediction_beside_the_policys(tmp_path):
     policy = Policy("f", (), {}, {"peak_bytes": 1050, "step_time_s": 1.0, "resident_bytes": 100},
                     {"form": "compiled", "device": "cpu: Elsewhere (1 thread)"})
     again = {"step_time_s": 2.1, "measured_beside_s": 2.0, "time_ratio": 2.0 / 2.1, "device": "cpu: here",
-             "cpu_s": 30.0, "wall_s": 45.0, "calibration": {"points": [["keep-all", 2.2, 2.3]]}}
+             "cpu_s": 30.0, "wall_s": 45.0, "calibration": {"points": [["keep-all", 2.2, 2.3]]}, "worst_fit": 0.045}
     r = validate_compiled.report(policy, tmp_path / "p.yaml", "e", "cpu: here", 3, [1000], [2.0], [None], 0.1, again)
     assert r["recalibrated"] == again
     assert r["targets"]["time_within_15pc"] is False and r["targets"]["recalibrated_time_within_15pc"] is True
@@ -68,3 +70,24 @@ def test_recalibrate_refuses_a_policy_that_is_not_compiled(tmp_path, capsys):
     assert main(["validate", str(tmp_path / "p.yaml"), "--recalibrate"]) == 2
     (error,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
     assert "p.yaml: --recalibrate times a compiled policy's calibration again" in error
+
+
+def test_validate_prints_the_recalibrated_prediction_and_why_it_misses(tmp_path, monkeypatch, capsys):
+    from gaswap.app import validate
+
+    policy = Policy("f", (), {}, {"peak_bytes": 1050, "step_time_s": 1.0, "resident_bytes": 100},
+                    {"form": "compiled", "device": "cpu: Elsewhere (1 thread)", "budget_bytes": 1200})
+    save(policy, tmp_path / "p.yaml")
+    again = {"step_time_s": 2.5, "measured_beside_s": 2.0, "time_ratio": 0.8, "device": "cpu: here", "cpu_s": 30.0,
+             "wall_s": 45.0, "calibration": {"points": [["keep-all", 2.2, 2.3]] * 7}, "worst_fit": 0.12}
+    monkeypatch.setattr(validate, "validate", lambda path, *args, **kwargs: validate_compiled.report(
+        load(path), path, "e", "cpu: here", 3, [1000], [2.0], [None], 1.7, again))  # as if trained here
+    assert main(["validate", str(tmp_path / "p.yaml"), "--recalibrate"]) == 0
+    out, err = capsys.readouterr()
+    assert "recalibrated here: predicted 2500.0 ms, measured beside the calibration 2000.0 ms (-20.0%)" in out, out
+    assert "7 calibration policies took 30 CPU s, 45 s wall; the model fits them within 12.0%" in out
+    assert "not within 15%: the model fits its own points no closer than 12.0%, timed at a load of 1.70" in out
+    assert "--recalibrate times this policy's calibration" not in err  # it did
+    save(replace(policy, provenance={"form": "compiled"}), tmp_path / "p.yaml")  # no budget recorded, no device
+    assert main(["validate", str(tmp_path / "p.yaml"), "--recalibrate"]) == 0
+    assert "budget none recorded" in capsys.readouterr().out

@@ -469,7 +469,8 @@ def validate(args) -> int:
         print("  (--recalibrate times this policy's calibration here first and predicts its step time from it)",
               file=sys.stderr)
     print(f"  peak       predicted {format_size(p['peak_bytes'])}, measured {format_size(m['peak_bytes'])} "
-          f"({r['peak_ratio'] - 1:+.1%}); budget {format_size(r['budget_bytes'])}")
+          f"({r['peak_ratio'] - 1:+.1%}); budget "
+          f"{'none recorded' if r['budget_bytes'] is None else format_size(r['budget_bytes'])}")
     if "search_peak_ratio" in r:
         print(f"             (the peak predicted is the generated program's; the search's model predicted "
               f"{format_size(p['search_peak_bytes'])}: {r['search_peak_ratio'] - 1:+.1%})")
@@ -480,7 +481,13 @@ def validate(args) -> int:
         print(f"             recalibrated here: predicted {_ms(c['step_time_s'])}, measured beside the "
               f"calibration {_ms(c['measured_beside_s'])} ({c['time_ratio'] - 1:+.1%}); timing the costs and "
               f"{len(c['calibration']['points'])} calibration policies took {c['cpu_s']:.0f} CPU s, "
-              f"{c['wall_s']:.0f} s wall")
+              f"{c['wall_s']:.0f} s wall; the model fits them within {c['worst_fit']:.1%}")
+        if not r["targets"]["recalibrated_time_within_15pc"]:
+            from gaswap.app.validate_compiled import TIME_TOLERANCE
+
+            print(f"             not within {TIME_TOLERANCE:.0%}: the model fits its own points no closer than "
+                  f"{c['worst_fit']:.1%}, timed at a load of {r['load_per_cpu']:.2f} per CPU (timings on a loaded "
+                  f"CPU vary from run to run)")
     if "arena" in r:
         a = r["arena"]
         copied = len(a["ops_out_composite"]) + len(a["ops_copied"])

@@ -55,7 +55,7 @@ def validate_compiled(policy: policies.Policy, policy_path: Path, exp: config.Ex
     dev, model, inputs, target, graph = setup(exp, device)
     here = {"input_shapes": [(list(x.shape), str(x.dtype).removeprefix("torch.")) for x in inputs]}
     policies.check_matches(policy, graph, policy_path, provenance=here)
-    again = recalibrated(policy, exp, graph, dev, model, inputs, target, say or (lambda line: None)) if recalibrate else None
+    again = recalibrated([policy], exp, graph, dev, model, inputs, target, say or print)[0] if recalibrate else None
     m, optimizer = training.fresh_copy(model, exp.optimizer)
     step = partial(training.train_step, partition.compile(m, policy), optimizer, inputs, target, exp.loss, dev)
     training.warm_up(step)
@@ -72,25 +72,30 @@ def validate_compiled(policy: policies.Policy, policy_path: Path, exp: config.Ex
     return report(policy, policy_path, exp.name, device_name(dev), steps, peaks, times, rss_peaks, load, again)
 
 
-def recalibrated(policy: policies.Policy, exp: config.Experiment, graph, device, model, inputs, target,
-                 progress) -> dict:
-    """The step time of `policy` predicted by the compiled model timed on `device` here: the op costs of
-    `graph` measured and the calibration policies compiled and trained (`calibration_run.calibrate`); the
-    policy's CPU seconds a step measured beside them, in the same rotated rounds (the same load), and the ratio
-    of the two; the CPU seconds (this process and its children) and wall seconds that took; the calibration."""
+def recalibrated(policies_: list[policies.Policy], exp: config.Experiment, graph, device, model, inputs, target,
+                 progress) -> list[dict]:
+    """For each of `policies_` (compiled, of `graph`), its step time predicted by the compiled model timed on
+    `device` here: the op costs of `graph` measured and the calibration policies compiled and trained
+    (`calibration_run.calibrate`); its CPU seconds a step measured beside them, in the same rotated rounds (the
+    same load), and the ratio of the two; the CPU seconds (this process and its children) and wall seconds the
+    whole took; the calibration, and how far it fits its own points (`worst_fit`)."""
     wall, cpu = time.perf_counter(), _cpu_seconds()
     costs = measure(graph, device, None, threads=exp.costs.threads)
     with pool.CompilePool(exp.path, 0, progress, local=(model, inputs)) as compile_pool:
-        calibration, [(seconds, _)] = calibration_run.calibrate(
-            exp, graph, costs, model, inputs, target, device, progress, pool.Programs(compile_pool), beside=[policy])
+        calibration, beside = calibration_run.calibrate(
+            exp, graph, costs, model, inputs, target, device, progress, pool.Programs(compile_pool), beside=policies_)
     space = config.load_search_space(partition.SPACE)
     problem = step_model.CompiledProblem(graph, costs, None, space, loss=exp.loss, calibration=calibration)
     encoding = problem.encoding
-    chromosome = problem.canonical(Chromosome(encoding.captured_keys(), partition_actions(encoding, policy.actions)))
-    predicted = problem.simulate(chromosome).step_time
-    return {"step_time_s": predicted, "measured_beside_s": seconds, "time_ratio": seconds / predicted,
-            "device": costs.device, "cpu_s": round(_cpu_seconds() - cpu, 1),
-            "wall_s": round(time.perf_counter() - wall, 1), "calibration": calibration.to_dict()}
+    took = {"device": costs.device, "cpu_s": round(_cpu_seconds() - cpu, 1),
+            "wall_s": round(time.perf_counter() - wall, 1), "calibration": calibration.to_dict(),
+            "worst_fit": calibration.worst_error()}
+    out = []
+    for policy, (seconds, _) in zip(policies_, beside):
+        actions = partition_actions(encoding, policy.actions)
+        predicted = problem.simulate(problem.canonical(Chromosome(encoding.captured_keys(), actions))).step_time
+        out.append({"step_time_s": predicted, "measured_beside_s": seconds, "time_ratio": seconds / predicted} | took)
+    return out
 
 
 def _cpu_seconds() -> float:
