@@ -23,13 +23,13 @@ def peaks(monkeypatch):
     program = {0: 100, 1: 150, 2: 90, 3: None, 4: 400}
     written = []
 
-    def policy_peak(model, policy, inputs, output_bytes, loss):
+    def policy_peak_and_partition(model, policy, inputs, output_bytes, loss):
         written.append(policy)
         if program[policy] is None:
             raise ProgramError("a size that is not a number")
-        return program[policy]
+        return program[policy], None
 
-    monkeypatch.setattr(dry_compile, "policy_peak", policy_peak)
+    monkeypatch.setattr(dry_compile, "policy_peak_and_partition", policy_peak_and_partition)
     lines = []
     made = compare_screen.ProgramPeaks(None, (), 0, "sum", lambda c: c.actions[0], 10, lines.append)
     return made, written, lines
@@ -111,3 +111,52 @@ def test_candidates_settled_already_are_passed_on_unchecked_and_count_toward_the
     assert kept == [candidates[0], replace(candidates[1], peak_bytes=RESIDENT + 110)] and written == [0]
     assert lines[-1] == ("  at A: 1 of 1 candidates checked fit by inductor's programs; 1 passed on unchecked "
                          "(compiled already, or not to be)")
+
+
+def test_programs_take_the_partitions_dry_compiles_wrote_and_trace_only_the_others():
+    from types import SimpleNamespace
+
+    from gaswap.compiled import pool
+
+    traced = []
+
+    class Pool:  # stands for CompilePool: a policy's partition key is its first action's letter
+        progress = staticmethod(lambda line: None)
+
+        def partitions(self, policies):
+            traced.extend(policies)
+            return [(p.actions["a"][0],) for p in policies]
+
+    def policy(a: str, b: str):
+        return SimpleNamespace(actions={"a": a, "b": b})
+
+    keep, keep_b, recompute = policy("keep", "keep"), policy("keep", "recompute"), policy("recompute", "keep")
+    known = {pool.actions_key(keep): ("k",)}  # as a dry compile of `keep` left it
+    programs = pool.Programs(Pool(), known)
+    made = [("m1", keep), ("m2", recompute), ("m3", keep_b)]
+    assert programs.same(made, "finalist") == [None, None, "m1"]  # keep_b partitions as keep: made once
+    assert traced == [recompute, keep_b]  # keep's partition was known
+
+
+@pytest.mark.slow
+def test_a_dry_compile_gives_the_partition_a_trace_of_the_policy_finds():
+    import copy
+
+    import torch
+    from torch._functorch import config as functorch_config
+
+    from gaswap import zoo
+    from gaswap.compiled import partition, pool
+
+    torch.manual_seed(0)
+    model, x = zoo.tiny_cnn(num_classes=10, width=8), torch.randn(16, 3, 16, 16)
+    graph = partition.capture(model, x)
+    producer = {op.name: op for op in graph.ops}
+    recomputable = [t for t in graph.candidates() if producer[graph.tensors[t].producer].recomputable]
+    policy = partition.make_policy(graph, dict.fromkeys(recomputable[::2], "recompute"))
+    with functorch_config.patch(enable_autograd_cache=False):  # a graph found in the caches is not partitioned
+        _, key = dry_compile.policy_peak_and_partition(copy.deepcopy(model), policy, (x,), 640, "cross_entropy")
+    traced = pool.partition_of(copy.deepcopy(model), (x,), policy)
+    assert key == traced and key[0]  # it saves something
+    _, cached = dry_compile.policy_peak_and_partition(copy.deepcopy(model), policy, (x,), 640, "cross_entropy")
+    assert cached in (None, traced)  # from the caches: no partition, or the same one

@@ -15,6 +15,7 @@ from dataclasses import replace
 
 from gaswap.base.config import format_size
 from gaswap.compiled import dry_compile
+from gaswap.compiled.pool import actions_key
 from gaswap.compiled.programs import ProgramError
 from gaswap.plan.policy import PolicyError
 from gaswap.plan.problem import Evaluated
@@ -22,20 +23,27 @@ from gaswap.plan.problem import Evaluated
 
 class ProgramPeaks:
     """The peak above resident a finalist's compiled step will meter: its programs' peak (inductor's, no kernel
-    compiled) plus `offset`; one dry compile per distinct policy. `policy_of(chromosome)`: its compiled policy."""
+    compiled) plus `offset`; one dry compile per distinct policy. `policy_of(chromosome)`: its compiled policy.
+    The partition each dry compile wrote goes into `partitions` ({`pool.actions_key`: key}, for a
+    `pool.Programs` to tell which finalists generate the same programs without tracing them again)."""
 
-    def __init__(self, model, inputs, output_bytes: int, loss: str, policy_of, offset: int, progress=print):
+    def __init__(self, model, inputs, output_bytes: int, loss: str, policy_of, offset: int, progress=print,
+                 partitions: dict | None = None):
         self.model, self.inputs, self.output_bytes, self.loss = model, inputs, output_bytes, loss
         self.policy_of, self.offset, self.progress = policy_of, offset, progress
+        self.partitions = {} if partitions is None else partitions
         self.known: dict[tuple, int | None] = {}  # actions -> programs' peak (None: inductor's program unreadable)
         self.unreached: set[str] = set()  # budgets (labels) no candidate fitted by its programs, even searched lower
 
     def peak(self, chromosome) -> int | None:
         """Bytes above resident (None where inductor could not write or gaswap could not read its programs)."""
         if chromosome.actions not in self.known:
+            policy = self.policy_of(chromosome)
             try:
-                self.known[chromosome.actions] = dry_compile.policy_peak(
-                    self.model, self.policy_of(chromosome), self.inputs, self.output_bytes, self.loss)
+                self.known[chromosome.actions], key = dry_compile.policy_peak_and_partition(
+                    self.model, policy, self.inputs, self.output_bytes, self.loss)
+                if key is not None:
+                    self.partitions[actions_key(policy)] = key
             except (ProgramError, PolicyError) as e:
                 self.progress(f"  a finalist's programs not read ({e}): kept on the model's word")
                 self.known[chromosome.actions] = None

@@ -77,7 +77,15 @@ def programs_of(model, backend: Callable, *example_args) -> list[Program]:
 
 def policy_peak(model, policy: Policy, inputs, output_bytes: int, loss: str) -> int:
     """The step peak above resident (`programs.step_peak`) of `model` compiled under `policy`."""
-    return step_peak(programs_of(model, partition.backend(policy), *inputs), output_bytes, loss)
+    return policy_peak_and_partition(model, policy, inputs, output_bytes, loss)[0]
+
+
+def policy_peak_and_partition(model, policy: Policy, inputs, output_bytes: int, loss: str) -> tuple[int, tuple | None]:
+    """`policy_peak`, and the key of the partition written (`PolicyPartitioner.key`: what the forward saves and
+    offloads; None where inductor found the graphs in its caches and did not partition)."""
+    backend = partition.backend(policy)
+    peak = step_peak(programs_of(model, backend, *inputs), output_bytes, loss)
+    return peak, backend.partitioner.key()
 
 
 def torch_peak(model, budget: float, inputs, output_bytes: int, loss: str) -> int:

@@ -209,6 +209,7 @@ class PolicyPartitioner(CustomPartitionerFn):
         self.policy = policy
         self.saved: list[str] = []  # storages the forward saved in the last partition (for tests and reports)
         self.offloaded: list[str] = []  # those of them it offloaded to the host
+        self.partitioned = False  # whether it partitioned (a graph found in inductor's caches skips it)
 
     def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs) -> tuple[fx.GraphModule, fx.GraphModule]:
         num_fwd_outputs = kwargs["num_fwd_outputs"]
@@ -231,7 +232,13 @@ class PolicyPartitioner(CustomPartitionerFn):
         self.offloaded = sorted(n.name.removeprefix(OFFLOADED_PREFIX) for n in fw.graph.output_node().args[0]
                                 if isinstance(n, fx.Node) and n.name.startswith(OFFLOADED_PREFIX))
         _check_saved(self.saved, self.policy.actions)
+        self.partitioned = True
         return fw, bw
+
+    def key(self) -> tuple | None:
+        """(saved, offloaded) of its last partition, sorted: policies whose keys are equal generate the same
+        programs; None before it has partitioned."""
+        return (tuple(sorted(self.saved)), tuple(sorted(self.offloaded))) if self.partitioned else None
 
     def uuid(self) -> str:
         """Inductor's cache key: the policy's content and this module's code."""

@@ -137,20 +137,30 @@ class CompilePool:
         self.workers, self._executor, self._pending = 0, None, {}
 
 
+def actions_key(policy) -> tuple:
+    """A compiled policy's actions as a key (policies with the same key partition alike)."""
+    return tuple(sorted(policy.actions.items()))
+
+
 class Programs:
     """The programs made so far, one per distinct partition: `same` finds, for new methods, the one made
     before for a policy whose partition saves the same activations (the same programs: compiled and timed
-    once); `compile` compiles the others in the pool."""
+    once); `compile` compiles the others in the pool. `known` ({`actions_key`: partition key}, filled by
+    whoever partitioned a policy already, as `compare_screen`'s dry compiles do) spares tracing those again."""
 
-    def __init__(self, pool: CompilePool):
+    def __init__(self, pool: CompilePool, known: dict | None = None):
         self.pool = pool
+        self.known = {} if known is None else known
         self._by_key: dict = {}
 
     def same(self, made: list, what: str) -> list:
         """`made`: [(Method, its Policy)] (`what`s, in progress lines); per entry the Method made before (earlier
         here or in an earlier call) whose partition saves the same activations, else None (this one now stands
         for its partition)."""
-        keys = self.pool.partitions([policy for _, policy in made]) if len(made) > 1 or self._by_key else [None]
+        unknown = [policy for _, policy in made if actions_key(policy) not in self.known]
+        found = iter(self.pool.partitions(unknown) if len(made) > 1 or self._by_key else [None] * len(unknown))
+        keys = [self.known[actions_key(policy)] if actions_key(policy) in self.known else next(found)
+                for _, policy in made]
         out = []
         for (m, _), key in zip(made, keys):
             first = m if key is None else self._by_key.setdefault(key, m)
@@ -233,4 +243,4 @@ def partition_of(model, inputs, policy) -> tuple | None:
         return None
     finally:
         quiet.setLevel(level)
-    return tuple(sorted(p.saved)), tuple(sorted(p.offloaded))
+    return p.key()
