@@ -153,11 +153,11 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     budget_of_torch = dict(zip((m.knob for m in methods[1:]), _labels_of(budgets, [p + resident for p in reached])))
     seeds = {f"torch_{b:g}": c for b, (c, _) in torch_points.items()}
     output_bytes = graph.tensors[graph.loss].size
-    partitions = {}  # `pool.actions_key` -> partition key: the dry compiles' (`ProgramPeaks`), read by `pool.Programs`
+    partition_keys = {}  # `pool.actions_key` -> partition key: the dry compiles' (`ProgramPeaks`), for `pool.Programs`
     peaks = ProgramPeaks(model, inputs, output_bytes, exp.loss,
                          lambda c: partition.make_policy(graph, unbounded.actions_of(c), provenance=provenance),
                          offset(reached, [_program_peak(m, output_bytes, exp.loss, progress) for m in methods[1:]]),
-                         progress, partitions) if finalists > 1 else None
+                         progress, partition_keys) if finalists > 1 else None
     shortlist = _search(exp, graph, costs, calibration, space, seeds, budgets, resident, progress, finalists, peaks)
     folder = Path(results_root) / exp.name
     budget_of = dict(budgets)
@@ -199,7 +199,7 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
             shortlist, unbounded, budgets, resident, made, method, measure_methods, progress,
             lambda refit, again, settled: _search(exp, graph, costs, refit, space, seeds, again, resident, progress,
                                                   finalists, peaks, settled),
-            pool.Programs(compile_pool, partitions))
+            pool.Programs(compile_pool, partition_keys))
         progress(peaks.summary())
     picked = _picked(chosen, made, method, budget_of, unbounded)
     untimed = {tuple(sorted(policy.actions.items())): (m, policy) for m, policy in picked if not m.compile_s}
