@@ -7,9 +7,10 @@
 lowest-peak stored gaswap policy of each experiment (`results/compiled_model/measured/<experiment>.csv`, kind
 gaswap) written by inductor without compiling kernels (`dry_compile`) under each variant of `VARIANTS`: the
 partitioned graphs re-ordered (`gaswap.compiled.order`), inductor's `reorder_for_peak_memory` off, its buffer
-reuse off. Per row: the step's program peak (`programs.step_peak`), relative to the default, which of the
-forward, the eager loss and the backward holds it, and the CPU seconds of the dry compile (inductor's FX graph
-and AOTAutograd caches off, so each is written afresh).
+reuse off, or the fused graph run in one of the orders that pass chooses from, forced. Per row: the step's
+program peak (`programs.step_peak`), relative to the first variant, which of the forward, the eager loss and
+the backward holds it, and the CPU seconds of the dry compile (inductor's FX graph and AOTAutograd caches
+off, so each is written afresh). results/compiled_order/ holds a run.
 
 `check`: one experiment's lowest-peak gaswap policy compiled for real, by default and under `--variant`:
 its first step's gradients (same weights, same random state) compared, then the allocator meter's peak
@@ -50,6 +51,32 @@ VARIANTS = {"default": {}, "reorder off": {"reorder_for_peak_memory": False},
 VARIANTS |= {name: options(name) for name in ORDERS}
 VARIANTS |= {f"{name} off": options(name) | {"reorder_for_peak_memory": False} for name in ORDERS}
 VARIANTS |= {f"{name} reuse off": options(name, buffer_reuse=False) for name in ("demand_first", "rpo")}
+HEURISTICS = ("baseline", "lpmf", "bfs", "dfs")  # the orders inductor's reorder pass chooses from: "inductor <name>"
+
+
+def forced(heuristic: str) -> dict:
+    """Inductor options that run the fused graph in the order `heuristic` of those its reorder pass
+    (`memory.reorder_for_peak_memory`) chooses from (baseline: the fused graph's own), whatever its estimate
+    says, its buffer reuse planned as usual."""
+    from torch._inductor import memory
+    from torch._inductor.virtualized import V
+    from torch.utils._ordered_set import OrderedSet
+
+    def run(nodes):
+        s = V.graph.scheduler
+        outputs = OrderedSet(V.graph.get_output_names())
+        _, freeable = memory.prepare_planning_info(nodes, s.name_to_buf, s.name_to_fused_node,
+                                                   OrderedSet(V.graph.graph_inputs), outputs)
+        if heuristic == "baseline":
+            return nodes
+        if heuristic == "lpmf":
+            return memory.topological_sort_lpmf(nodes, freeable, s.name_to_buf, outputs)
+        return getattr(memory, f"topological_sort_{heuristic}")(nodes)
+
+    return {"_post_fusion_custom_pass": run, "reorder_for_peak_memory": False}
+
+
+VARIANTS |= {f"inductor {name}": forced(name) for name in HEURISTICS}
 
 
 def torch_backend(budget: float, inductor_options: dict):
@@ -139,20 +166,24 @@ def check(path: str, variant: str, costs_dir: Path, steps: int) -> None:
         step = partial(training.train_step, run, optimizer, inputs, target, exp.loss, device)
         training.warm_up(step)
         metered, _, timed = training.metered_round(step, device, steps)
-        print(f"{exp.name} {label} {name}: program peak {programs.step_peak(written, output_bytes, exp.loss) / 1e6:.3f} "
-              f"MB (dry, {cpu:.1f} CPU s), metered {metered / 1e6:.3f} MB, {statistics.median(c for _, c in timed):.4f} "
-              f"CPU s a step (median of {steps}), first step with its compile {compile_s:.1f} CPU s", flush=True)
+        peak = programs.step_peak(written, output_bytes, exp.loss)
+        print(f"{exp.name} {label} {name}: program peak {peak / 1e6:.3f} MB (dry, {cpu:.1f} CPU s), metered "
+              f"{metered / 1e6:.3f} MB, {statistics.median(c for _, c in timed):.4f} CPU s a step (median of {steps}), "
+              f"first step with its compile {compile_s:.1f} CPU s", flush=True)
     pairs = list(zip(grads["default"], grads[variant]))
     worst = max(((a - b).abs().max() / a.abs().max().clamp_min(1e-30)).item() for a, b in pairs)
-    print(f"gradients of {variant} against default: {'bitwise equal' if all(torch.equal(a, b) for a, b in pairs) else ''}"
-          f" largest difference {worst:.2e} of the largest gradient entry", flush=True)
+    same = "bitwise equal, " if all(torch.equal(a, b) for a, b in pairs) else ""
+    print(f"gradients of {variant} against default: {same}largest difference {worst:.2e} of the largest entry",
+          flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("verb", choices=("table", "check"))
     parser.add_argument("experiments", nargs="+")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS),
+                        default=[v for v in VARIANTS if not v.startswith("inductor ")],
+                        help="table: the variants (default: all but the forced orders of inductor's reorder pass)")
     parser.add_argument("--variant", default="demand_first", choices=list(VARIANTS), help="check: the variant compiled")
     parser.add_argument("--steps", type=int, default=5, help="check: steps timed")
     parser.add_argument("--csv", help="table: also write the rows to this CSV file")
