@@ -1,21 +1,23 @@
 """The suite's gloo runs (`gaswap.shard.gloo.run_gloo`), several in one launch of `world_size` processes.
 
 A launch costs far more than the tiny models' steps: each rank is a fresh process that imports torch, and its
-first run pays once for what FSDP2, gloo and the profiler set up (measured on 2 cores: about 25 s before the
-first step's end against 2 to 10 s for each further run). So the test modules `add` their runs when they are
-imported (at collection, before any test runs), and the first `result` asked for at a world size launches
-every run added at that size, in the order added; later ones read theirs.
+first run pays once for importing what FSDP2 needs (DTensor, dynamo, sympy: measured on 2 cores, about 25 s
+of a launch before the first step's end against 2 to 10 s for each further run). So the test modules `add`
+their runs when they are imported (at collection, before any test runs), and the first `result` asked for at
+a world size launches every run added at that size, in the order added; later ones read theirs.
 
 `run_gloo_batch(world_size, [kwargs, ...])` returns, per entry, what `run_gloo(world_size=world_size, **kwargs)`
-returns: each rank calls gaswap's own `_rank_main` once per entry, in order, with the arguments `run_gloo`
-would give it (its defaults read from its signature), each run with a process group of its own (a fresh store)
-that it makes and destroys as on a launch of its own, and seeding torch itself (`torch.manual_seed(0)`). A
-rank's peak is metered above what is allocated when its step starts, so an earlier run in the same process
-changes no figure (checked: the block MLP's exact per-rank peaks are the same run first or after two ViT runs,
-at 2 and 4 ranks)."""
+returns. The last entry is run by `run_gloo` itself (its folder, its spawn's arguments, its reading of the
+ranks' files), with its spawn made to run the entries before it first: each rank calls gaswap's own
+`_rank_main` once per entry, in order, with the arguments `run_gloo` would give it (its defaults read from its
+signature), each run with a process group of its own (a fresh store) that it makes and destroys as on a launch
+of its own, and seeding torch itself (`torch.manual_seed(0)`). A rank's peak is metered above what is
+allocated when its step starts, so an earlier run in the same process changes no figure (checked: the block
+MLP's exact per-rank peaks are the same run first or after two ViT runs, at 2 and 4 ranks)."""
 import inspect
 import json
 import tempfile
+import unittest.mock
 from pathlib import Path
 
 import pytest
@@ -41,26 +43,37 @@ if set(inspect.signature(_rank_main).parameters) - _RANK_MAIN_OWN != set(_rank_a
     raise ImportError("gloo_batch: gaswap.shard.gloo._rank_main's arguments changed; update _rank_args")
 
 
-def _rank_batch(rank: int, world_size: int, tmp: str, runs: list) -> None:
+def _rank_batch(rank: int, world_size: int, tmp: str, runs: list, last: tuple) -> None:
+    """The runs before the last, in folders of `tmp`, then the last as run_gloo's spawn gave it (`last`)."""
     for i, args in enumerate(runs):
         out = Path(tmp, str(i))
         _rank_main(rank, world_size, str(out / "store"), str(out), **args)
+    _rank_main(rank, *last)
 
 
 def run_gloo_batch(world_size: int, runs: list[dict]) -> list[list[dict]]:
-    runs = [_rank_args(world_size, kwargs) for kwargs in runs]
+    *before, last = runs
+    before = [_rank_args(world_size, kwargs) for kwargs in before]
+    spawn = torch.multiprocessing.spawn
+
+    def spawn_all(fn, args, nprocs, join):  # run_gloo's spawn of its one run
+        if fn is not _rank_main or nprocs != world_size or not join:
+            raise AssertionError(f"run_gloo spawned {fn} {nprocs} times (join={join}): update run_gloo_batch")
+        return spawn(_rank_batch, args=(world_size, tmp, before, args), nprocs=nprocs, join=join)
+
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(len(runs)):
+        for i in range(len(before)):
             Path(tmp, str(i)).mkdir()
-        torch.multiprocessing.spawn(_rank_batch, args=(world_size, tmp, runs), nprocs=world_size, join=True)
+        with unittest.mock.patch.object(torch.multiprocessing, "spawn", spawn_all):
+            last = run_gloo(world_size=world_size, **last)
         results = []
-        for i, args in enumerate(runs):  # as run_gloo reads its one run's files
+        for i, args in enumerate(before):  # as run_gloo reads its run's files
             out = [json.loads(Path(tmp, str(i), f"rank{r}.json").read_text()) for r in range(world_size)]
             if args["record"]:
                 for r, one in enumerate(out):
                     one["recorded"] = torch.load(Path(tmp, str(i), f"rank{r}.pt"), weights_only=True)
             results.append(out)
-        return results
+        return [*results, last]
 
 
 _pending: dict = {}  # world_size -> {key: a function returning run_gloo's keyword arguments (but world_size)}
