@@ -174,10 +174,12 @@ for _name, _w in GLOO_CASES:  # run in the session's one launch at each world si
 @pytest.mark.slow
 @pytest.mark.parametrize("name, world_size", GLOO_CASES)
 def test_gloo_bitwise_equal_without_the_plan_after_3_steps(name, world_size):
-    _experiment(name)  # skips gpt2_hf without transformers
+    exp = _experiment(name)  # skips gpt2_hf without transformers
     runs = {method: gloo_batch.result(world_size, f"test_shard_models: {name}, {method}")
             for method in ("torchtitan SAC", "no AC")}
     assert [len(runs[method]) for method in runs] == [world_size] * 2
+    names = {n for n, _ in zoo.resolve(exp.model.factory)(**exp.model.kwargs).named_parameters()}
+    assert all(set(r["recorded"]["params"][0]) == names for method in runs for r in runs[method])  # this model's
     for a, b in zip(runs["torchtitan SAC"], runs["no AC"]):
         assert len(_recorded(a)) == 3
         for (la, ga, pa), (lb, gb, pb) in zip(_recorded(a), _recorded(b)):
