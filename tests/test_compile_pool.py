@@ -107,14 +107,15 @@ def test_workers_that_cannot_start_leave_the_compiles_to_the_measuring_process(m
 
 
 @pytest.mark.slow
-def test_a_worker_compiles_into_the_caches_the_measuring_process_loads(tmp_path, monkeypatch):
+def test_a_worker_compiles_into_the_caches_the_measuring_process_loads(tmp_path, fresh_inductor_cache, monkeypatch):
     from torch._dynamo.utils import counters
 
     from gaswap.base import config
     from gaswap.compiled import methods, partition
     from gaswap.run import training
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # cold, shared with the worker
+    # cold for this MLP (the session's own folder, where no other test compiles it), shared with the worker
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(fresh_inductor_cache))
     path = tmp_path / "tiny.yaml"
     path.write_text("model: {factory: 'gaswap.zoo:mlp', kwargs: {sizes: [12, 32, 32, 5]}}\n"
                     "inputs:\n  - {shape: [batch, 12], dtype: float32}\n"

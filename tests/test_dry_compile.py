@@ -35,11 +35,12 @@ def _real_peak(compiled, x, y) -> int:
 
 
 def test_dry_programs_are_a_real_compile_s_nothing_ran_and_a_real_compile_after_reads_them_from_the_cache(
-        tiny, tmp_path, monkeypatch):
+        tiny, fresh_inductor_cache, monkeypatch):
     from torch._dynamo.utils import counters
 
     model, x, y, policy = tiny
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # empty: what the dry compile writes, alone
+    # the session's own folder, where no other test compiles the tiny CNN: what the dry compile writes, alone
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(fresh_inductor_cache))
     dry_model = copy.deepcopy(model)
     before = [p.detach().clone() for p in dry_model.parameters()]
     counters.clear()

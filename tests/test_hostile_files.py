@@ -406,33 +406,54 @@ def test_the_harness_sees_a_broken_figure(copied):
     assert sigkill_writes.check(copied)[0] == "convergence.png: broken (12 bytes)"
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
-@pytest.mark.parametrize("verb, point", [
+SIGKILL_POINTS = [
     ("search", "match:fsync"),  # the first write of the new search: its checkpoint
     ("search", "match:.pareto.png."),  # while drawing the figures into the new folder
     ("search", "match:rename"),  # the new folder complete, moved to .exp.new: before the old goes
     ("search", "match:.exp.new -> "),  # between the renames
     ("plot", "match:.memory_timeline.png."),  # plot, in the middle of its figures
-])
-def test_real_sigkills_at_write_points_leave_a_whole_folder(tmp_path_factory, verb, point):
-    """A child `search` or `plot` SIGKILLs itself just before a write; the folder it leaves holds, once the next
-    run recovers it, results that add up and all four figures, whole (scripts/sigkill_writes.py runs them all)."""
+]
+
+
+@pytest.fixture(scope="module")
+def sigkilled(tmp_path_factory, request):
+    """{(verb, point): (what is wrong with the folder the child left, its seconds)} for the points of the tests
+    selected in this session; the children run two at a time (each a process of its own; the test process only
+    waits), on copies of one reference folder."""
+    from concurrent.futures import ThreadPoolExecutor
+
     work = tmp_path_factory.getbasetemp() / "sigkill"
     reference = work / "reference" / "exp"
-    if not reference.is_dir():  # made once, as the children will find it: paths relative to `work`
-        work.mkdir(exist_ok=True)
-        (work / "exp.yaml").write_text(BASE)
-        here = os.getcwd()
-        os.chdir(work)
-        try:
-            assert main(["search", "exp.yaml", "--results", "reference"]) == 0
-            assert main(["plot", "reference/exp"]) == 0
-        finally:
-            os.chdir(here)
-    started = time.perf_counter()
-    assert sigkill_writes.kill_at(work, reference, verb, point) == []
-    assert time.perf_counter() - started < 120
+    work.mkdir()  # made once, as the children will find it: paths relative to `work`
+    (work / "exp.yaml").write_text(BASE)
+    here = os.getcwd()
+    os.chdir(work)
+    try:
+        assert main(["search", "exp.yaml", "--results", "reference"]) == 0
+        assert main(["plot", "reference/exp"]) == 0
+    finally:
+        os.chdir(here)
+    name = "test_real_sigkills_at_write_points_leave_a_whole_folder"
+    points = [(item.callspec.params["verb"], item.callspec.params["point"]) for item in request.session.items
+              if getattr(item, "originalname", None) == name]
+
+    def killed(verb_point):
+        started = time.perf_counter()
+        return sigkill_writes.kill_at(work, reference, *verb_point), time.perf_counter() - started
+
+    with ThreadPoolExecutor(2) as pool:
+        return dict(zip(points, pool.map(killed, points)))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
+@pytest.mark.parametrize("verb, point", SIGKILL_POINTS)
+def test_real_sigkills_at_write_points_leave_a_whole_folder(sigkilled, verb, point):
+    """A child `search` or `plot` SIGKILLs itself just before a write; the folder it leaves holds, once the next
+    run recovers it, results that add up and all four figures, whole (scripts/sigkill_writes.py runs them all)."""
+    problems, seconds = sigkilled[verb, point]
+    assert problems == []
+    assert seconds < 120
 
 
 # ------------------------------------------------------------------------------------ inputs of the step form

@@ -4,6 +4,7 @@ under the fake process group (real tensors, collectives no-ops). Slow: real gloo
 bitwise equal to the same sharded model without the policy, and each rank's peak with and without it."""
 import functools
 
+import gloo_batch
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
@@ -193,16 +194,22 @@ def test_compiled_per_block_bitwise_equal_and_the_policy_walked_its_list():
     assert seen == {0: len(plan["recompute"][0]["forward"]), 1: len(plan["recompute"][0]["forward"])}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_gloo_bitwise_equal_without_the_policy_after_3_steps(world_size):
-    from gaswap.shard.gloo import run_gloo
+def _gloo_kwargs(recompute, world_size):
+    return {"model": "gaswap.zoo:llama", "inputs": "gaswap.zoo:llama_inputs", "units": _forward()[0], "steps": 3,
+            "metered": 1, "plan": _plan(recompute, world_size), "record": True}
 
-    units, _ = _forward()
-    runs = {}
-    for name in ("selective", "none"):
-        runs[name] = run_gloo("gaswap.zoo:llama", "gaswap.zoo:llama_inputs", units, world_size, steps=3, metered=1,
-                              plan=_plan(name, world_size), record=True)
+
+GLOO_WORLD_SIZES = (2, 4)
+for _w in GLOO_WORLD_SIZES:  # run in the session's one launch at each world size (tests/gloo_batch.py)
+    for _r in ("selective", "none"):
+        gloo_batch.add(_w, f"test_shard_apply: llama, {_r}", functools.partial(_gloo_kwargs, _r, _w))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", GLOO_WORLD_SIZES)
+def test_gloo_bitwise_equal_without_the_policy_after_3_steps(world_size):
+    runs = {name: gloo_batch.result(world_size, f"test_shard_apply: llama, {name}") for name in ("selective", "none")}
+    assert [len(runs[name]) for name in runs] == [world_size] * 2
     for a, b in zip(runs["selective"], runs["none"]):
         ra, rb = a["recorded"], b["recorded"]
         _assert_bitwise(list(zip(ra["loss"], ra["grads"], ra["params"])),

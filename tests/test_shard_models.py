@@ -6,6 +6,7 @@ import dataclasses
 import functools
 from pathlib import Path
 
+import gloo_batch
 import pytest
 import torch
 from test_shard_recompute import toy
@@ -157,17 +158,28 @@ def _recorded(run):
     return list(zip(r["loss"], r["grads"], r["params"]))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name, world_size", [("gpt", 2), ("vit", 2), ("vit", 4), ("gpt2_hf", 2)])
-def test_gloo_bitwise_equal_without_the_plan_after_3_steps(name, world_size):
-    from gaswap.shard.gloo import run_gloo
-
+def _gloo_kwargs(name, world_size, method):
     exp, problem = _prepared(name, world_size)
-    runs = {}
-    for method in ("torchtitan SAC", "no AC"):
-        runs[method] = run_gloo(exp.model.factory, shard_compare.gloo_inputs(exp), problem.units + [""], world_size,
-                                model_kwargs=dict(exp.model.kwargs), steps=3, metered=1,
-                                plan=_plan(problem, method), record=True)
+    return {"model": exp.model.factory, "inputs": shard_compare.gloo_inputs(exp), "units": problem.units + [""],
+            "model_kwargs": dict(exp.model.kwargs), "steps": 3, "metered": 1, "plan": _plan(problem, method),
+            "record": True}
+
+
+GLOO_CASES = [("gpt", 2), ("vit", 2), ("vit", 4), ("gpt2_hf", 2)]
+for _name, _w in GLOO_CASES:  # run in the session's one launch at each world size (tests/gloo_batch.py)
+    for _method in ("torchtitan SAC", "no AC"):
+        gloo_batch.add(_w, f"test_shard_models: {_name}, {_method}", functools.partial(_gloo_kwargs, _name, _w, _method))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, world_size", GLOO_CASES)
+def test_gloo_bitwise_equal_without_the_plan_after_3_steps(name, world_size):
+    exp = _experiment(name)  # skips gpt2_hf without transformers
+    runs = {method: gloo_batch.result(world_size, f"test_shard_models: {name}, {method}")
+            for method in ("torchtitan SAC", "no AC")}
+    assert [len(runs[method]) for method in runs] == [world_size] * 2
+    names = {n for n, _ in zoo.resolve(exp.model.factory)(**exp.model.kwargs).named_parameters()}
+    assert all(set(r["recorded"]["params"][0]) == names for method in runs for r in runs[method])  # this model's
     for a, b in zip(runs["torchtitan SAC"], runs["no AC"]):
         assert len(_recorded(a)) == 3
         for (la, ga, pa), (lb, gb, pb) in zip(_recorded(a), _recorded(b)):

@@ -1,7 +1,9 @@
 """gaswap.plan.sharding against torch: FSDPMemTracker under the fake process group (W = 8, three models), the
 fake process group with real tensors, and real gloo runs of 2 and 4 processes (slow: each under a minute)."""
+import functools
 import statistics
 
+import gloo_batch
 import pytest
 import torch
 
@@ -81,14 +83,29 @@ def test_tracker_with_real_tensors_equals_fake_tensors():
     assert real == fake
 
 
+def _gloo_kwargs(record=False):
+    _, units, _ = _captured(1024, 4, 64)  # as gaswap.shard.models.mlp_inputs
+    return {"model": "gaswap.shard.models:block_mlp", "inputs": "gaswap.shard.models:mlp_inputs", "units": units,
+            "steps": 6, "metered": 3, "record": record}
+
+
+# in the session's launches of 2 and 4 (tests/gloo_batch.py); at 2 the steps are recorded too
+gloo_batch.add(2, "test_shard_torch: block_mlp", functools.partial(_gloo_kwargs, record=True))
+gloo_batch.add(4, "test_shard_torch: block_mlp", _gloo_kwargs)
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_gloo_peak_and_resident_per_rank_equal_the_prediction_and_the_fake_process_group(world_size):
-    from gaswap.shard.gloo import gloo_peak, run_gloo
+    from gaswap.shard.gloo import gloo_peak
     from gaswap.shard.tracker import measure_fake_pg_peak
 
-    captured, units, params = _captured(1024, 4, 64)  # as gaswap.shard.models.mlp_inputs
-    results = run_gloo("gaswap.shard.models:block_mlp", "gaswap.shard.models:mlp_inputs", units, world_size,
-                       steps=6, metered=3)
+    captured, units, params = _captured(1024, 4, 64)
+    results = gloo_batch.result(world_size, "test_shard_torch: block_mlp")
+    assert [r["rank"] for r in results] == list(range(world_size))
+    if world_size == 2:  # the recorded steps: 6 losses, the same on every rank
+        losses = [r["recorded"]["loss"] for r in results]
+        assert len(losses[0]) == 6 and all(torch.equal(torch.stack(a), torch.stack(losses[0])) for a in losses)
+        assert all(len(r["recorded"]["grads"]) == len(r["recorded"]["params"]) == 6 for r in results)
     for r in results:
         rank = shard_step(captured.graph, params, ShardSpec(world_size, tuple(units), rank=r["rank"],
                                                             optimizer_scalar_bytes=4))
