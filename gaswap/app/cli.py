@@ -483,9 +483,7 @@ def validate(args) -> int:
               f"{len(c['calibration']['points'])} calibration policies took {c['cpu_s']:.0f} CPU s, "
               f"{c['wall_s']:.0f} s wall; the model fits them within {c['worst_fit']:.1%}")
         if not r["targets"]["recalibrated_time_within_15pc"]:
-            from gaswap.app.validate_compiled import (
-                TIME_TOLERANCE,  # loaded by the validation just run: no cost
-            )
+            from gaswap.app.validate_compiled import TIME_TOLERANCE  # loaded by the validation just run: no cost
 
             print(f"             not within {TIME_TOLERANCE:.0%}: the model fits its own points no closer than "
                   f"{c['worst_fit']:.1%}, timed at a load of {r['load_per_cpu']:.2f} per CPU (timings on a loaded "
