@@ -168,7 +168,8 @@ def _gloo_kwargs(name, world_size, method):
 GLOO_CASES = [("gpt", 2), ("vit", 2), ("vit", 4), ("gpt2_hf", 2)]
 for _name, _w in GLOO_CASES:  # run in the session's one launch at each world size (tests/gloo_batch.py)
     for _method in ("torchtitan SAC", "no AC"):
-        gloo_batch.add(_w, f"test_shard_models: {_name}, {_method}", functools.partial(_gloo_kwargs, _name, _w, _method))
+        gloo_batch.add(_w, f"test_shard_models: {_name}, {_method}",
+                       functools.partial(_gloo_kwargs, _name, _w, _method))
 
 
 @pytest.mark.slow
