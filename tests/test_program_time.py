@@ -90,6 +90,7 @@ def test_the_rate_of_calls_never_timed_is_fitted_on_those_timed():
     assert per_byte == pytest.approx(1e-3 / 256)
 
 
+@pytest.mark.slow
 def test_a_real_compiles_calls_are_all_timed_under_the_keys_its_programs_give():
     from gaswap.compiled.programs import Recorder
 

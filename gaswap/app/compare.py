@@ -15,8 +15,8 @@ peak metered in the first, which the allocator gives the same every run; a final
 its own, or clearly slower than the fastest there, timed no longer: `_contenders`). Then
 a second round: the time model is fitted again on its calibration points and the finalists' measured
 times (`step_model.refit`), the search runs again with it, and the new finalists it predicts fastest
-are timed beside the first round's choice at their budget (`_second_round`; one the refit predicts slower
-than that choice measured, by more than the refit's own error, is not compiled). Where no first-round
+are timed beside the first round's choice at their budget (`_second_round`; one the refit predicts less
+than 3 % faster than that choice, `MIN_GAIN`, is not compiled). Where no first-round
 finalist measured under its budget (the model erred low), the second search runs under the budget divided
 by how far over their predictions those finalists measured (`_refit_budgets`). The policy compared at a
 budget is the fastest whose measured peak fits it, of the last round that timed any there; a budget none
@@ -81,6 +81,7 @@ TORCH_BUDGETS = (1.0, 0.5, 0.2)
 FINALISTS = 3  # gaswap policies per budget compiled and timed before the head to head; the fastest is compared
 SCREENED = 3  # candidates per finalist whose programs inductor writes (no kernels compiled) to find those that fit
 TUNING_ROUNDS, TUNING_STEPS = 3, 2
+MIN_GAIN = 0.03  # a second-round finalist is compiled only where the refit model predicts it this much faster
 SEPARATED = 0.10  # a finalist whose fastest step is this much slower than the slowest of the fastest is not timed on
 COLUMNS = ("method", "knob", "predicted_peak_bytes", "predicted_step_s", "peak_bytes", "peak_min", "peak_max",
            "step_s", "step_min", "step_max", "wall_step_s", "compile_s", "recomputed", "opwise_peak_bytes",
@@ -314,15 +315,15 @@ def _two_rounds(shortlist, problem, budgets, resident, made: dict, method, measu
              f"(within {refit.worst_error():.1%} of them), searched again"
              + "".join(f"; at {label} under the budget over the peak error" for label in unfit))
     again = [(label, budget) for label, budget in budgets if label not in unfit]
-    standing = {label: first[e.chromosome.actions]["step_s"] for label, e in chosen.items()}
+    refitted = step_model.CompiledProblem(problem.graph, problem.costs, None, problem.space, loss=problem.loss,
+                                          calibration=refit)
+    standing = {label: refitted.simulate(e.chromosome).step_time for label, e in chosen.items()}
 
     def settled(label: str, e: Evaluated) -> bool:  # made already, or not to be compiled (`_second_round`)
-        return e.chromosome.actions in made or e.step_time > _time_limit(standing, label, refit.worst_error())
+        return e.chromosome.actions in made or e.step_time > _time_limit(standing, label)
 
     retry = search_again(refit, again + _refit_budgets(unfit, budget_of, resident), settled)
-    refitted = step_model.CompiledProblem(problem.graph, problem.costs, None, problem.space, loss=problem.loss,
-                                              calibration=refit)
-    chosen2, second, _ = _finalists_round(_second_round(retry, made, chosen, standing, refit.worst_error(), progress),
+    chosen2, second, _ = _finalists_round(_second_round(retry, made, chosen, standing, progress),
                                           2, refitted, made, method, budget_of, resident, measure_methods, progress,
                                           programs)
     tuning = {id(row): row for row in [*first.values(), *second.values()]}  # a row per program and round
@@ -409,30 +410,30 @@ def _contenders(index: dict, finalists, budget_of: dict, resident: int, rows: li
     return {index[a] for a in keep}
 
 
-def _second_round(finalists, made: dict, chosen: dict, standing: dict | None = None, error: float = 0.0,
+def _second_round(finalists, made: dict, chosen: dict, standing: dict | None = None,
                   progress=lambda line: None) -> list[tuple[str, list]]:
     """The second search's `finalists` that no round compiled yet (`made`), each budget's with the first
     round's choice there (`chosen`: timed again beside them); a budget with none new is dropped (its first
-    choice stands). A new one predicted (by the refit model, within `error` of its points) slower than the
-    choice there measured (`standing`: label -> seconds) by more than `error` is not compiled: the model
-    that has seen the choice's time would have to err more than it does on its own points for it to win."""
+    choice stands). A new one the refit model predicts less than `MIN_GAIN` faster than the choice there
+    (`standing`: label -> that choice's seconds by the same model) is not compiled: the model that has seen the
+    choice's time sees no gain worth a compile in it."""
     out = []
     for label, evaluated in finalists:
         new = [e for e in evaluated if e.chromosome.actions not in made]
-        limit = _time_limit(standing or {}, label, error)
+        limit = _time_limit(standing or {}, label)
         hopeful = [e for e in new if e.step_time <= limit]
         if len(hopeful) < len(new):
             progress(f"  at {label}: {len(new) - len(hopeful)} of the second search's new finalists not compiled, "
-                     f"predicted slower than the choice there measured ({limit * 1e3:.2f} ms with the model's error)")
+                     f"predicted less than {MIN_GAIN * 100:g} % faster than the choice there ({limit * 1e3:.2f} ms)")
         if hopeful:
             out.append((label, hopeful + ([chosen[label]] if label in chosen else [])))
     return out
 
 
-def _time_limit(standing: dict, label: str, error: float) -> float:
-    """The predicted seconds above which a second-round finalist at `label` is not compiled: the choice there
-    measured (`standing`: label -> seconds), plus the refit model's `error`; none where nothing stands."""
-    return standing.get(label, float("inf")) * (1 + error)
+def _time_limit(standing: dict, label: str) -> float:
+    """The predicted seconds above which a second-round finalist at `label` is not compiled: `MIN_GAIN` under the
+    choice there (`standing`: label -> its seconds by the refit model); none where nothing stands."""
+    return standing.get(label, float("inf")) * (1 - MIN_GAIN)
 
 
 def _final_choice(labels, first: dict, second: dict, progress) -> dict:
