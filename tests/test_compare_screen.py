@@ -20,7 +20,8 @@ def _evaluated(action: int, seconds: float, model_peak: int) -> Evaluated:
 @pytest.fixture
 def peaks(monkeypatch):
     """ProgramPeaks whose 'dry compile' reads a table: action -> programs' peak (None: unreadable); offset 10."""
-    program = {0: 100, 1: 150, 2: 90, 3: None, 4: 400}
+    program = {0: 100, 1: 150, 2: 90, 3: None, 4: 400, 5: 104,  # 5: under other settings (`VARIANTS`) below
+               (5, "demand_first", True): 104, (5, None, False): 100, (5, "demand_first", False): 90}
     written = []
 
     def policy_peak_and_partition(model, policy, inputs, output_bytes, loss):
@@ -29,9 +30,13 @@ def peaks(monkeypatch):
             raise ProgramError("a size that is not a number")
         return program[policy], None
 
+    def policy_of(chromosome, inductor=None):
+        action = chromosome.actions[0]
+        return action if inductor is None else (action, inductor.get("order"), inductor.get("buffer_reuse", True))
+
     monkeypatch.setattr(dry_compile, "policy_peak_and_partition", policy_peak_and_partition)
     lines = []
-    made = compare_screen.ProgramPeaks(None, (), 0, "sum", lambda c: c.actions[0], 10, lines.append)
+    made = compare_screen.ProgramPeaks(None, (), 0, "sum", policy_of, 10, lines.append)
     return made, written, lines
 
 
@@ -160,3 +165,25 @@ def test_a_dry_compile_gives_the_partition_a_trace_of_the_policy_finds():
     assert key == traced and key[0]  # it saves something
     _, cached = dry_compile.policy_peak_and_partition(copy.deepcopy(model), policy, (x,), 640, "cross_entropy")
     assert cached in (None, traced)  # from the caches: no partition, or the same one
+
+
+def test_a_candidate_just_over_its_budget_is_kept_where_other_inductor_settings_fit_it(peaks):
+    made, written, lines = peaks
+    # 5's programs hold 104 + 10 against 110 (4 % over): demand-first order no lower, buffer reuse off 100 + 10
+    kept, _ = made.screen("A", RESIDENT + 110, RESIDENT, [_evaluated(5, 1.0, 100)], 1)
+    assert [e.peak_bytes for e in kept] == [RESIDENT + 110]
+    assert made.inductor == {(5,): {"buffer_reuse": False}}
+    assert written == [5, (5, "demand_first", True), (5, None, False)]  # the first that fits ends the tries
+    assert "1 of 1 candidates checked fit by inductor's programs (1 in another order or with no buffer reused)" \
+        in lines[-1]
+    # lower still (109, 114 within 5 % over it): the third settings fit; the two written before are not again
+    kept, _ = made.screen("B", RESIDENT + 109, RESIDENT, [_evaluated(5, 1.0, 100)], 1)
+    assert [e.peak_bytes for e in kept] == [RESIDENT + 100] and made.inductor[(5,)] == {
+        "order": "demand_first", "buffer_reuse": False}
+    assert written[3:] == [(5, "demand_first", False)]
+
+
+def test_a_candidate_far_over_its_budget_is_not_tried_under_other_settings(peaks):
+    made, written, _ = peaks
+    kept, _ = made.screen("A", RESIDENT + 100, RESIDENT, [_evaluated(1, 1.0, 80)], 1)  # 160 against 100
+    assert kept == [] and written == [1] and made.inductor == {}

@@ -53,6 +53,15 @@ def test_policies_whose_partitions_save_the_same_are_one_program_across_calls():
     assert alone.same(made[:1], "finalist") == [None] and alone.pool.asked == []  # one policy: nothing to ask
 
 
+def test_one_partition_under_other_inductor_settings_is_other_programs():
+    fake = FakePool({(1,): "x", (2,): "x", (3,): "x"})
+    made = [_method("A", Evaluated(Chromosome((0.0,), (k,)), 1.0, 50), None) for k in (1, 2, 3)]
+    made[1][1].provenance["inductor"] = {"order": "demand_first"}
+    made[2][1].provenance["inductor"] = {"order": "demand_first"}
+    same = pool.Programs(fake).same(made, "finalist")
+    assert same[0] is None and same[1] is None and same[2] is made[1][0]  # (2,) and (3,): one order, one program
+
+
 def test_a_finalists_round_compiles_and_times_each_partition_once_and_a_torch_partitions_name_passes_on():
     def e(k, peak=50):
         return Evaluated(Chromosome((0.0,), (k,)), 1.0 + k / 10, peak)

@@ -1,6 +1,7 @@
 """gaswap.compiled.order: the partitioned graphs re-ordered before inductor lowers them, and inductor's buffer
 reuse turned off, change where buffers live, not what the step computes."""
 import copy
+import re
 
 import pytest
 import torch
@@ -120,3 +121,21 @@ def test_a_policy_compiled_in_another_order_without_buffer_reuse_trains_the_same
         grads.append([p.grad for p in m.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_policy_asks_for_inductor_settings_in_its_provenance_and_bad_ones_are_refused():
+    from gaswap.plan.policy import Policy, PolicyError
+
+    def policy(inductor):
+        return Policy("f", (), {}, provenance={"form": "compiled", "inductor": inductor})
+
+    asked = partition.inductor_settings(policy({"order": "demand_first", "buffer_reuse": False}))
+    assert isinstance(asked["post_grad_custom_post_pass"], order.OrderPass)
+    assert asked["post_grad_custom_post_pass"].name == "demand_first" and asked["allow_buffer_reuse"] is False
+    assert partition.inductor_settings(Policy("f", (), {}, provenance={"form": "compiled"})) == {}
+    for bad, said in (({"order": "backwards"}, "provenance.inductor.order: 'backwards' is not one of greedy"),
+                      ({"buffer_reuse": "no"}, "provenance.inductor.buffer_reuse: 'no' is not true or false"),
+                      ({"fuse": 1}, "provenance.inductor: {'fuse': 1} is not a mapping"),
+                      ("demand_first", "provenance.inductor: 'demand_first' is not a mapping")):
+        with pytest.raises(PolicyError, match=re.escape(said)):
+            partition.inductor_settings(policy(bad))

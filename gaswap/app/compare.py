@@ -156,7 +156,8 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     output_bytes = graph.tensors[graph.loss].size
     partition_keys = {}  # `pool.actions_key` -> partition key: the dry compiles' (`ProgramPeaks`), for `pool.Programs`
     peaks = ProgramPeaks(model, inputs, output_bytes, exp.loss,
-                         lambda c: partition.make_policy(graph, unbounded.actions_of(c), provenance=provenance),
+                         lambda c, inductor=None: partition.make_policy(
+                             graph, unbounded.actions_of(c), provenance=provenance | _inductor(inductor)),
                          offset(reached, [_program_peak(m, output_bytes, exp.loss, progress) for m in methods[1:]]),
                          progress, partition_keys) if finalists > 1 else None
     shortlist = _search(exp, graph, costs, calibration, space, seeds, budgets, resident, progress, finalists, peaks)
@@ -166,6 +167,7 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     if finalists > 1:  # timed: torch's partitions that fit join the search's own
         shortlist = _with_partitions(shortlist, partitions, budgets)
     origin = {c.actions: name for name, (c, _, _) in reversed(partitions.items())}
+    inductor_of = peaks.inductor if peaks is not None else {}  # actions -> inductor settings its programs fit under
 
     def method(label: str, evaluated, problem) -> tuple[Method, policies.Policy]:
         """A gaswap method compiled under `evaluated`, predicted by `problem` (a calibrated CompiledProblem)."""
@@ -180,7 +182,8 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
                                        "cost_source": problem.simulator.costs.source,
                                        "device": problem.simulator.costs.device,  # costs and calibration timed here
                                        "calibration": problem.calibration.to_dict(),
-                                       "torch_version": str(torch.__version__)})
+                                       "torch_version": str(torch.__version__)}
+                                      | _inductor(inductor_of.get(evaluated.chromosome.actions)))
         m, opt = training.fresh_copy(model, exp.optimizer)
         return Method("gaswap", label, m, partition.compile(m, policy), opt, predicted(evaluated.chromosome, r),
                       _count(evaluated.chromosome), origin=origin.get(evaluated.chromosome.actions, "search")), policy
@@ -523,6 +526,12 @@ def _peak_reached(m: Method, inputs, target, exp, device, progress) -> int:
     """The peak one step of `m` measures (bytes above what is allocated before it), after its warm-up."""
     compiled_methods.warm_up(m, inputs, target, exp.loss, device, progress)
     return training.metered_peak(partial(m.step, inputs, target, exp.loss, device), device)[0]
+
+
+def _inductor(settings: dict | None) -> dict:
+    """A policy's provenance entry for the inductor settings its programs fit under (`compare_screen.VARIANTS`;
+    none: inductor's defaults)."""
+    return {"inductor": dict(settings)} if settings else {}
 
 
 def _count(chromosome) -> int:

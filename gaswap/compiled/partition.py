@@ -74,6 +74,7 @@ from torch.utils._pytree import arg_tree_leaves
 from gaswap.base.errors import BadInput, GaswapError
 from gaswap.base.training_options import OPTIMIZER_STATE
 from gaswap.compiled import offload_ops
+from gaswap.compiled import order as orders
 from gaswap.compiled.graph_breaks import dynamic_shape, explain, module_path
 from gaswap.plan import graph as graphs
 from gaswap.plan import policy as policies
@@ -185,7 +186,23 @@ def backend(policy: Policy | str, **inductor_options) -> Callable:
     `torch.compile(model, backend=gaswap.compiled.partition.backend(policy), fullgraph=True, dynamic=False)`."""
     policy = policies.load(policy) if not isinstance(policy, Policy) else policy
     check_compiled(policy)
-    return _inductor_with(PolicyPartitioner(policy), **inductor_options)
+    return _inductor_with(PolicyPartitioner(policy), **(inductor_settings(policy) | inductor_options))
+
+
+def inductor_settings(policy: Policy) -> dict:
+    """The inductor options a compiled policy's `provenance.inductor` asks for (`gaswap.compiled.order.options`):
+    `order`, the order its graphs are lowered in (one of `order.ORDERS`; none: as partitioned), and
+    `buffer_reuse` (false: inductor hands no freed buffer to a later one). `gaswap compare` records them where a
+    policy's programs fit its budget only so."""
+    asked = policy.provenance.get("inductor") or {}
+    if not isinstance(asked, dict) or set(asked) - {"order", "buffer_reuse"}:
+        raise PolicyError(f"provenance.inductor: {asked!r} is not a mapping of order and buffer_reuse")
+    order, reuse = asked.get("order"), asked.get("buffer_reuse", True)
+    if order is not None and order not in orders.ORDERS:
+        raise PolicyError(f"provenance.inductor.order: {order!r} is not one of {', '.join(orders.ORDERS)}")
+    if not isinstance(reuse, bool):
+        raise PolicyError(f"provenance.inductor.buffer_reuse: {reuse!r} is not true or false")
+    return orders.options(order, buffer_reuse=reuse)
 
 
 def compile(model: Callable, policy: Policy | str, **inductor_options) -> Callable:  # noqa: A001 - torch's name

@@ -142,10 +142,16 @@ def actions_key(policy) -> tuple:
     return tuple(sorted(policy.actions.items()))
 
 
+def _settings_key(policy) -> tuple:
+    """The inductor settings a compiled policy asks for (`partition.inductor_settings`) as a key: policies of one
+    partition compiled under other settings generate other programs."""
+    return tuple(sorted((getattr(policy, "provenance", None) or {}).get("inductor", {}).items()))
+
+
 class Programs:
     """The programs made so far, one per distinct partition: `same` finds, for new methods, the one made
-    before for a policy whose partition saves the same activations (the same programs: compiled and timed
-    once); `compile` compiles the others in the pool. `known` ({`actions_key`: partition key}, filled by
+    before for a policy whose partition saves the same activations, under the same inductor settings (the same
+    programs: compiled and timed once); `compile` compiles the others in the pool. `known` ({`actions_key`: partition key}, filled by
     whoever partitioned a policy already, as `compare_screen`'s dry compiles do) spares tracing those again."""
 
     def __init__(self, pool: CompilePool, known: dict | None = None):
@@ -161,6 +167,7 @@ class Programs:
         found = iter(self.pool.partitions(unknown) if len(made) > 1 or self._by_key else [None] * len(unknown))
         keys = [self.known[actions_key(policy)] if actions_key(policy) in self.known else next(found)
                 for _, policy in made]
+        keys = [None if key is None else (key, _settings_key(policy)) for (_, policy), key in zip(made, keys)]
         out = []
         for (m, _), key in zip(made, keys):
             first = m if key is None else self._by_key.setdefault(key, m)
