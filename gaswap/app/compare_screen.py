@@ -44,7 +44,9 @@ class ProgramPeaks:
         self.partitions = {} if partitions is None else partitions
         self.known: dict[tuple, int | None] = {}  # actions -> programs' peak (None: inductor's program unreadable)
         self.unreached: set[str] = set()  # budgets (labels) no candidate fitted by its programs, even searched lower
-        self.inductor: dict[tuple, dict] = {}  # actions -> the `VARIANTS` entry its programs fit a budget under
+        # actions -> the `VARIANTS` entry its programs fit a budget under (the lowest budget's, where several:
+        # its peak is under the others too): the policy is compiled so, at every budget
+        self.inductor: dict[tuple, dict] = {}
         self._varied: dict[tuple, list] = {}  # actions -> [(variant, peak or None)] written so far
 
     def peak(self, chromosome) -> int | None:

@@ -145,7 +145,8 @@ def actions_key(policy) -> tuple:
 def _settings_key(policy) -> tuple:
     """The inductor settings a compiled policy asks for (`partition.inductor_settings`) as a key: policies of one
     partition compiled under other settings generate other programs."""
-    return tuple(sorted((getattr(policy, "provenance", None) or {}).get("inductor", {}).items()))
+    settings = (getattr(policy, "provenance", None) or {}).get("inductor") or {}
+    return tuple(sorted(settings.items())) if isinstance(settings, dict) else (("invalid", repr(settings)),)
 
 
 class Programs:
