@@ -246,12 +246,79 @@ class _Transposed(torch.nn.Module):
         return torch.sin((x @ self.w).t())  # sin's backward reads cos of a transposed matmul: not contiguous
 
 
-@pytest.mark.slow
-def test_swapping_what_torch_cannot_offload_is_refused():
+def test_what_torch_cannot_offload_is_marked_at_capture_and_no_policy_swaps_it():
+    from gaswap.base import config
+    from gaswap.plan.encoding import Action, Encoding
+
     model, x = _Transposed(), torch.randn(8, 12)
     graph = partition.capture(model, x)
-    assert "cos" in graph.candidates()
-    step = partition.compile(model, partition.make_policy(graph, {"cos": "swap"}))
+    assert "cos" in graph.candidates() and "cos" in graph.unswappable  # a transposed matmul's cos
+    swap_space = config.load_search_space(partition.SWAP_SPACE)
+    encoding = Encoding(graph, [Action.parse(a) for a in swap_space.actions])
+    allowed = dict(zip(encoding.candidates, encoding.allowed))
+    assert Action.SWAP not in allowed["cos"] and Action.RECOMPUTE in allowed["cos"]
+    with pytest.raises(PolicyError, match="the policy swaps cos, which torch's activation offloading refuses"):
+        partition.make_policy(graph, {"cos": "swap"})
+    cnn, image, _ = _cnn()
+    pooled = partition.capture(cnn, image)
+    indices = [t for t in pooled.candidates() if t.startswith("getitem")]  # max-pool's indices: getitems
+    assert indices and set(indices) <= pooled.unswappable
+    assert pooled.fingerprint() == partition.capture(copy.deepcopy(cnn), image.clone()).fingerprint()
+
+
+def test_compiled_policies_swap_only_where_the_host_memory_is_apart(monkeypatch):
+    assert partition.space_for("cpu") == partition.SPACE
+    monkeypatch.setattr(offload_ops, "offload_path", lambda cuda: "async")
+    assert partition.space_for("cuda") == partition.SWAP_SPACE and partition.space_for("cpu") == partition.SPACE
+    monkeypatch.setattr(offload_ops, "offload_path", lambda cuda: "refused")  # torch 2.11 on CUDA
+    assert partition.space_for("cuda") == partition.SPACE
+
+
+def test_the_compiled_model_prices_a_swap_by_the_devices_link_and_it_lowers_the_peak():
+    from gaswap.base import config
+    from gaswap.compiled.step_model import CompiledProblem
+    from gaswap.plan.encoding import Action
+    from helpers import unit_costs
+
+    model, x, _ = _mlp()
+    graph = partition.capture(model, x)
+    space = config.load_search_space(partition.SWAP_SPACE)
+    fast, slow = (CompiledProblem(graph, unit_costs(graph, 1e-3, bandwidth), None, space, loss="sum")
+                  for bandwidth in (1e12, 1e3))
+    keep, swap = fast.encoding.uniform(Action.KEEP), fast.encoding.uniform(Action.SWAP)
+    assert any(Action.SWAP in a for a in fast.encoding.allowed)
+    assert fast.simulate(swap).peak_bytes < fast.simulate(keep).peak_bytes
+    assert fast.simulate(swap).step_time == pytest.approx(fast.simulate(keep).step_time, rel=1e-6)  # overlapped
+    assert slow.simulate(swap).step_time > slow.simulate(keep).step_time  # a slow link stalls the step
+    assert set(fast.actions_of(swap).values()) == {"keep", "swap"}  # masks torch cannot offload stay kept
+
+
+@pytest.mark.slow
+def test_every_swap_the_search_may_choose_is_one_torch_offloads():
+    from gaswap.base import config
+    from gaswap.plan.encoding import Action, Encoding
+
+    model, x, y = _cnn()
+    graph = partition.capture(model, x)
+    encoding = Encoding(graph, [Action.parse(a) for a in config.load_search_space(partition.SWAP_SPACE).actions])
+    swapped = {t: "swap" for t, allowed in zip(encoding.candidates, encoding.allowed) if Action.SWAP in allowed}
+    assert len(swapped) >= 4
+    reference = _train(torch.compile(m := copy.deepcopy(model), fullgraph=True, dynamic=False), m, x, y)
+    m = copy.deepcopy(model)
+    result = _train(partition.compile(m, partition.make_policy(graph, swapped)), m, x, y)
+    _close(result, reference)
+
+
+@pytest.mark.slow
+def test_swapping_what_torch_cannot_offload_is_refused():
+    """A policy written by hand (not by `make_policy`, which refuses it) is refused by the partitioner too."""
+    from gaswap.plan.policy import Policy
+
+    model, x = _Transposed(), torch.randn(8, 12)
+    graph = partition.capture(model, x)
+    policy = partition.make_policy(graph, {})
+    step = partition.compile(model, Policy(policy.fingerprint, policy.order, policy.actions | {"cos": "swap"},
+                                           policy.predicted, policy.provenance))
     with pytest.raises(Exception, match="the policy swaps cos, which torch's activation offloading refuses"):
         step(x)
 

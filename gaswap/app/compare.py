@@ -107,7 +107,7 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     device, model, inputs, target, graph = compiled_methods.setup(exp)
     progress(f"  on {device_name(device)}")
     costs = measure(graph, device, cache_dir, threads=exp.costs.threads)
-    space = config.load_search_space(partition.SPACE)
+    space = config.load_search_space(partition.space_for(device))  # swaps on CUDA, keep / recompute on a CPU
     provenance = {"optimizer": exp.optimizer, "counts": sorted(exp.counts)}
     compile_pool = pool.CompilePool(exp.path, pool.default_workers() if workers is None else workers, progress,
                                     local=(model, inputs))

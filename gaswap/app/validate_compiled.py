@@ -84,7 +84,7 @@ def recalibrated(policies_: list[policies.Policy], exp: config.Experiment, graph
     with pool.CompilePool(exp.path, 0, progress, local=(model, inputs)) as compile_pool:
         calibration, beside = calibration_run.calibrate(
             exp, graph, costs, model, inputs, target, device, progress, pool.Programs(compile_pool), beside=policies_)
-    space = config.load_search_space(partition.SPACE)
+    space = config.load_search_space(partition.space_for(device))  # a policy's swaps priced where they lower memory
     problem = step_model.CompiledProblem(graph, costs, None, space, loss=exp.loss, calibration=calibration)
     encoding = problem.encoding
     took = {"device": costs.device, "cpu_s": round(_cpu_seconds() - cpu, 1),

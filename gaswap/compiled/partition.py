@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -62,6 +63,7 @@ from torch._functorch.partitioners import (
     _extract_fwd_bwd_modules,
     _is_primal,
     _must_be_in_forward,
+    get_default_op_list,
     is_sym_node,
     min_cut_rematerialization_partition,
     reordering_to_mimic_autograd_engine,
@@ -85,6 +87,7 @@ from gaswap.run.capture import make_op, storage_key, tensor_nbytes
 from gaswap.run.values import ancestors
 
 SPACE = "compiled"  # the search space of compiled policies: keep / recompute, captured order
+SWAP_SPACE = "compiled_swap"  # the same with swaps, where they lower the device's memory (`space_for`)
 OFFLOADED_PREFIX = "cpu_offload_"  # torch's activation offloading names a saved value's host copy so
 
 
@@ -208,6 +211,14 @@ def inductor_settings(policy: Policy) -> dict:
 def compile(model: Callable, policy: Policy | str, **inductor_options) -> Callable:  # noqa: A001 - torch's name
     """`model` (or a step function) compiled by torch.compile with inductor, training under `policy`."""
     return torch.compile(model, backend=backend(policy, **inductor_options), fullgraph=True, dynamic=False)
+
+
+def space_for(device) -> str:
+    """The search space of compiled policies on `device`: swaps where the host's memory is apart from the
+    device's and this torch offloads a compiled step's activations there (CUDA, `offload_ops.offload_path`);
+    keep / recompute elsewhere (on a CPU a swap copies within the same memory and lowers nothing)."""
+    cuda = torch.device(device).type == "cuda"
+    return SWAP_SPACE if cuda and offload_ops.offload_path(True) == "async" else SPACE
 
 
 def check_compiled(policy: Policy) -> None:
@@ -335,11 +346,24 @@ def _joint(gm: fx.GraphModule, num_fwd_outputs: int, static_indices, optimizer: 
     ops = [op for op, _ in sorted(ops, key=lambda pair: pair[1])]
     loss = storage_of[fwd_outputs[0].name]
     sources = {storage_of[n.name] for n in leaves if tensors[storage_of[n.name]].kind == "activation"}
+    decidable = (_recomputed_from(ops, tensors) | sources) - {loss}
+    read_by_backward = {t for op in ops if op.phase != "fwd" for t in op.inputs}
     g = Graph(tuple(ops), tensors, resident={"optimizer_state": OPTIMIZER_STATE[optimizer] * param_bytes},
-              counted=frozenset(counted), loss=loss, decidable=(_recomputed_from(ops, tensors) | sources) - {loss})
+              counted=frozenset(counted), loss=loss, decidable=decidable,
+              unswappable=_unswappable(nodes, tensors) | (decidable - read_by_backward))
     inputs = [(list(n.meta["val"].shape), str(n.meta["val"].dtype).removeprefix("torch.")) for n in primals
               if tensors.get(n.name) is not None and tensors[n.name].kind == "input"]
     return Joint(g, storage_of, inputs)
+
+
+def _unswappable(nodes: list[fx.Node], tensors: dict[str, Tensor]) -> frozenset:
+    """The activations torch's activation offloading refuses to offload (`can_offload`): those a view, a getitem
+    or a non-contiguous tensor makes (an activation is named by the node that first makes its storage). (`_joint`
+    adds the decidable ones the backward does not read: never saved, so nothing to offload.)"""
+    op_types = get_default_op_list()
+    return frozenset(n.name for n in nodes if n.name in tensors and tensors[n.name].kind == "activation"
+                     and (op_types.is_view(n) or n.target is operator.getitem
+                          or (isinstance(n.meta.get("val"), torch.Tensor) and not n.meta["val"].is_contiguous())))
 
 
 def _recomputed_from(ops, tensors: dict[str, Tensor]) -> frozenset:
@@ -542,5 +566,9 @@ def make_policy(graph: Graph, actions: dict[str, str], predicted: dict | None = 
         raise PolicyError(f"not candidates of this graph: {', '.join(unknown[:3])}")
     full = {t: actions.get(t, "keep") for t in graph.candidates()}
     check_recomputable(graph, full)
+    refused = sorted(t for t, a in full.items() if a == "swap" and t in graph.unswappable)
+    if refused:
+        raise PolicyError(f"the policy swaps {refused[0]}, which torch's activation offloading refuses (a view, a "
+                          f"getitem or a non-contiguous tensor): keep or recompute it")
     return Policy(graph.fingerprint(), tuple(op.name for op in graph.ops), full, dict(predicted or {}),
                   {"form": "compiled"} | dict(provenance or {}), tuple(program))

@@ -51,7 +51,8 @@ class Encoding:
         if Action.KEEP not in allowed:
             allowed.insert(0, Action.KEEP)
         self.allowed: list[tuple[Action, ...]] = [
-            tuple(a for a in allowed if a != Action.RECOMPUTE or t in rematerializable) for t in self.candidates
+            tuple(a for a in allowed if (a != Action.RECOMPUTE or t in rematerializable)
+                  and (a != Action.SWAP or t not in graph.unswappable)) for t in self.candidates
         ]
 
     def decode(self, keys) -> list[int]:

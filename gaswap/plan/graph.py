@@ -67,6 +67,9 @@ class Graph:
     kept, a recomputation in the backward may start from one (compiled graphs: library calls' outputs).
     `specialized` lists the tensor values a step that reads them was traced for, as (op, where, value): the graph
     is that step's for those values only (part of the fingerprint; see `specialization_differences`).
+    `unswappable` names candidates no policy may swap (compiled graphs: torch's activation offloading refuses
+    views, getitems and non-contiguous tensors, and a decidable tensor the backward does not read is never
+    saved); derived from the graph, so not part of the fingerprint.
     """
 
     ops: tuple[Op, ...]
@@ -76,6 +79,7 @@ class Graph:
     loss: str | None = None
     decidable: frozenset = frozenset()
     specialized: tuple = ()
+    unswappable: frozenset = frozenset()
 
     def __post_init__(self):
         _validate(self)

@@ -251,13 +251,17 @@ def _candidate_sources(graph: Graph, candidates: list[int], tid: dict[str, int])
     return [(t, sorted(nearest.get(t, ()))) for t in latest_first]
 
 
-def hold_sources(sources, moved: np.ndarray, last_use: np.ndarray, first_bwd: np.ndarray, n: int) -> list[int]:
-    """Extend (in place) the `last_use` of each candidate to the first backward reader of every candidate not
-    kept that is recomputed from it, directly or through others not kept (`Simulator.sources`). Returns the
-    kept candidates recomputed from."""
+def hold_sources(sources, moved: np.ndarray, last_use: np.ndarray, first_bwd: np.ndarray, n: int,
+                 swapped: np.ndarray | None = None) -> list[int]:
+    """Extend (in place) the `last_use` of each candidate to the first backward reader of every candidate
+    recomputed (`moved`) from it, directly or through others recomputed (`Simulator.sources`). Returns the
+    kept candidates recomputed from. A `swapped` candidate comes back from the host where a recomputation
+    reads it: it is neither recomputed from its sources nor held."""
     needed: dict[int, int] = {}  # candidate -> the latest position a recomputation from it runs at
     held = []
     for t, inputs in sources:
+        if swapped is not None and swapped[t]:
+            continue
         if moved[t]:
             at = max(needed.get(t, -1), int(first_bwd[t]) if first_bwd[t] < n else -1)
             if at >= 0:
@@ -298,7 +302,9 @@ class _Run:
         saved = kept[first_bwd[kept] < n]  # read by the backward
         self.saved_bytes = int(sim.size_array[saved].sum())
         if sim.sources is not None:
-            held = hold_sources(sim.sources, moved, last_use, first_bwd, n)  # recomputed from
+            swapping = np.zeros(nt, dtype=bool)
+            swapping[candidates[acts == int(Action.SWAP)]] = True
+            held = hold_sources(sim.sources, moved & ~swapping, last_use, first_bwd, n, swapping)  # recomputed from
             self.saved_bytes += sum(sim.size[t] for t in held if first_bwd[t] >= n)
         self.size, self.out_bytes = sim.size, sim.out_bytes
         recomputed = candidates[acts == int(Action.RECOMPUTE)]
