@@ -49,7 +49,7 @@ resident before a step (parameters, buffers, inputs, optimizer state); beside it
 inductor generated for the method, read from them at its compile (`gaswap.compiled.programs`). A policy
 file written predicts the latter (`predicted.peak_bytes`; the search model's is `search_peak_bytes`). On a
 CPU, a swap would not lower these figures (the host store is the same RAM), so the compared policies keep
-or recompute only.
+or recompute only; on CUDA with torch's asynchronous offloading they may swap too (`partition.space_for`).
 
 Writes `results/<experiment>/compare.csv`, `compare.md`, `finalists.csv` and the gaswap policies compared
 (`compiled/pNN.yaml`).
