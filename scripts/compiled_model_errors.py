@@ -35,6 +35,7 @@ import csv
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,21 +83,20 @@ def _time(methods, exp, inputs, target, device, rounds: int, steps: int) -> list
                                     lambda line: print(line, flush=True), metered=1)
 
 
-def measure_experiment(path: str, out: Path, program_dir: Path, rounds: int, steps: int) -> None:
-    """Compile and time the calibration policies, torch's partitions and gaswap's picks of one experiment."""
-    exp, device, model, inputs, target, graph, costs, space = _setup(path, out)
-    problem = step_model.CompiledProblem(graph, costs, None, space, loss=exp.loss)
+def calibration_and_torch(exp, model, inputs, graph, problem) -> tuple[list, Callable]:
+    """(entries, add): the entries (label, kind, chromosome, Method) of the calibration policies
+    (`step_model.calibration_policies`) and torch.compile at each of `TORCH_BUDGETS`, each its own copy of
+    `model`; `add(label, kind, chromosome)` appends a gaswap policy's."""
     provenance = {"optimizer": exp.optimizer, "counts": sorted(exp.counts)}
-    entries = []  # (label, kind, chromosome or None, Method)
+    entries = []
 
-    def gaswap_method(label, kind, c):
+    def add(label, kind, c):
         policy = partition.make_policy(graph, problem.actions_of(c), provenance=provenance)
         m, opt = training.fresh_copy(model, exp.optimizer)
         entries.append((label, kind, c, Method("gaswap", label, m, partition.compile(m, policy), opt)))
 
-    calibration_policies = step_model.calibration_policies(problem)
-    for label, c in calibration_policies.items():
-        gaswap_method(f"cal {label}", "calibration", c)
+    for label, c in step_model.calibration_policies(problem).items():
+        add(f"cal {label}", "calibration", c)
     for budget in TORCH_BUDGETS:
         _, actions = partition.torch_partition(model, *inputs, budget=budget, optimizer=exp.optimizer,
                                                counted=exp.counts)
@@ -105,9 +105,17 @@ def measure_experiment(path: str, out: Path, program_dir: Path, rounds: int, ste
         m, opt = training.fresh_copy(model, exp.optimizer)
         entries.append((f"torch {budget:g}", "torch", c,
                         Method("torch.compile", f"{budget:g}", m, compiled_methods.torch_compiled(m, budget), opt)))
+    return entries, add
+
+
+def measure_experiment(path: str, out: Path, program_dir: Path, rounds: int, steps: int) -> None:
+    """Compile and time the calibration policies, torch's partitions and gaswap's picks of one experiment."""
+    exp, device, model, inputs, target, graph, costs, space = _setup(path, out)
+    problem = step_model.CompiledProblem(graph, costs, None, space, loss=exp.loss)
+    entries, gaswap_method = calibration_and_torch(exp, model, inputs, graph, problem)
+    n_cal = sum(kind == "calibration" for _, kind, _, _ in entries)
     compiled_methods.allow_recompiles(len(entries) + 5)
     first = _time([e[3] for e in entries], exp, inputs, target, device, rounds, steps)
-    n_cal = len(calibration_policies)
     calibration = step_model.fit(step_model.samples(problem, [
         (label, c, row["step_s"]) for (label, _, c, _), row in zip(entries[:n_cal], first[:n_cal])]))
     if hasattr(step_model, "fit_peaks"):  # the model before it fitted no peaks

@@ -33,17 +33,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from compiled_model_errors import _chromosome, _setup
+from compiled_model_errors import _chromosome, _setup, calibration_and_torch
 
 from gaswap.base.files import csv_text, write_atomic
 from gaswap.compiled import methods as compiled_methods
-from gaswap.compiled import partition, step_model
-from gaswap.compiled.methods import Method
+from gaswap.compiled import step_model
 from gaswap.compiled.programs import Program, ProgramError
-from gaswap.plan.encoding import Chromosome
-from gaswap.run import training
 
-TORCH_BUDGETS = (1.0, 0.5, 0.2)
 CALL_STEPS = 5  # steps whose calls are timed, per calibration policy
 COLUMNS = ("experiment", "label", "kind", "step_s", "step_min", "step_max", "program_s", "program_error",
            "model_s", "model_error", "unseen_calls", "outside_s")
@@ -363,24 +359,7 @@ def _source(module) -> str:
 def check(path: str, out: Path, rounds: int, steps: int) -> list[dict]:
     exp, device, model, inputs, target, graph, costs, space = _setup(path, out)
     problem = step_model.CompiledProblem(graph, costs, None, space, loss=exp.loss)
-    provenance = {"optimizer": exp.optimizer, "counts": sorted(exp.counts)}
-    entries = []  # (label, kind, chromosome, Method)
-
-    def gaswap_method(label, kind, c):
-        policy = partition.make_policy(graph, problem.actions_of(c), provenance=provenance)
-        m, opt = training.fresh_copy(model, exp.optimizer)
-        entries.append((label, kind, c, Method("gaswap", label, m, partition.compile(m, policy), opt)))
-
-    for label, c in step_model.calibration_policies(problem).items():
-        gaswap_method(f"cal {label}", "calibration", c)
-    for budget in TORCH_BUDGETS:
-        _, actions = partition.torch_partition(model, *inputs, budget=budget, optimizer=exp.optimizer,
-                                               counted=exp.counts)
-        c = problem.canonical(Chromosome(problem.encoding.captured_keys(),
-                                         compiled_methods.partition_actions(problem.encoding, actions)))
-        m, opt = training.fresh_copy(model, exp.optimizer)
-        entries.append((f"torch {budget:g}", "torch", c,
-                        Method("torch.compile", f"{budget:g}", m, compiled_methods.torch_compiled(m, budget), opt)))
+    entries, gaswap_method = calibration_and_torch(exp, model, inputs, graph, problem)
     with open(out / "measured" / f"{exp.name}.csv") as f:
         for r in csv.DictReader(f):
             if r["kind"] == "gaswap":
