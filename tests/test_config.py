@@ -137,7 +137,7 @@ MALFORMED = [
     ({"costs": {"source": "measure", "device": "auto", "threads": 1}},
      "costs.threads: only used when measuring on the CPU (source 'measure', device 'cpu')"),
     ({"search_space": "hybird"}, "search_space: unknown search space 'hybird' (did you mean 'hybrid'?) "
-                                 "(known: compiled, hybrid, order_only, recompute_only, swap_only)"),
+                                 "(known: compiled, compiled_swap, hybrid, order_only, recompute_only, swap_only)"),
     ({"search_space": "nowhere/x.yaml"}, "search_space: search space file"),
     ({"name": "a b"}, "name: must be a name of letters"),
     ({"distributed": {"world_size": 1, "units": ["Block"]}}, "distributed.world_size: must be an integer of at least 2"),
