@@ -488,8 +488,13 @@ def offload(fw: fx.GraphModule, bw: fx.GraphModule, names: set[str], num_fwd_out
         enable_activation_offloading(fw, bw, num_fwd_outputs, static)
     refused = [n.name for n in chosen if not n.meta.get("saved_for_offloading")]
     if refused:
-        raise PolicyError(f"the policy swaps {refused[0]}, which torch's activation offloading refuses (a view, a "
-                          f"getitem or a non-contiguous tensor): keep or recompute it")
+        raise _swap_refused(refused[0], "a view, a getitem or a non-contiguous tensor")
+
+
+def _swap_refused(name: str, kind: str) -> PolicyError:
+    """The refusal of a policy that swaps `name`, a `kind` of value torch's activation offloading refuses."""
+    return PolicyError(f"the policy swaps {name}, which torch's activation offloading refuses ({kind}): keep or "
+                       f"recompute it")
 
 
 def check_recomputable(graph: Graph, actions: dict[str, str]) -> None:
@@ -566,9 +571,9 @@ def make_policy(graph: Graph, actions: dict[str, str], predicted: dict | None = 
         raise PolicyError(f"not candidates of this graph: {', '.join(unknown[:3])}")
     full = {t: actions.get(t, "keep") for t in graph.candidates()}
     check_recomputable(graph, full)
-    refused = sorted(t for t, a in full.items() if a == "swap" and t in graph.unswappable)
-    if refused:
-        raise PolicyError(f"the policy swaps {refused[0]}, which torch's activation offloading refuses (a view, a "
-                          f"getitem or a non-contiguous tensor): keep or recompute it")
+    refused = min((t for t, a in full.items() if a == "swap" and t in graph.unswappable), default=None)
+    if refused is not None:
+        raise _swap_refused(refused, "a view, a getitem, a non-contiguous tensor, or a value the backward never "
+                                        "reads")
     return Policy(graph.fingerprint(), tuple(op.name for op in graph.ops), full, dict(predicted or {}),
                   {"form": "compiled"} | dict(provenance or {}), tuple(program))

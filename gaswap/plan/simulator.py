@@ -253,10 +253,10 @@ def _candidate_sources(graph: Graph, candidates: list[int], tid: dict[str, int])
 
 def hold_sources(sources, moved: np.ndarray, last_use: np.ndarray, first_bwd: np.ndarray, n: int,
                  swapped: np.ndarray | None = None) -> list[int]:
-    """Extend (in place) the `last_use` of each candidate to the first backward reader of every candidate
-    recomputed (`moved`) from it, directly or through others recomputed (`Simulator.sources`). Returns the
-    kept candidates recomputed from. A `swapped` candidate comes back from the host where a recomputation
-    reads it: it is neither recomputed from its sources nor held."""
+    """Extend (in place) the `last_use` of each candidate to the first backward reader of every candidate not
+    kept (`moved`) that is recomputed from it, directly or through others recomputed (`Simulator.sources`).
+    Returns the kept candidates recomputed from. A `swapped` candidate (moved too) comes back from the host
+    where a recomputation reads it: it is neither recomputed from its sources nor held."""
     needed: dict[int, int] = {}  # candidate -> the latest position a recomputation from it runs at
     held = []
     for t, inputs in sources:
@@ -301,19 +301,17 @@ class _Run:
         kept = candidates[keep]
         saved = kept[first_bwd[kept] < n]  # read by the backward
         self.saved_bytes = int(sim.size_array[saved].sum())
+        swapped = candidates[acts == int(Action.SWAP)]  # in the order of the candidates
+        swaps = np.zeros(nt, dtype=bool)
+        swaps[swapped] = True
         if sim.sources is not None:
-            swapping = np.zeros(nt, dtype=bool)
-            swapping[candidates[acts == int(Action.SWAP)]] = True
-            held = hold_sources(sim.sources, moved & ~swapping, last_use, first_bwd, n, swapping)  # recomputed from
+            held = hold_sources(sim.sources, moved, last_use, first_bwd, n, swaps)  # recomputed from
             self.saved_bytes += sum(sim.size[t] for t in held if first_bwd[t] >= n)
         self.size, self.out_bytes = sim.size, sim.out_bytes
         recomputed = candidates[acts == int(Action.RECOMPUTE)]
         inlined = recomputed[sim.inlined_if_recomputed[recomputed]]
         if len(inlined):
             self.inline(inlined, moved, last_use, last_fwd, first_bwd, n)
-        swapped = candidates[acts == int(Action.SWAP)]  # in the order of the candidates
-        swaps = np.zeros(nt, dtype=bool)
-        swaps[swapped] = True
         self.swapped = swaps.tolist()
         self.last_use = last_use.tolist()
         self.droppable = (moved | sim.transient).tolist()  # what a recomputation may drop after its last reader
