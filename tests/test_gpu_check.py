@@ -27,15 +27,20 @@ def test_derived_experiments_measure_on_cuda_and_search_briefly(tmp_path):
         original = config.load_experiment(path)
         assert (exp.costs.source, exp.costs.device) == ("measure", "cuda")
         assert (exp.ga.population, exp.ga.generations) == (32, 15)
-        assert exp.name == original.name + "_gpu_check" and exp.budget == original.budget
+        assert exp.name == original.name + "_gpu_check"
+        planned = gpu_check.BUDGETS.get(Path(path).stem)
+        assert exp.budget == (original.budget if planned is None else config.parse_size(planned))
         assert exp.model == original.model and exp.search_space == original.search_space
 
 
 def test_goals_from_a_validation_and_a_memory_run():
     validation = {"budget_bytes": 1000, "measured": {"peak_bytes": 980}, "peak_ratio": 1.03, "time_ratio": 0.85}
-    assert gpu_check.goals(validation, {"measured": {"reserved_bytes": 1100}}) == {
-        "peak_within_5pct": True, "peak_under_budget": True, "reserved_under_budget": False,
-        "step_time_within_10pct": False}
+    memory = {"target": "live", "measured": {"reserved_bytes": 1100}, "ratios_with_device_memory": {"reserved": 0.94}}
+    assert gpu_check.goals(validation, memory) == {
+        "peak_within_5pct": True, "reserved_within_5pct": False, "peak_under_budget": True,
+        "reserved_under_budget": None, "step_time_within_10pct": False}  # a live target: reserved is no goal
+    reserved = gpu_check.goals(validation, memory | {"target": "reserved"})["reserved_under_budget"]
+    assert reserved is False  # planned for reserved memory: 1100 over the 1000 budget
 
 
 def _stand_in_gpu(monkeypatch):
@@ -129,8 +134,9 @@ def test_one_experiment_runs_end_to_end_on_the_cpu(tmp_path):
     memory = out["memory"]
     assert memory["measured"]["requested_bytes"] == out["validation"]["measured"]["peak_bytes"]
     assert memory["predicted"]["requested"] == memory["predicted"]["simulated"]  # the replay of the policy's program
-    assert set(out["goals"]) == {"peak_within_5pct", "peak_under_budget", "reserved_under_budget",
-                                 "step_time_within_10pct"}
+    assert set(out["goals"]) == {"peak_within_5pct", "reserved_within_5pct", "peak_under_budget",
+                                 "reserved_under_budget", "step_time_within_10pct"}
+    assert memory["capped_at_bytes"] is None  # a CPU run is never capped
     arena = out["arena"]  # the same memory run from an arena: the arena is counted, nothing fails
     assert "error" not in arena and arena["arena"]["bytes"] > 0
     assert arena["requested_with_arena_bytes"] >= arena["arena"]["bytes"]

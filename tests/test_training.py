@@ -164,3 +164,16 @@ def test_compare_steps_and_meters_its_methods_through_training(monkeypatch):
     ms[0].compile_s = 0.0  # warmed up again, then one metered step
     assert compare._peak_reached(ms[0], (x,), y, SimpleNamespace(loss="cross_entropy"), torch.device("cpu"),
                                  lambda line: None) == peaks[-1][2][0] > 0
+
+
+def test_a_cuda_run_is_capped_at_an_absolute_budget_only():
+    """validate caps a CUDA run at the policy's budget as a device of that size would (cuDNN's workspaces then
+    take what the budget leaves): not on a CPU, nor for a fraction of keep-all's peak."""
+    from gaswap.app.validate import budget_cap
+    from gaswap.base.config import parse_size
+
+    policy = SimpleNamespace(provenance={"budget_bytes": 4_500_000_000})
+    absolute, fraction = SimpleNamespace(budget=parse_size("4.5GB")), SimpleNamespace(budget=parse_size("0.5x"))
+    assert budget_cap(absolute, policy, torch.device("cuda")) == 4_500_000_000
+    assert budget_cap(absolute, policy, torch.device("cpu")) is None
+    assert budget_cap(fraction, policy, torch.device("cuda")) is None

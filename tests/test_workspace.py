@@ -1,6 +1,9 @@
 """What a GPU holds beyond the graph's tensors, measured per op (gaswap.run.workspace): on the CPU with the step
 tracker standing in for CUDA's allocator statistics."""
 import json
+from types import SimpleNamespace
+
+import torch
 
 from gaswap.plan.graph import Graph, Op, Tensor
 from gaswap.plan.memory.allocator import replay
@@ -67,3 +70,97 @@ def test_measured_transients_raise_the_models_peaks():
     result = Simulator(graph, Costs({"ce": 1.0}, 1e9, 1e9, "t", "t")).run([0], [], trace=True)
     plain, held = replay(graph, result, steps=1), replay(graph, result, steps=1, transients=transients)
     assert held.requested == plain.requested + transients["ce"]
+
+
+class _CappedAllocator:
+    """torch.cuda's memory functions over a ledger of bytes, with `set_per_process_memory_fraction`'s cap: a
+    request past it raises OutOfMemoryError (the caching allocator's reservations are the ledger's bytes)."""
+
+    total = 1 << 34
+
+    def __init__(self):
+        self.current = self.peak = 0
+        self.fraction = 1.0
+        self.fractions = []
+
+    def allocate(self, nbytes):
+        if self.current + nbytes > self.fraction * self.total:
+            raise torch.OutOfMemoryError(f"stand-in: {nbytes} bytes past the cap")
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+    def free(self, nbytes):
+        self.current -= nbytes
+
+    def synchronize(self, dev):
+        pass
+
+    def empty_cache(self):
+        pass
+
+    def memory_allocated(self, dev):
+        return self.current
+
+    memory_reserved = memory_allocated
+
+    def reset_peak_memory_stats(self, dev):
+        self.peak = self.current
+
+    def max_memory_allocated(self, dev):
+        return self.peak
+
+    def get_device_properties(self, dev):
+        return SimpleNamespace(total_memory=self.total)
+
+    def set_per_process_memory_fraction(self, fraction, dev):
+        self.fraction = fraction
+        self.fractions.append(fraction)
+
+
+MiB = 1 << 20
+
+
+def _planned_op(api, plans):
+    """An op that runs the first of `plans` (workspace bytes) whose workspace it can allocate, as torch tries
+    cuDNN's plans; out of memory when none fits. It returns a 1 MiB tensor."""
+
+    def call(*args, **kwargs):
+        out = torch.empty(MiB, dtype=torch.uint8)
+        api.allocate(MiB)
+        for workspace_bytes in plans:
+            try:
+                api.allocate(workspace_bytes)
+            except torch.OutOfMemoryError:
+                continue
+            api.free(workspace_bytes)
+            return out
+        raise torch.OutOfMemoryError("stand-in: no plan fits")
+
+    return call
+
+
+def test_an_ops_least_transient_is_measured_with_the_process_capped(monkeypatch):
+    """cuDNN's convolutions take a workspace as large as the device has free: the least is what a capped call
+    takes (a 1 GiB plan first, a 64 KiB one when memory is short); an op whose transient cannot shrink (8 MiB
+    for every plan) runs once the headroom grows past it (2 MiB, then 16 MiB)."""
+    api = _CappedAllocator()
+    ops = {"elastic": _planned_op(api, [1 << 30, 64 << 10]), "fixed": _planned_op(api, [8 * MiB])}
+    monkeypatch.setattr(workspace, "op_call", lambda signature, dev: (ops[json.loads(signature)["target"]], (), {}))
+    tensors = {"x": Tensor("x", 4, "input"), "a": Tensor("a", MiB, "activation", "conv"),
+               "loss": Tensor("loss", 4, "activation", "mm")}
+    graph = Graph((Op("conv", "elastic", ("x",), ("a",), signature=json.dumps({"target": "elastic"})),
+                   Op("mm", "fixed", ("a",), ("loss",), signature=json.dumps({"target": "fixed"}))), tensors, loss="loss")
+    assert workspace.op_transients(graph, "cuda", api=api) == {"conv": 64 << 10, "mm": 8 * MiB}
+    assert api.fractions[-1] == 1.0 and api.fraction == 1.0  # the cap lifted after each call
+    assert workspace.op_transients(graph, "cuda", api=api, least=False) == {"conv": 1 << 30, "mm": 8 * MiB}
+
+
+def test_a_capped_run_lifts_its_cap_when_it_fails():
+    api = _CappedAllocator()
+    try:
+        with workspace.capped("cuda", 1 << 30, api=api):
+            assert api.fraction == (1 << 30) / api.total
+            raise torch.OutOfMemoryError("stand-in")
+    except torch.OutOfMemoryError:
+        pass
+    assert api.fraction == 1.0

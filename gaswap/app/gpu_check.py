@@ -20,6 +20,7 @@ timed out; `scripts/gpu_check.sh` adds 2: deap cannot be imported (no wheel to i
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -33,6 +34,10 @@ from gaswap.base.files import write_atomic
 
 EXPERIMENTS = ("experiments/alexnet_4gb.yaml", "experiments/gpt_bench.yaml")
 SHORT_GA = {"population": 32, "generations": 15, "workers": 1}  # a search that fits the check's time
+# budgets the check plans for instead of the experiment's: with the costs measured on an H100 (a 54 GB/s link
+# against convolutions of a few ms, swaps finish late), no AlexNet policy reaches 4 GB less cuBLAS's workspace:
+# the smallest peak found was 4.04 GB (32 x 15) and 3.995 GB (128 x 200); at 4.5 GB the short search finds 4.10 GB
+BUDGETS = {"alexnet_4gb": "4.5GB"}
 COMPARE = "experiments/compare_cnn_cpu.yaml"  # the head-to-head's smallest experiment (it runs on CUDA when present)
 COMPARE_ARGS = ("--rounds", "1", "--steps", "2", "--finalists", "1", "--below", "0.8")  # what fits its limit
 PEAK_TOLERANCE, TIME_TOLERANCE = 0.05, 0.10
@@ -191,6 +196,7 @@ def derived_experiment(path: str | Path, work: Path, device: str = "cuda") -> Pa
     raw["name"] = f"{raw.get('name', Path(path).stem)}_gpu_check"
     raw["costs"] = {"source": "measure", "device": device}
     raw["ga"] = dict(raw.get("ga") or {}) | SHORT_GA
+    raw["budget"] = BUDGETS.get(Path(path).stem, raw.get("budget"))
     space = raw.get("search_space")
     if isinstance(space, str) and (Path(path).parent / space).exists():  # a relative path: keep it pointing there
         raw["search_space"] = str((Path(path).parent / space).resolve())
@@ -239,14 +245,20 @@ def arena_run(policy_path: str | Path, plain: dict, device: str = "cuda") -> dic
 
 
 def goals(validation: dict, memory: dict) -> dict:
-    """The check's pass/fail lines from a validation report and a memory run."""
+    """The check's pass/fail lines from a validation report and a memory run: the peaks within 5 % of the
+    prediction (allocated: the live model's; reserved: the allocator model's with the device's own memory,
+    `ratios_with_device_memory`), the allocated peak under the budget, the step time within 10 %. Reserved under
+    the budget is a goal only for a policy planned for it (`memory: {target: reserved}`; else None)."""
     budget = validation.get("budget_bytes")
     peak = validation["measured"]["peak_bytes"]
     reserved = memory.get("measured", {}).get("reserved_bytes")
+    reserved_ratio = memory.get("ratios_with_device_memory", {}).get("reserved")
     return {
         "peak_within_5pct": abs(validation["peak_ratio"] - 1) <= PEAK_TOLERANCE,
+        "reserved_within_5pct": None if reserved_ratio is None else abs(reserved_ratio - 1) <= PEAK_TOLERANCE,
         "peak_under_budget": budget is None or peak <= budget,
-        "reserved_under_budget": budget is None or reserved is None or reserved <= budget,
+        "reserved_under_budget": None if memory.get("target") != "reserved" or budget is None or reserved is None
+        else reserved <= budget,
         "step_time_within_10pct": abs(validation["time_ratio"] - 1) <= TIME_TOLERANCE,
     }
 
@@ -260,6 +272,7 @@ def memory_run(policy_path: str | Path, steps: int = 3, device: str = "cuda", *,
     import torch
 
     # imported when the check runs: the CLI lists `check-gpu` without loading torch
+    from gaswap.app.validate import budget_cap
     from gaswap.base import config
     from gaswap.plan import policy as policies
     from gaswap.plan.memory import allocator
@@ -271,6 +284,7 @@ def memory_run(policy_path: str | Path, steps: int = 3, device: str = "cuda", *,
     policy = policies.load(policy_path)
     exp = config.load_experiment(policy.provenance["experiment_file"])
     dev = torch.device(device)
+    cap = budget_cap(exp, policy, dev)
     cuda = dev.type == "cuda"
     if cuda:  # record every allocation from a clean cache: the model replays the same requests (replay_recorded)
         gc.collect()
@@ -287,17 +301,8 @@ def memory_run(policy_path: str | Path, steps: int = 3, device: str = "cuda", *,
         runner = StepRunner(captured, policy.program, dev)
     optimizer, params = training.make_optimizer(exp.optimizer, model), training.trainable(model)
     generator = torch.Generator(dev).manual_seed(exp.seed)
-    figures = {}
-    for _ in range(steps):
-        inputs, target = experiment.make_inputs(exp, str(dev), generator)
-        if exp.loss == "external":
-            target = experiment.output_gradient(captured, dev, exp.seed)
-        args = captured.arguments(model, inputs, target)
-        del inputs, target
-        held = training.resident(captured, args, optimizer, exp.counts, [runner.buffer] if arena else [])
-        done = training.runtime_step(runner, args, held, optimizer, params, dev)
-        figures = {"requested_bytes": done.memory.peak, "allocated_bytes": done.memory.allocated_peak,
-                   "reserved_bytes": done.memory.reserved_peak, "optimizer_step_allocated_bytes": done.optimizer_peak}
+    with workspace.capped(dev, cap) if cap else contextlib.nullcontext():
+        figures = _steps(steps, exp, dev, generator, captured, model, runner, optimizer, params, arena)
     recorded = None
     if cuda:
         trace = torch.cuda.memory._snapshot()["device_traces"][dev.index or torch.cuda.current_device()]
@@ -315,16 +320,37 @@ def memory_run(policy_path: str | Path, steps: int = 3, device: str = "cuda", *,
     older = allocator.replay(captured.graph, policy, optimizer=exp.optimizer, swap_in_stream="h2d",
                              swap_out_free="record_stream")
     largest = max(device_extra["transients"].values(), default=0)
+    spare = max(workspace.op_transients(captured.graph, dev, least=False).values(), default=0)
     kept = policies.kept_margin(policy)  # what the search kept under the budget for them (0: a relative budget)
-    return {"measured": figures, "predicted": predicted.as_dict(), "ratios": ratios, "recorded_replay": recorded,
+    return {"target": exp.memory.target if exp.memory is not None else "live", "capped_at_bytes": cap,
+            "measured": figures, "predicted": predicted.as_dict(), "ratios": ratios, "recorded_replay": recorded,
             "predicted_with_device_memory": beside.as_dict(), "ratios_with_device_memory": ratios_beside,
             "device_memory": {"workspace_bytes": device_extra["workspace"], "largest_transient_bytes": largest,
+                              "largest_transient_with_memory_to_spare_bytes": spare,
                               "ops_with_transients": len(device_extra["transients"]),
                               "margin_bytes": device_extra["workspace"] + largest, "kept_bytes": kept,
                               "kept_covers_it": device_extra["workspace"] + largest <= kept if kept else None},
             "predicted_h2d_record_stream": older.as_dict(), **({"arena": arena_figures(runner)} if arena else {}),
             "note": "measured allocated/reserved also hold what the model leaves out (cuBLAS/cuDNN workspaces); "
                     "optimizer step: absolute allocated peak, predicted: the model's allocated peak then"}
+
+
+def _steps(steps: int, exp, dev, generator, captured, model, runner, optimizer, params, arena: bool) -> dict:
+    """`steps` training steps under the runner; the allocator's figures of the last."""
+    from gaswap.run import experiment, training
+
+    figures = {}
+    for _ in range(steps):
+        inputs, target = experiment.make_inputs(exp, str(dev), generator)
+        if exp.loss == "external":
+            target = experiment.output_gradient(captured, dev, exp.seed)
+        args = captured.arguments(model, inputs, target)
+        del inputs, target
+        held = training.resident(captured, args, optimizer, exp.counts, [runner.buffer] if arena else [])
+        done = training.runtime_step(runner, args, held, optimizer, params, dev)
+        figures = {"requested_bytes": done.memory.peak, "allocated_bytes": done.memory.allocated_peak,
+                   "reserved_bytes": done.memory.reserved_peak, "optimizer_step_allocated_bytes": done.optimizer_peak}
+    return figures
 
 
 def _ratios(figures: dict, predicted) -> dict:

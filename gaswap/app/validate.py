@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -16,10 +17,11 @@ import torch
 from gaswap.app import workflow
 from gaswap.app.results import Refused
 from gaswap.base import config
+from gaswap.base.errors import NoFit
 from gaswap.base.files import write_atomic
 from gaswap.base.locate import experiment_file
 from gaswap.plan import policy as policies
-from gaswap.run import training
+from gaswap.run import training, workspace
 from gaswap.run.arena_runtime import ArenaRunner, arena_figures
 from gaswap.run.capture import capture
 from gaswap.run.experiment import build_model, make_inputs, output_gradient
@@ -71,8 +73,15 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, e
     else:
         runner = StepRunner(captured, policy.program, dev)
     load = load_per_cpu()
-    loss, peaks, times = _train(runner, captured, model, inputs, target, exp, dev, steps, progress,
-                                [runner.buffer] if arena else [])
+    cap = budget_cap(exp, policy, dev)
+    try:
+        with workspace.capped(dev, cap) if cap else nullcontext():
+            loss, peaks, times = _train(runner, captured, model, inputs, target, exp, dev, steps, progress,
+                                        [runner.buffer] if arena else [])
+    except torch.OutOfMemoryError:
+        raise NoFit(f"{policy_path}: out of memory on {device_name(dev)} capped at the budget "
+                    f"{config.format_size(cap)}: the caching allocator's reservations did not fit it (plan with "
+                    f"`memory: {{target: reserved}}` to bound them)") from None
     report = {
         "experiment": exp.name,
         "policy": str(policy_path),
@@ -83,6 +92,7 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, e
         "predicted": {"peak_bytes": policy.predicted["peak_bytes"], "step_time_s": policy.predicted["step_time_s"]},
         "measured": {"peak_bytes": max(peaks), "step_time_s": statistics.median(times)},
         "budget_bytes": policy.provenance.get("budget_bytes"),
+        "capped_at_bytes": cap,
         "clock": CLOCK_NAMES.get(dev.type, "wall time"),
         "load_per_cpu": round(max(load, load_per_cpu()), 2),
     }
@@ -92,6 +102,16 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, e
         report["arena"] = arena_figures(runner)
     write_atomic(policy_path.with_name("validation.json"), json.dumps(report, indent=2) + "\n")
     return report
+
+
+def budget_cap(exp: config.Experiment, policy: policies.Policy, dev: torch.device) -> int | None:
+    """The memory a CUDA run is capped at (`workspace.capped`): an absolute budget, as on a device of that size,
+    where cuDNN's convolutions take the workspace the budget leaves them rather than the device's free memory
+    (docs/gpu_memory.md); None on a CPU or for a fraction of keep-all's peak."""
+    budget = policy.provenance.get("budget_bytes")
+    if dev.type != "cuda" or exp.budget.bytes is None or not isinstance(budget, int) or budget <= 0:
+        return None
+    return budget
 
 
 def _check_arguments(steps: int, device: str) -> None:

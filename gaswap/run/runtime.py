@@ -57,6 +57,13 @@ def device_clock(device: torch.device):
 CLOCK_NAMES = {"cpu": "CPU time", "cuda": "wall time"}  # what `device_clock` reads, as cost caches record it
 
 
+def indexed(device: torch.device) -> torch.device:
+    """`device` with its index: "cuda" is the current CUDA device (its streams and tensors say "cuda:0")."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class StepRunner:
     """Runs `program` over `captured.gm` on `device`: `runner(args) -> (loss, *grads)`.
 
@@ -69,7 +76,7 @@ class StepRunner:
     timed = False  # compile a clock around each instruction, into `_times` (measure._TimedRunner)
 
     def __init__(self, captured: Captured, program, device="cpu", streams=None):
-        self.device = torch.device(device)
+        self.device = indexed(torch.device(device))
         gm = captured.gm if self.device.type == "cpu" else captured.gm_on(self.device)
         self.nodes = {n.name: n for n in gm.graph.nodes}
         self.placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
