@@ -112,7 +112,12 @@ class _CappedAllocator:
     def get_device_properties(self, dev):
         return SimpleNamespace(total_memory=self.total)
 
+    def current_device(self):
+        return 0
+
     def set_per_process_memory_fraction(self, fraction, dev):
+        if not isinstance(dev, int) and dev.index is None:  # as torch refuses it
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{dev}")
         self.fraction = fraction
         self.fractions.append(fraction)
 

@@ -310,9 +310,10 @@ def memory_run(policy_path: str | Path, steps: int = 3, device: str = "cuda", *,
         recorded = allocator.replay_recorded(trace)
     predicted = allocator.replay(captured.graph, policy, optimizer=exp.optimizer)  # the program the runner ran
     # what the device holds beyond the graph's tensors, measured here (docs/gpu_memory.md): with it, the model's
-    # peaks are those of everything the allocator serves
-    device_extra = {"workspace": workspace.workspace_bytes(dev), "transients": workspace.op_transients(captured.graph,
-                                                                                                         dev)}
+    # peaks are those of everything the allocator serves. Transients: the least where the run was capped (cuDNN took
+    # what the budget left), else those the ops take with memory to spare
+    device_extra = {"workspace": workspace.workspace_bytes(dev),
+                    "transients": workspace.op_transients(captured.graph, dev, least=cap is not None)}
     beside = allocator.replay(captured.graph, policy, optimizer=exp.optimizer, **device_extra)
     ratios, ratios_beside = _ratios(figures, predicted), _ratios(figures, beside)
     # the same program with swap-ins allocated on the h2d stream and frees by record_stream (the runtime before
@@ -320,13 +321,13 @@ def memory_run(policy_path: str | Path, steps: int = 3, device: str = "cuda", *,
     older = allocator.replay(captured.graph, policy, optimizer=exp.optimizer, swap_in_stream="h2d",
                              swap_out_free="record_stream")
     largest = max(device_extra["transients"].values(), default=0)
-    spare = max(workspace.op_transients(captured.graph, dev, least=False).values(), default=0)
+    least = max(workspace.op_transients(captured.graph, dev).values(), default=0)
     kept = policies.kept_margin(policy)  # what the search kept under the budget for them (0: a relative budget)
     return {"target": exp.memory.target if exp.memory is not None else "live", "capped_at_bytes": cap,
             "measured": figures, "predicted": predicted.as_dict(), "ratios": ratios, "recorded_replay": recorded,
             "predicted_with_device_memory": beside.as_dict(), "ratios_with_device_memory": ratios_beside,
             "device_memory": {"workspace_bytes": device_extra["workspace"], "largest_transient_bytes": largest,
-                              "largest_transient_with_memory_to_spare_bytes": spare,
+                              "largest_least_transient_bytes": least,
                               "ops_with_transients": len(device_extra["transients"]),
                               "margin_bytes": device_extra["workspace"] + largest, "kept_bytes": kept,
                               "kept_covers_it": device_extra["workspace"] + largest <= kept if kept else None},

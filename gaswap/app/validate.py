@@ -74,13 +74,15 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, e
         runner = StepRunner(captured, policy.program, dev)
     load = load_per_cpu()
     cap = budget_cap(exp, policy, dev)
+    if cap:  # the batch kept here to clone each step's from is no part of the step the budget is for
+        cap += sum(x.untyped_storage().nbytes() for x in (*inputs, target) if isinstance(x, torch.Tensor))
     try:
         with workspace.capped(dev, cap) if cap else nullcontext():
             loss, peaks, times = _train(runner, captured, model, inputs, target, exp, dev, steps, progress,
                                         [runner.buffer] if arena else [])
     except torch.OutOfMemoryError:
-        raise NoFit(f"{policy_path}: out of memory on {device_name(dev)} capped at the budget "
-                    f"{config.format_size(cap)}: the caching allocator's reservations did not fit it (plan with "
+        raise NoFit(f"{policy_path}: out of memory on {device_name(dev)} capped at {config.format_size(cap)} (the "
+                    f"budget and the batch kept to clone each step's from): the caching allocator's reservations did not fit it (plan with "
                     f"`memory: {{target: reserved}}` to bound them)") from None
     report = {
         "experiment": exp.name,

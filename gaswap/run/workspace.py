@@ -165,20 +165,21 @@ def _transient(signature: str, dev: torch.device, api, least: bool) -> int:
         with torch.no_grad():
             fn(*args, **kwargs)
             spare, out_bytes = _measured_call(fn, args, kwargs, dev, api)
-            if not (least and spare and hasattr(api, "set_per_process_memory_fraction")):
-                return spare
-            headroom = HEADROOM_START
-            while headroom < spare:
-                api.empty_cache()  # what the cap counts: the segments of the op's inputs
-                try:
-                    with capped(dev, api.memory_reserved(dev) + _footprint(out_bytes, False) + headroom, api=api):
-                        return _measured_call(fn, args, kwargs, dev, api)[0]
-                except torch.OutOfMemoryError:
-                    headroom *= HEADROOM_GROWTH
-            return spare
     except Exception as e:  # noqa: BLE001 - an op that cannot run alone has no measured transient
         log.info("no transient measured for %s (%s: %s)", signature[:120], type(e).__name__, str(e)[:200])
         return 0
+    if not (least and spare and hasattr(api, "set_per_process_memory_fraction")):
+        return spare
+    headroom = HEADROOM_START
+    with torch.no_grad():
+        while headroom < spare:
+            api.empty_cache()  # what the cap counts: the segments of the op's inputs
+            try:
+                with capped(dev, api.memory_reserved(dev) + _footprint(out_bytes, False) + headroom, api=api):
+                    return _measured_call(fn, args, kwargs, dev, api)[0]
+            except torch.OutOfMemoryError:
+                headroom *= HEADROOM_GROWTH
+    return spare
 
 
 def _measured_call(fn, args, kwargs, dev: torch.device, api) -> tuple[int, int]:
@@ -197,8 +198,10 @@ def capped(device, limit_bytes: int, *, api=None):
     """The process's CUDA memory capped at `limit_bytes` (`torch.cuda.set_per_process_memory_fraction`: the
     caching allocator refuses to reserve beyond it, after freeing its cache), as on a device of that size; the
     cap lifted (fraction 1) after. `api`: torch.cuda, or a stand-in."""
-    dev = torch.device(device)
     api = api or torch.cuda
+    dev = torch.device(device)
+    if dev.index is None:  # torch's fraction is per device: name it
+        dev = torch.device(dev.type, api.current_device())
     total = api.get_device_properties(dev).total_memory
     api.set_per_process_memory_fraction(min(1.0, limit_bytes / total), dev)
     try:
