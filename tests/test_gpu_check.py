@@ -28,8 +28,9 @@ def test_derived_experiments_measure_on_cuda_and_search_briefly(tmp_path):
         assert (exp.costs.source, exp.costs.device) == ("measure", "cuda")
         assert (exp.ga.population, exp.ga.generations) == (32, 15)
         assert exp.name == original.name + "_gpu_check"
-        planned = gpu_check.BUDGETS.get(Path(path).stem)
-        assert exp.budget == (original.budget if planned is None else config.parse_size(planned))
+        planned = gpu_check.OVERRIDES.get(Path(path).stem, {})
+        assert exp.budget == config.parse_size(planned.get("budget", str(original.budget)))
+        assert exp.memory == (original.memory if "memory" not in planned else config.MemorySpec(**planned["memory"]))
         assert exp.model == original.model and exp.search_space == original.search_space
 
 
@@ -61,9 +62,10 @@ def test_report_assembly_goes_on_after_a_failed_stage(tmp_path, monkeypatch):
         limits[path] = timeout
         if "alexnet" in path:
             raise gpu_check.StageFailed("RuntimeError: CUDA error: out of memory")
-        return {"goals": {"peak_within_5pct": True}}
+        return {"goals": {"peak_within_5pct": True}, **missed}
 
     monkeypatch.setattr(gpu_check, "run_stage", stage)
+    missed = {}
     report = gpu_check.run(tmp_path / "r.json")
     written = json.loads((tmp_path / "r.json").read_text())
     assert written["device"] == "Stand-in GPU" and written["tests"]["rc"] == 0
@@ -72,6 +74,9 @@ def test_report_assembly_goes_on_after_a_failed_stage(tmp_path, monkeypatch):
     assert written["experiments"]["gpt_bench"]["goals"] == {"peak_within_5pct": True}
     assert report["errors"] == ["alexnet_4gb: StageFailed: RuntimeError: CUDA error: out of memory"]
     assert report["timed_out"] == []
+    missed["error"] = "policy.yaml: out of memory on Stand-in GPU capped at 1 GB"  # a stage that ran and missed
+    assert gpu_check.run(tmp_path / "r.json")["errors"] == [
+        "alexnet_4gb: StageFailed: RuntimeError: CUDA error: out of memory", f"gpt_bench: {missed['error']}"]
     assert limits == {p: gpu_check.STAGES[Path(p).stem] for p in gpu_check.EXPERIMENTS}  # each its own limit
     settings = written["settings"]
     assert settings["env"] == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}

@@ -75,15 +75,20 @@ def _experiment(tmp_path, budget, memory: str = ""):
     return config.load_experiment(path)
 
 
-def test_an_absolute_budget_is_planned_less_the_margin_and_a_fraction_as_it_is(tmp_path):
+def test_a_budget_is_planned_less_the_margin_and_a_fraction_is_of_keep_alls_peak_on_the_device(tmp_path):
+    """On an H100 a GPT at 0.5x planned as a fraction of the graph's keep-all peak, the margin not kept, peaked 3.8 %
+    over its budget (results/gpu_check/): cuBLAS's workspace and a 64 MiB transient came on top."""
     margin = workspace.Margin(8 * MiB, 2 * MiB, "op", "t")
-    assert workflow.planning_budget(_experiment(tmp_path, "100MiB"), 100 * MiB, margin) == 90 * MiB
+    assert workflow.planning_budget(_experiment(tmp_path, "100MiB"), 50 * MiB, margin) == (100 * MiB, 90 * MiB)
     reserved = _experiment(tmp_path, "100MiB", "memory: {target: reserved}\n")
-    assert workflow.planning_budget(reserved, 100 * MiB, margin) == 100 * MiB - 20 * MiB - 20 * MiB
-    assert workflow.planning_budget(_experiment(tmp_path, "0.5x"), 50 * MiB, margin) == 50 * MiB
+    assert workflow.planning_budget(reserved, 50 * MiB, margin) == (100 * MiB, 100 * MiB - 20 * MiB - 20 * MiB)
+    budget, planned = workflow.planning_budget(_experiment(tmp_path, "0.5x"), 90 * MiB, margin)
+    assert (budget, planned) == (50 * MiB, 40 * MiB)  # half of 90 MiB + 10 MiB, less the 10 MiB
+    assert workflow.planning_budget(_experiment(tmp_path, "0.5x"), 90 * MiB, workspace.Margin(0, 0, None, "cpu")) == \
+        (45 * MiB, 45 * MiB)  # no margin (a CPU): half the graph's peak, as it always was
     with pytest.raises(workflow.Infeasible, match=r"exp.yaml: the budget 10.49 MB leaves nothing once 10.49 MB is "
                                                   r"kept for what the device holds beyond the graph's tensors \(t\)"):
-        workflow.planning_budget(_experiment(tmp_path, "10MiB"), 10 * MiB, margin)
+        workflow.planning_budget(_experiment(tmp_path, "10MiB"), 50 * MiB, margin)
 
 
 @pytest.mark.parametrize("target", ["live", "reserved"])
@@ -123,7 +128,7 @@ def test_a_policy_with_a_malformed_margin_is_refused(tmp_path, monkeypatch):
     out = tmp_path / "results" / "exp"
     workflow.run_search(prepared, out)
     body = yaml.safe_load((out / "policy.yaml").read_text())
-    assert policies.kept_margin(policies.load(out / "policy.yaml")) == 0  # a fraction: nothing kept, figures recorded
+    assert policies.kept_margin(policies.load(out / "policy.yaml")) == 8 * MiB + 128 * 1024  # a fraction keeps it too
     assert body["provenance"]["device_margin"]["workspace_bytes"] == 8 * MiB + 128 * 1024
     body["provenance"]["device_margin"]["kept_bytes"] = -1
     body["checksum"] = policies._checksum(body)

@@ -21,6 +21,7 @@ from gaswap.base.errors import NoFit
 from gaswap.base.files import write_atomic
 from gaswap.base.locate import experiment_file
 from gaswap.plan import policy as policies
+from gaswap.plan.memory import allocator
 from gaswap.run import training, workspace
 from gaswap.run.arena_runtime import ArenaRunner, arena_figures
 from gaswap.run.capture import capture
@@ -73,13 +74,18 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, e
     else:
         runner = StepRunner(captured, policy.program, dev)
     load = load_per_cpu()
+    batch = sum(x.untyped_storage().nbytes() for x in (*inputs, target) if isinstance(x, torch.Tensor))
     cap = budget_cap(exp, policy, dev)
     if cap:  # the batch kept here to clone each step's from is no part of the step the budget is for
-        cap += sum(x.untyped_storage().nbytes() for x in (*inputs, target) if isinstance(x, torch.Tensor))
+        cap += batch
+    # a policy planned for reservations is judged by them: the allocator's, less the batch kept here (its segments)
+    reserved = dev.type == "cuda" and policy.predicted.get("reserved_bytes") == policy.predicted["peak_bytes"]
+    kept = sum(allocator.allocation_size(allocator.round_size(x.untyped_storage().nbytes()))
+               for x in (*inputs, target) if isinstance(x, torch.Tensor)) if reserved else None
     try:
         with workspace.capped(dev, cap) if cap else nullcontext():
             loss, peaks, times = _train(runner, captured, model, inputs, target, exp, dev, steps, progress,
-                                        [runner.buffer] if arena else [])
+                                        [runner.buffer] if arena else [], kept)
     except torch.OutOfMemoryError:
         raise NoFit(f"{policy_path}: out of memory on {device_name(dev)} capped at {config.format_size(cap)} (the "
                     f"budget and the batch kept to clone each step's from): the caching allocator's reservations did not fit it (plan with "
@@ -95,6 +101,7 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, e
         "measured": {"peak_bytes": max(peaks), "step_time_s": statistics.median(times)},
         "budget_bytes": policy.provenance.get("budget_bytes"),
         "capped_at_bytes": cap,
+        "peak_measured_as": "reserved" if reserved else "requested",
         "clock": CLOCK_NAMES.get(dev.type, "wall time"),
         "load_per_cpu": round(max(load, load_per_cpu()), 2),
     }
@@ -149,9 +156,10 @@ def _captured(policy: policies.Policy, policy_path: Path, exp: config.Experiment
 
 
 def _train(runner, captured, model, inputs, target, exp: config.Experiment, dev: torch.device, steps: int,
-           progress, extra: list) -> tuple:
+           progress, extra: list, reserved_less: int | None = None) -> tuple:
     """`steps` runtime steps (`training.runtime_step`) on fresh copies of the batch, the first a warm-up;
-    (the last step's loss, the peaks metered, the step times) of the later steps. The meter counts what the
+    (the last step's loss, the peaks metered, the step times) of the later steps; with `reserved_less`, the peaks
+    are the allocator's reservations less those bytes (CUDA). The meter counts what the
     experiment counts, and `extra` (an arena's buffer)."""
     optimizer, params = training.make_optimizer(exp.optimizer, model), training.trainable(model)
     clock, cuda = device_clock(dev), dev.type == "cuda"  # CPU: the process's CPU time
@@ -171,7 +179,8 @@ def _train(runner, captured, model, inputs, target, exp: config.Experiment, dev:
         metered = cuda or k == steps - 1
         done = step(k, metered)
         times += [done.seconds] if cuda or not metered else []
-        peaks += [done.memory.peak] if metered else []
+        if metered:
+            peaks.append(done.memory.peak if reserved_less is None else done.memory.reserved_peak - reserved_less)
     return done.loss, peaks, times
 
 

@@ -180,20 +180,20 @@ def device_margin(prepared: Prepared):
     return workspace.margin(prepared.costs, prepared.experiment.costs.device, prepared.graph)
 
 
-def planning_budget(experiment: config.Experiment, budget: int, margin) -> int:
-    """The budget the search plans for: an absolute budget less the device's `margin` (a `workspace.Margin`; with
-    `memory: {target: reserved}`, what it may add to reservations), Infeasible when nothing is left; a fraction
-    of keep-all's peak as it is (the margin is the same for keep-all and every policy: docs/gpu_memory.md)."""
-    if experiment.budget.bytes is None:
-        return budget
+def planning_budget(experiment: config.Experiment, keep_all_peak: int, margin) -> tuple[int, int]:
+    """(the budget, what the search plans for): the experiment's budget, a fraction of keep-all's peak on the device
+    (`keep_all_peak`, the graph's, with the margin: what the allocator reports for plain PyTorch), and that less the
+    device's `margin` (a `workspace.Margin`; with `memory: {target: reserved}`, what it may add to
+    reservations). Infeasible when nothing is left."""
     memory = experiment.memory
     kept = margin.reserved_bytes(memory.expandable_segments) if memory is not None and memory.target == "reserved" \
         else margin.margin_bytes
+    budget = experiment.budget.resolve(keep_all_peak + kept)
     if kept >= budget:
         raise Infeasible(f"{experiment.path}: the budget {config.format_size(budget)} leaves nothing once "
                          f"{config.format_size(kept)} is kept for what the device holds beyond the graph's tensors "
                          f"({margin.source}); raise the budget")
-    return budget - kept
+    return budget, budget - kept
 
 
 def _less(budget: int, planned: int) -> str:
@@ -234,9 +234,8 @@ def _search_and_write(prepared: Prepared, out: Path, on_generation, resume: bool
                       finish=None) -> tuple[SearchResult, dict]:
     exp, graph, costs = prepared.experiment, prepared.graph, prepared.costs
     reference = planning_problem(prepared).keep_all()
-    budget = exp.budget.resolve(reference.peak_bytes)
     kept = device_margin(prepared)
-    planned = planning_budget(exp, budget, kept)
+    budget, planned = planning_budget(exp, reference.peak_bytes, kept)
     problem = planning_problem(prepared, planned)
     result = search(problem, exp.ga, exp.seed, on_generation=on_generation, checkpoint=out / checkpoints.NAME,
                     resume=resume, stop=stop, about={"experiment": exp.name, "experiment_file": exp.path})
