@@ -252,7 +252,7 @@ def test_validate_runs_an_external_loss_policy(tmp_path, capsys):
     experiment = tmp_path / "exp.yaml"
     experiment.write_text("model: {factory: gaswap.zoo:tiny_cnn, kwargs: {width: 4}}\n"
                           "inputs: [{shape: [batch, 3, 8, 8]}]\nloss: external\nbatch_size: 4\n"
-                          "optimizer: sgd_momentum\nbudget: 0.8x\ncosts: {source: estimate, profile: v100-pcie-16gb}\n"
+                          "optimizer: sgd_momentum\nbudget: 1.0x\ncosts: {source: estimate, profile: v100-pcie-16gb}\n"
                           "ga: {population: 8, generations: 3}\n")
     assert main(["search", str(experiment), "--results", str(tmp_path / "results")]) == 0
     policy = tmp_path / "results/exp/policy.yaml"

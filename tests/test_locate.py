@@ -24,7 +24,7 @@ inputs: [{shape: [batch, 4]}]
 target: {shape: [batch], dtype: int64, high: 2}
 batch_size: 4
 loss: cross_entropy
-budget: 0.9x
+budget: 1.0x
 costs: {source: estimate, profile: v100-pcie-16gb}
 ga: {population: 8, generations: 2}
 '''

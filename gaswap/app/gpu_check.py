@@ -14,7 +14,8 @@ own (the interpreter that runs the check) with a time limit of its own (`STAGES`
 It writes one JSON report: the torch version and the path its compiled swaps take (`offload_ops`), the
 allocator and cuBLAS / cuDNN settings the measurements ran under, each stage's figures, and `errors` and
 `timed_out` naming a stage that failed or ran past its limit (the others go on). Without CUDA it writes a
-report saying so. Goals: peak within 5 % of the prediction and never above the budget; step time within 10 %.
+report saying so. Goals (`goals`): peak within 5 % of the prediction and never above the budget, reserved within
+5 % of the allocator model's with the device's own memory; step time within 10 %.
 Exit codes (`gaswap check-gpu`, docs/exit_codes.md): 0 every stage ran (or no CUDA), 1 a stage failed or
 timed out; `scripts/gpu_check.sh` adds 2: deap cannot be imported (no wheel to install it from).
 """
@@ -347,7 +348,7 @@ def memory_run(policy_path: str | Path, steps: int = 3, device: str = "cuda", *,
 
 def _steps(steps: int, exp, dev, generator, captured, model, runner, optimizer, params, arena: bool) -> dict:
     """`steps` training steps under the runner; the allocator's figures of the last."""
-    from gaswap.run import experiment, training
+    from gaswap.run import experiment, training  # imported when the check runs, as in memory_run
 
     figures = {}
     for _ in range(steps):
