@@ -428,3 +428,19 @@ def test_workers_option_takes_a_count_or_auto():
     assert _workers("0") == 0 and _workers("2") == 2
     with pytest.raises(argparse.ArgumentTypeError):
         _workers("-1")
+
+
+def test_a_gpu_steps_time_is_its_wall_time_and_the_table_says_so():
+    """On the H100 compare ranked methods by the host's CPU seconds of a synchronized step: a GPU's step is timed
+    by the wall clock (`runtime.device_clock`), and the table's column names the clock."""
+    from gaswap.compiled import methods
+
+    m = methods.Method("eager", "-", None, None, None)
+    runs = [{"wall": [0.010, 0.012, 0.011], "cpu": [0.002, 0.003, 0.002], "peak": [100], "rss": [None]}]
+    on_gpu, on_cpu = methods._rows([m], runs, "wall")[0], methods._rows([m], runs, "cpu")[0]
+    assert (on_gpu["step_s"], on_gpu["step_min"], on_gpu["step_max"]) == (0.011, 0.010, 0.012)
+    assert on_cpu["step_s"] == 0.002
+    rows = [dict(on_gpu, method="torch.compile", knob="1", predicted_peak_bytes=None, opwise_peak_bytes=None,
+                 predicted_step_s=None, opwise_step_s=None, recomputed=None)]
+    table = compare_report.to_markdown(rows, "x", "H100", clock="wall time")
+    assert "| wall time per step (median, range) |" in table and "CPU time" not in table

@@ -109,9 +109,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=_at_least(1, int), default=3, help="timed steps per method and round (default 3)")
     p.add_argument("--below", default="0.8", help="also search gaswap policies at these fractions of the lowest "
                                                   "peak torch's partitions measure (default 0.8)")
-    p.add_argument("--finalists", type=_at_least(1, int), default=3,
-                   help="gaswap policies per budget compiled and timed first, the fastest compared (default 3; "
-                        "1: the fastest in prediction, untimed)")
+    p.add_argument("--finalists", type=_at_least(0, int), default=1,
+                   help="gaswap policies per budget, fastest in prediction, whose programs fit, compiled and timed "
+                        "first beside torch's partitions that fit, the fastest compared (default 1; 0: the fastest "
+                        "in prediction, unchecked and untimed)")
     p.add_argument("--results", default="results", help="folder of result folders (default: results)")
     p.add_argument("--cache", default=None, help="cost cache folder (default: $GASWAP_CACHE or ~/.cache/gaswap)")
     p.add_argument("--workers", type=_workers, default=0,

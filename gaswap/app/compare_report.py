@@ -33,15 +33,16 @@ def _with_digits(size: int, digits: int) -> str:
     return f"{size} B" if factor == 1 else f"{size / factor:.{digits}f} {name}"
 
 
-def to_markdown(rows: list[dict], name: str, device: str, tuning: list[dict] = ()) -> str:
+def to_markdown(rows: list[dict], name: str, device: str, tuning: list[dict] = (), clock: str = "CPU time") -> str:
     """The table, the verdicts per torch.compile point by peak allocated (and on a CPU by the resident set),
     what was found below torch's lowest peak, whether eager beat every compiled method; then the finalists
     timed before, if any. Predictions: the compiled model (`gaswap.compiled.step_model`), then the joint
-    graph's ops one by one; and the peak of the programs inductor generated (`gaswap.compiled.programs`)."""
+    graph's ops one by one; and the peak of the programs inductor generated (`gaswap.compiled.programs`).
+    `clock`: what the step times are (`runtime.CLOCK_NAMES`: CPU time on a CPU, wall time on a GPU)."""
     lines = [f"# gaswap compare: {name} ({device})", "",
              ("| method | budget | recomputed | predicted peak (ops one by one) | generated program's peak "
              "| measured peak allocated | resident | predicted time (ops one by one) "
-             "| CPU time per step (median, range) | vs torch 1.0 |"),
+             f"| {clock} per step (median, range) | vs torch 1.0 |"),
              "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     reference = next(r["step_s"] for r in rows if r["method"] == "torch.compile" and r["knob"] == "1")
     for r in rows:
@@ -67,7 +68,7 @@ def to_markdown(rows: list[dict], name: str, device: str, tuning: list[dict] = (
                   "The fastest whose measured peak is at or under the budget, of the last round there, is "
                   "compared."), "",
                   ("| finalist | round | recomputed | predicted peak | generated program's peak "
-                  "| measured peak allocated | predicted time | CPU time per step (median, range) |"),
+                  f"| measured peak allocated | predicted time | {clock} per step (median, range) |"),
                   "|---|---:|---:|---:|---:|---:|---:|---|"]
         lines += [f"| {r['knob']}{_origin(r)} | {r.get('round', 1)} | {r['recomputed']} | "
                   f"{format_size(r['predicted_peak_bytes'])} | "

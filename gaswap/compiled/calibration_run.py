@@ -1,5 +1,6 @@
 """Calibrate the compiled step's model (`step_model.calibrate`) on the machine at hand: compile and train the
-model under each calibration policy, timing each step's CPU seconds and metering its peak, as the methods
+model under each calibration policy, timing each step (CPU seconds on a CPU, wall seconds of a synchronized GPU
+step) and metering its peak, as the methods
 `gaswap compare` compares are (`methods.measure`: rotated rounds, each after a metered and an untimed step).
 
 `gaswap compare` calibrates before it searches; compiled `validate --recalibrate` calibrates again where a
@@ -36,7 +37,8 @@ def calibrate(exp, graph: Graph, costs: Costs, model, inputs, target, device, pr
 
 def cpu_times_of(policies, model, inputs, target, exp, device, progress, programs=None, rounds: int = 4,
                  steps: int = 3) -> list[tuple[float, int]]:
-    """(median CPU seconds per training step, metered peak above the bytes resident before the step) of
+    """(median seconds per training step by the device's clock, metered peak above the bytes resident before the
+    step) of
     `model` compiled under each of `policies`. With `programs` (`pool.Programs`), policies of one partition are
     compiled and timed once, in worker processes first where the pool has them."""
     made = []

@@ -136,13 +136,16 @@ def measure(methods: list[Method], inputs, target, loss: str, device, rounds: in
                 progress(f"  {len(alive) - len(kept)} of {len(alive)} no longer timed: clearly slower than another "
                          f"at the same budget")
             alive = [i for i in alive if i in kept]
-    return _rows(methods, runs)
+    return _rows(methods, runs, "cpu" if torch.device(device).type == "cpu" else "wall")
 
 
-def _rows(methods: list[Method], runs: list[dict]) -> list[dict]:
+def _rows(methods: list[Method], runs: list[dict], clock: str = "cpu") -> list[dict]:
+    """A row per method; its step time (`step_s`, `step_min`, `step_max`) by `clock`, the device's
+    (`runtime.device_clock`): "cpu" seconds on a CPU, "wall" seconds of a synchronized GPU step (the CPU time of
+    a GPU step is the host's, however long its kernels run)."""
     rows = []
     for m, run in zip(methods, runs):
-        c, p = run["cpu"], run["peak"]
+        c, p = run[clock], run["peak"]
         rows.append({"method": m.name, "knob": m.knob, "predicted_peak_bytes": m.predicted[0],
                      "predicted_step_s": m.predicted[1], "opwise_peak_bytes": m.predicted[2],
                      "opwise_step_s": m.predicted[3], "peak_bytes": int(statistics.median(p)), "peak_min": min(p),
