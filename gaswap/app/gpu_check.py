@@ -348,7 +348,8 @@ def memory_run(policy_path: str | Path, steps: int = 3, device: str = "cuda", *,
 
 def _steps(steps: int, exp, dev, generator, captured, model, runner, optimizer, params, arena: bool) -> dict:
     """`steps` training steps under the runner; the allocator's figures of the last."""
-    from gaswap.run import experiment, training  # imported when the check runs, as in memory_run
+    # imported when the check runs, as in memory_run
+    from gaswap.run import experiment, training
 
     figures = {}
     for _ in range(steps):

@@ -74,22 +74,21 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, e
     else:
         runner = StepRunner(captured, policy.program, dev)
     load = load_per_cpu()
-    batch = sum(x.untyped_storage().nbytes() for x in (*inputs, target) if isinstance(x, torch.Tensor))
+    batch = [x.untyped_storage().nbytes() for x in (*inputs, target) if isinstance(x, torch.Tensor)]
     cap = budget_cap(exp, policy, dev)
     if cap:  # the batch kept here to clone each step's from is no part of the step the budget is for
-        cap += batch
-    # a policy planned for reservations is judged by them: the allocator's, less the batch kept here (its segments)
+        cap += sum(batch)
+    # a policy planned for reservations is judged by them: the allocator's, less the batch's segments
     reserved = dev.type == "cuda" and policy.predicted.get("reserved_bytes") == policy.predicted["peak_bytes"]
-    kept = sum(allocator.allocation_size(allocator.round_size(x.untyped_storage().nbytes()))
-               for x in (*inputs, target) if isinstance(x, torch.Tensor)) if reserved else None
+    kept = sum(allocator.allocation_size(allocator.round_size(n)) for n in batch) if reserved else None
     try:
         with workspace.capped(dev, cap) if cap else nullcontext():
             loss, peaks, times = _train(runner, captured, model, inputs, target, exp, dev, steps, progress,
                                         [runner.buffer] if arena else [], kept)
     except torch.OutOfMemoryError:
         raise NoFit(f"{policy_path}: out of memory on {device_name(dev)} capped at {config.format_size(cap)} (the "
-                    f"budget and the batch kept to clone each step's from): the caching allocator's reservations did not fit it (plan with "
-                    f"`memory: {{target: reserved}}` to bound them)") from None
+                    f"budget and the batch kept to clone each step's from): the caching allocator's reservations "
+                    f"did not fit it (plan with `memory: {{target: reserved}}` to bound them)") from None
     report = {
         "experiment": exp.name,
         "policy": str(policy_path),
