@@ -228,8 +228,12 @@ def check_experiment(path: str | Path, work: Path, steps: int, device: str = "cu
            "search_s": round(result.seconds, 1)}
     try:
         validation = validate.validate(policy, steps=steps, device=device)
-    except NoFit as e:  # out of memory capped at the budget: the same steps uncapped say by how much it missed
-        return out | {"error": str(e), "memory_uncapped": memory_run(policy, steps=3, device=device, cap=False)}
+    except NoFit as e:  # out of memory capped at the budget
+        error = str(e)  # (the exception's frames, and the tensors they hold, go at the end of this block)
+    else:
+        error = None
+    if error is not None:  # the same steps uncapped say by how much it missed
+        return out | {"error": error, "memory_uncapped": memory_run(policy, steps=3, device=device, cap=False)}
     memory = memory_run(policy, steps=3, device=device)
     out |= {"validation": validation, "memory": memory}
     out["goals"] = goals(validation, memory)
