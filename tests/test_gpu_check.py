@@ -204,3 +204,26 @@ def test_only_the_files_with_cuda_tests_are_collected():
     files = gpu_check.cuda_test_files()
     assert [f.name for f in files] == ["test_compiled.py", "test_runtime.py"]
     assert all("hypothesis" not in f.read_text() for f in files)
+
+
+def test_a_policy_out_of_memory_under_its_cap_is_an_error_with_the_uncapped_run_beside_it(tmp_path, monkeypatch):
+    """On the H100 AlexNet's live plan ran out of memory capped at its budget; the stage then says so and still
+    measures the same steps uncapped, so the report says by how much it missed."""
+    from types import SimpleNamespace
+
+    from gaswap.app import validate, workflow
+    from gaswap.base.errors import NoFit
+
+    prepared = SimpleNamespace(graph=SimpleNamespace(ops=[1, 2]), costs=SimpleNamespace(measured=2, estimated=()))
+    monkeypatch.setattr(workflow, "prepare", lambda exp, cache_dir: prepared)
+    monkeypatch.setattr(workflow, "run_search", lambda prepared, out, force: (SimpleNamespace(seconds=0.1), {}))
+
+    def out_of_memory(policy, steps, device):
+        raise NoFit("policy.yaml: out of memory on Stand-in GPU capped at 5.34 GB")
+
+    monkeypatch.setattr(validate, "validate", out_of_memory)
+    runs = []
+    monkeypatch.setattr(gpu_check, "memory_run", lambda policy, steps, device, cap=True: runs.append(cap) or {"r": 1})
+    out = gpu_check.check_experiment("experiments/alexnet_4gb.yaml", tmp_path, steps=3)
+    assert out["error"] == "policy.yaml: out of memory on Stand-in GPU capped at 5.34 GB"
+    assert out["memory_uncapped"] == {"r": 1} and runs == [False] and "validation" not in out
