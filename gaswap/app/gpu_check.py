@@ -335,7 +335,7 @@ def memory_run(policy_path: str | Path, steps: int = 3, device: str = "cuda", *,
     older = allocator.replay(captured.graph, policy, optimizer=exp.optimizer, swap_in_stream="h2d",
                              swap_out_free="record_stream")
     largest = max(device_extra["transients"].values(), default=0)
-    least = max(workspace.op_transients(captured.graph, dev).values(), default=0)
+    least = largest if cap is not None else max(workspace.op_transients(captured.graph, dev).values(), default=0)
     kept = policies.kept_margin(policy)  # what the search kept under the budget for them (0: none measured)
     return {"target": exp.memory.target if exp.memory is not None else "live", "capped_at_bytes": cap,
             "measured": figures, "predicted": predicted.as_dict(), "ratios": ratios, "recorded_replay": recorded,
