@@ -195,6 +195,38 @@ def test_the_picked_policies_are_the_ones_timed_and_one_picked_twice_runs_the_sa
     assert policy_c.provenance == {"budget": "C", "budget_bytes": 40}
 
 
+def test_a_torch_partition_read_back_is_timed_in_torchs_program_and_compiled_as_gaswaps_only_where_picked():
+    evaluated, method, time_methods, actions_of, problem_of, timed = _finalist_harness(
+        {(1,): (40, 1.0), (2,): (30, 0.5)})
+    torch_run = object()
+    torch_m = compare.Method("torch.compile", "0.5", "its model", torch_run, "its optimizer", compile_s=12.0)
+    made_by_method = []
+
+    def counted(label, e, problem):
+        made_by_method.append(e.chromosome.actions)
+        return method(label, e, problem)
+
+    def timing(methods, rounds, steps, **options):  # the stand-in times as its partition
+        actions_of.update({id(m): (2,) for m in methods if m.run is torch_run})
+        return time_methods(methods, rounds, steps, **options)
+
+    made = {}
+    chosen, rows, _ = compare._finalists_round([("A", [evaluated(1), evaluated(2)])], 1, "p", made, counted,
+                                               {"A": 110, "B": 110}, 10, timing, lambda line: None,
+                                               stand_ins={(2,): torch_m})
+    stand_in = made[(2,)][0]
+    assert stand_in.run is torch_run and stand_in.model == "its model" and stand_in.optimizer == "its optimizer"
+    assert (stand_in.name, stand_in.knob, stand_in.compile_s) == ("gaswap", "A #2", 12.0)
+    assert torch_m.knob == "0.5" and torch_m.name == "torch.compile"  # torch's own row unchanged
+    assert chosen["A"].chromosome.actions == (2,) and timed == [(1,), (2,)]
+    picked = compare._picked({"A": evaluated(2), "B": evaluated(2), "C": evaluated(1)}, made, counted,
+                             {"A": 110, "B": 110, "C": 110}, "untimed", {(2,): torch_m})
+    (a, _), (b, _), (c, _) = picked
+    assert made_by_method == [(1,), (2,), (2,)]  # compiled as gaswap's policy once, for the head to head
+    assert a.run is not torch_run and b is not a and b.run is a.run and c is made[(1,)][0]
+    assert problem_of[id(a)] == "untimed"
+
+
 def test_two_rounds_refit_the_time_model_on_round_one_and_time_round_twos_new_finalists_beside_its_choice():
     from test_compiled_costs import _masked
 

@@ -55,7 +55,7 @@ def test_calibrate_fits_the_peak_offset_when_the_runs_give_their_peaks():
 
     def runs(actions, with_peaks: bool):
         out = []
-        for a in actions:
+        for a in actions.values():
             c = Chromosome(plain.encoding.captured_keys(), tuple(int(Action.parse(a[t])) for t in plain.encoding.candidates))
             seconds = 1.0 + sum(v == "recompute" for v in a.values())
             out.append((seconds, plain.simulate(c).peak_bytes - resident + 4096) if with_peaks else seconds)
@@ -65,6 +65,27 @@ def test_calibrate_fits_the_peak_offset_when_the_runs_give_their_peaks():
     assert with_peaks.peak_offset == 4096 and len(with_peaks.peak_samples) == len(with_peaks.samples)
     without = cc.calibrate(g, unit_costs(g), lambda a: runs(a, False))
     assert without.peak_offset == 0 and without.base == pytest.approx(with_peaks.base)
+
+
+def test_calibrate_times_given_partitions_first_in_place_of_all_random_halves_but_one():
+    g = _gated()
+    plain = cc.CompiledProblem(g, unit_costs(g), None, actions=(Action.KEEP, Action.RECOMPUTE))
+    every = set(plain.encoding.candidates)
+    keep_all = {t: "keep" for t in every}
+    recompute_s = keep_all | {"s": "recompute"}
+    timed = []
+
+    def runs(actions):
+        timed.append(actions)
+        return [1.0 + sum(v == "recompute" for v in a.values()) for a in actions.values()]
+
+    cc.calibrate(g, unit_costs(g), runs)
+    cc.calibrate(g, unit_costs(g), runs, partitions={"torch 1": keep_all, "torch 0.5": recompute_s})
+    alone, beside = timed
+    assert list(alone) == list(cc.calibration_policies(plain))
+    assert list(beside)[:2] == ["torch 1", "torch 0.5"] and beside["torch 0.5"]["s"] == "recompute"
+    assert "keep-all" not in beside  # the same actions as torch 1's partition: timed once, under its name
+    assert sum(label.startswith("random") for label in beside) <= cc.PARTITION_MIXES
 
 
 def _gated() -> Graph:

@@ -117,9 +117,25 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     compile_pool = pool.CompilePool(exp.path, pool.default_workers() if workers is None else workers, progress,
                                     local=(model, inputs))
     compile_pool.submit([pool.Job(f"torch.compile {b:g}", budget=b) for b in TORCH_BUDGETS])  # after the costs
+    torch_actions = {b: partition.torch_partition(model, *inputs, budget=b, optimizer=exp.optimizer,
+                                                  counted=exp.counts)[1] for b in TORCH_BUDGETS}
+    eager, opt = training.fresh_copy(model, exp.optimizer)
+    methods = [Method("eager", "-", eager, eager, opt)]
+    compile_pool.compile([])  # those submitted: torch's
+    for budget in TORCH_BUDGETS:
+        m, opt = training.fresh_copy(model, exp.optimizer)
+        methods.append(Method("torch.compile", f"{budget:g}", m, compiled_methods.torch_compiled(m, budget), opt,
+                              precompiled_s=compile_pool.seconds.get(f"torch.compile {budget:g}")))
+    reached = []
+    for k, m in enumerate(methods[1:]):
+        progress(f"  {'compiling' if m.precompiled_s is None else 'loading'} torch.compile {m.knob} "
+                 f"({k + 1} of {len(methods) - 1})")
+        reached.append(_peak_reached(m, inputs, target, exp, device, progress))
 
-    calibration, _ = calibration_run.calibrate(exp, graph, costs, model, inputs, target, device, progress,
-                                               pool.Programs(compile_pool))
+    # torch's partitions, compiled already, are calibrated on beside the calibration policies
+    calibration, _ = calibration_run.calibrate(
+        exp, graph, costs, model, inputs, target, device, progress, pool.Programs(compile_pool),
+        partitions={f"torch {m.knob}": (torch_actions[b], m) for b, m in zip(TORCH_BUDGETS, methods[1:])})
     progress(f"  keep-all {calibration.base * 1e3:.2f} ms a step; recomputed generated ops cost "
              f"{calibration.scale:.2f}x their ops one by one, library calls {calibration.extern_scale:.2f}x; "
              f"a kept mask {calibration.mask_rate * 1e9:.1f} ms per MB, saved tensors "
@@ -130,31 +146,17 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     unbounded = step_model.CompiledProblem(graph, costs, None, space, loss=exp.loss, calibration=calibration)
     opwise = Problem(graph, costs, None, space)  # the model before: every op alone, every tensor counted
     encoding = unbounded.encoding
-    torch_points = {}
-    for budget in TORCH_BUDGETS:
-        _, actions = partition.torch_partition(model, *inputs, budget=budget, optimizer=exp.optimizer, counted=exp.counts)
-        actions = compiled_methods.partition_actions(encoding, actions)
-        chromosome = unbounded.canonical(Chromosome(encoding.captured_keys(), actions))
-        torch_points[budget] = (chromosome, unbounded.simulate(chromosome))
     resident = unbounded.fused.resident_bytes()  # the meter measures above what is allocated before a step
 
     def predicted(chromosome, r) -> tuple:
         o = opwise.simulate(chromosome)
         return r.peak_bytes - resident, r.step_time, o.peak_bytes - resident, o.step_time
 
-    eager, opt = training.fresh_copy(model, exp.optimizer)
-    methods = [Method("eager", "-", eager, eager, opt)]
-    compile_pool.compile([])  # those submitted: torch's
-    for budget, (chromosome, r) in torch_points.items():
-        m, opt = training.fresh_copy(model, exp.optimizer)
-        methods.append(Method("torch.compile", f"{budget:g}", m, compiled_methods.torch_compiled(m, budget), opt,
-                              predicted(chromosome, r), _count(chromosome),
-                              precompiled_s=compile_pool.seconds.get(f"torch.compile {budget:g}")))
-    reached = []
-    for k, m in enumerate(methods[1:]):
-        progress(f"  {'compiling' if m.precompiled_s is None else 'loading'} torch.compile {m.knob} "
-                 f"({k + 1} of {len(methods) - 1})")
-        reached.append(_peak_reached(m, inputs, target, exp, device, progress))
+    torch_points = {}
+    for budget, m in zip(TORCH_BUDGETS, methods[1:]):
+        chromosome = unbounded.canonical(encoding.read_back(torch_actions[budget]))
+        torch_points[budget] = (chromosome, unbounded.simulate(chromosome))
+        m.predicted, m.recomputed = predicted(chromosome, torch_points[budget][1]), _count(chromosome)
     budgets = _budgets([peak + resident for peak in reached], below, resident)
     budget_of_torch = dict(zip((m.knob for m in methods[1:]), _labels_of(budgets, [p + resident for p in reached])))
     seeds = {f"torch_{b:g}": c for b, (c, _) in torch_points.items()}
@@ -172,6 +174,7 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     if finalists > 0:  # timed: torch's partitions that fit join the search's own
         shortlist = _with_partitions(shortlist, partitions, budgets)
     origin = {c.actions: name for name, (c, _, _) in reversed(partitions.items())}
+    stand_ins = {c.actions: m for (c, _), m in zip(torch_points.values(), methods[1:])}  # `_make`
     inductor_of = peaks.inductor if peaks is not None else {}  # actions -> inductor settings its programs fit under
 
     def method(label: str, evaluated, problem) -> tuple[Method, policies.Policy]:
@@ -208,9 +211,9 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
             shortlist, unbounded, budgets, resident, made, method, measure_methods, progress,
             lambda refit, again, settled: _search(exp, graph, costs, refit, space, seeds, again, resident, progress,
                                                   finalists, peaks, settled),
-            pool.Programs(compile_pool, partition_keys))
+            pool.Programs(compile_pool, partition_keys), stand_ins)
         progress(peaks.summary())
-    picked = _picked(chosen, made, method, budget_of, unbounded)
+    picked = _picked(chosen, made, method, budget_of, unbounded, stand_ins)
     untimed = {tuple(sorted(policy.actions.items())): (m, policy) for m, policy in picked if not m.compile_s}
     pool.Programs(compile_pool).compile(list(untimed.values()), "pick")  # with finalists 0: each policy once
     compile_pool.close()  # its workers idle and hold memory: gone before the head to head
@@ -303,17 +306,17 @@ def _with_partitions(finalists, partitions: dict, budgets) -> list[tuple[str, li
 
 
 def _two_rounds(shortlist, problem, budgets, resident, made: dict, method, measure_methods, progress,
-                search_again, programs=None) -> tuple[dict, list[dict]]:
+                search_again, programs=None, stand_ins=None) -> tuple[dict, list[dict]]:
     """The policy compared at each budget ({label: Evaluated}) and the finalists' measured rows: `shortlist`'s
     finalists timed (round 1); the time model of `problem` (calibrated) refit on their times; the search
     run again with it (`search_again(calibration, budgets, settled)`: (label, [Evaluated]) pairs; `settled(label,
     evaluated)`: made already or not to be compiled, so not worth checking by its programs), under a budget
     lowered by the model's peak error where no finalist fit (`_refit_budgets`); its new finalists timed
     beside round 1's choice (round 2). `programs` (`pool.Programs`): finalists of one partition compiled and
-    timed once, in worker processes first."""
+    timed once, in worker processes first; `stand_ins`: torch's partitions' compiled methods (`_make`)."""
     budget_of, labels = dict(budgets), [label for label, _ in budgets]
     chosen, first, unfit = _finalists_round(shortlist, 1, problem, made, method, budget_of, resident,
-                                            measure_methods, progress, programs)
+                                            measure_methods, progress, programs, stand_ins)
     if not first:  # nothing fits by the model: nothing to refit on or to search again for
         return _final_choice(labels, {}, {}, progress), []
     keys = problem.encoding.captured_keys()
@@ -334,13 +337,13 @@ def _two_rounds(shortlist, problem, budgets, resident, made: dict, method, measu
     retry = search_again(refit, again + _refit_budgets(unfit, budget_of, resident), settled)
     chosen2, second, _ = _finalists_round(_second_round(retry, made, chosen, standing, progress),
                                           2, refitted, made, method, budget_of, resident, measure_methods, progress,
-                                          programs)
+                                          programs, stand_ins)
     tuning = {id(row): row for row in [*first.values(), *second.values()]}  # a row per program and round
     return _final_choice(labels, chosen, chosen2, progress), list(tuning.values())
 
 
 def _finalists_round(finalists, number: int, problem, made: dict, method, budget_of, resident, measure_methods,
-                     progress, programs=None) -> tuple[dict, dict, dict]:
+                     progress, programs=None, stand_ins=None) -> tuple[dict, dict, dict]:
     """Round `number` of the finalists ((label, [Evaluated]) pairs): each distinct one not in `made` made
     (`method(label, evaluated, problem)`, added to `made` as (Method, Policy, problem)); with `programs`
     (`pool.Programs`), one whose partition saves what one made before saves stands for that one (its entry in
@@ -350,8 +353,8 @@ def _finalists_round(finalists, number: int, problem, made: dict, method, budget
     of several noisy timings does not flatter the figures compared. Returns per budget the finalist measured
     fastest among those whose measured peak is at or under the budget ({label: Evaluated}), the measured rows
     ({actions: row}, with their `round`; one row per program), and the budgets where none is, each with the
-    largest measured / predicted peak of its finalists (`_refit_budgets`)."""
-    _make(finalists, problem, made, method, programs)
+    largest measured / predicted peak of its finalists (`_refit_budgets`). `stand_ins`: see `_make`."""
+    _make(finalists, problem, made, method, programs, stand_ins)
     timed = list(dict.fromkeys(e.chromosome.actions for _, evaluated in finalists for e in evaluated))
     if not timed:
         return {}, {}, {}
@@ -376,15 +379,19 @@ def _finalists_round(finalists, number: int, problem, made: dict, method, budget
     return chosen, rows, unfit
 
 
-def _make(finalists, problem, made: dict, method, programs=None) -> None:
+def _make(finalists, problem, made: dict, method, programs=None, stand_ins=None) -> None:
     """Add to `made` the finalists not in it (`_finalists_round`): made by `method`, those of a partition
     made before standing for that one (`programs.same`; a torch partition's origin passed on to it), each
-    other numbered after the programs made so far, and compiled by `programs`."""
+    other numbered after the programs made so far, and compiled by `programs`. A torch partition read back
+    (`stand_ins`: its actions -> torch.compile's Method at that budget, compiled already) is timed in
+    torch.compile's program, the same as its own would be (`_standing_in`): not compiled again."""
     new = {}
     for label, evaluated in finalists:
         for e in evaluated:
-            if e.chromosome.actions not in made and e.chromosome.actions not in new:
-                new[e.chromosome.actions] = (label, *method(label, e, problem))
+            a = e.chromosome.actions
+            if a not in made and a not in new:
+                m, policy = method(label, e, problem)
+                new[a] = (label, _standing_in(m, stand_ins[a]) if a in (stand_ins or {}) else m, policy)
     same = programs.same([(m, policy) for _, m, policy in new.values()], "finalist") if programs else [None] * len(new)
     count = len({id(m) for m, *_ in made.values()})
     fresh = []
@@ -393,13 +400,26 @@ def _make(finalists, problem, made: dict, method, programs=None) -> None:
             count += 1
             m.knob = f"{label} #{count}"
             made[a] = (m, policy, problem)
-            fresh.append((m, policy))
+            if not _stands_in(m, stand_ins):
+                fresh.append((m, policy))
         else:
             if first.origin == "search" and m.origin not in ("", "search"):
                 first.origin = m.origin  # a torch partition's programs: say so
             made[a] = next(v for v in made.values() if v[0] is first)
     if programs:
         programs.compile(fresh, "finalist")
+
+
+def _standing_in(m: Method, compiled: Method) -> Method:
+    """`m` (a torch partition read back) training `compiled`'s model with torch.compile's program of that
+    partition (warmed up already): timed for it without compiling the same programs again."""
+    return replace(m, model=compiled.model, run=compiled.run, optimizer=compiled.optimizer,
+                   compile_s=compiled.compile_s, precompiled_s=compiled.precompiled_s, programs=compiled.programs)
+
+
+def _stands_in(m: Method, stand_ins) -> bool:
+    """Whether `m` runs a torch.compile program of `stand_ins` (`_standing_in`)."""
+    return any(m.run is compiled.run for compiled in (stand_ins or {}).values())
 
 
 def _contenders(index: dict, finalists, budget_of: dict, resident: int, rows: list[dict]) -> set[int]:
@@ -458,19 +478,20 @@ def _final_choice(labels, first: dict, second: dict, progress) -> dict:
     return out
 
 
-def _picked(chosen: dict, made: dict, method, budget_of, problem) -> list[tuple[Method, policies.Policy]]:
+def _picked(chosen: dict, made: dict, method, budget_of, problem, stand_ins=None
+            ) -> list[tuple[Method, policies.Policy]]:
     """[(Method, Policy)] of the `chosen` ({label: Evaluated}) at each budget, knobbed by it: the one `made`
     (actions -> (Method, Policy, problem)), and where it was picked already (the same programs picked at two
-    budgets) a Method of its own running the same compiled step; a policy not made is compiled as `problem`
-    predicts it (untimed finalists)."""
-    out, used = [], set()
+    budgets) a Method of its own running the same compiled step; a policy not made, or timed in torch.compile's
+    program (`_standing_in`), is compiled as `problem` predicts it (untimed finalists; the policy file's own)."""
+    out, used, own = [], set(), {}
     for label, e in chosen.items():
         a = e.chromosome.actions
-        if a in made:
+        if a in made and not _stands_in(made[a][0], stand_ins):
             m, policy, _ = made[a]
-            m = replace(m, knob=label) if id(m) in used else m
         else:
-            m, policy = method(label, e, problem)
+            m, policy = own[a] if a in own else own.setdefault(a, method(label, e, problem))
+        m = replace(m, knob=label) if id(m) in used else m
         used.add(id(m))
         m.knob = label
         out.append((m, _with_budget(policy, label, budget_of[label])))

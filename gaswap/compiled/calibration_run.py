@@ -16,30 +16,40 @@ from gaswap.run import training
 
 
 def calibrate(exp, graph: Graph, costs: Costs, model, inputs, target, device, progress, programs=None,
-              beside=()) -> tuple[step_model.Calibration, list[tuple[float, int]]]:
+              beside=(), partitions: dict | None = None) -> tuple[step_model.Calibration, list[tuple[float, int]]]:
     """The calibration of `graph`'s compiled step (`step_model.calibrate`) timed here: each calibration policy
     compiled (through `programs`, a `pool.Programs`, when given: one compile per partition) and trained; and
     the (CPU seconds, peak) of the policies `beside`, timed in the same rotated rounds but not fitted on (a
-    prediction set beside a measurement taken under the same load)."""
+    prediction set beside a measurement taken under the same load). `partitions` ({label: (per-tensor actions,
+    Method)}: torch's partitions and their torch.compile methods, compiled already) are timed in the same rounds
+    and fitted on, in place of calibration policies (`step_model.calibrate`)."""
     provenance = {"optimizer": exp.optimizer, "counts": sorted(exp.counts)}
+    ready = partitions or {}
     timed_beside = []
 
-    def cpu_times(actions):
-        progress(f"  calibrating the compiled model: {len(actions)} policies compiled and timed"
+    def cpu_times(labelled: dict) -> list:
+        own = {label: a for label, a in labelled.items() if label not in ready}
+        given = [label for label in labelled if label in ready]
+        progress(f"  calibrating the compiled model: {len(own)} policies compiled and timed"
+                 + (f" beside torch.compile's {len(given)} partitions" if given else "")
                  + (f", {len(beside)} beside them" if beside else ""))
-        made = [partition.make_policy(graph, a, provenance=provenance) for a in actions]
-        measured = cpu_times_of([*made, *beside], model, inputs, target, exp, device, progress, programs)
-        timed_beside.extend(measured[len(made):])
-        return measured[:len(made)]
+        made = [partition.make_policy(graph, a, provenance=provenance) for a in own.values()]
+        measured = cpu_times_of([*made, *beside], model, inputs, target, exp, device, progress, programs,
+                                methods=[ready[label][1] for label in given])
+        timed_beside.extend(measured[len(made):len(made) + len(beside)])
+        by_label = dict(zip([*own, *given], [*measured[:len(made)], *measured[len(made) + len(beside):]]))
+        return [by_label[label] for label in labelled]
 
-    return step_model.calibrate(graph, costs, cpu_times, exp.loss), timed_beside
+    calibration = step_model.calibrate(graph, costs, cpu_times, exp.loss, {label: a for label, (a, _) in ready.items()})
+    return calibration, timed_beside
 
 
 def cpu_times_of(policies, model, inputs, target, exp, device, progress, programs=None, rounds: int = 4,
-                 steps: int = 3) -> list[tuple[float, int]]:
+                 steps: int = 3, methods=()) -> list[tuple[float, int]]:
     """(median seconds per training step by the device's clock, metered peak above the bytes resident before the
     step) of
-    `model` compiled under each of `policies`. With `programs` (`pool.Programs`), policies of one partition are
+    `model` compiled under each of `policies`, then of each of `methods` (compiled already), timed in the same
+    rounds. With `programs` (`pool.Programs`), policies of one partition are
     compiled and timed once, in worker processes first where the pool has them."""
     made = []
     for k, policy in enumerate(policies):
@@ -49,6 +59,7 @@ def cpu_times_of(policies, model, inputs, target, exp, device, progress, program
     fresh = [(m, policy) for (m, policy), first in zip(made, same) if first is None]
     if programs:
         programs.compile(fresh, "calibration policy")
-    rows = measure([m for m, _ in fresh], inputs, target, exp.loss, device, rounds, steps, progress, metered=1)
-    measured = {id(m): (row["step_s"], row["peak_bytes"]) for (m, _), row in zip(fresh, rows)}
-    return [measured[id(first or m)] for (m, _), first in zip(made, same)]
+    rows = measure([*(m for m, _ in fresh), *methods], inputs, target, exp.loss, device, rounds, steps, progress,
+                   metered=1)
+    measured = {id(m): (row["step_s"], row["peak_bytes"]) for m, row in zip([*(m for m, _ in fresh), *methods], rows)}
+    return [*(measured[id(first or m)] for (m, _), first in zip(made, same)), *(measured[id(m)] for m in methods)]

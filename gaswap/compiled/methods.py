@@ -14,7 +14,7 @@ import torch
 
 from gaswap.base import config
 from gaswap.compiled import partition, programs
-from gaswap.plan.encoding import Action, Encoding
+from gaswap.plan.encoding import Encoding
 from gaswap.run import experiment, training
 from gaswap.run.measure import resolve_device, use_cpu
 
@@ -61,11 +61,7 @@ def setup(exp: config.Experiment, device="auto") -> tuple:
 
 def partition_actions(encoding: Encoding, actions: dict[str, str]) -> tuple[int, ...]:
     """`actions` (a partition's) as a chromosome's, KEEP where the encoding allows no recomputation."""
-    out = []
-    for t, allowed in zip(encoding.candidates, encoding.allowed):
-        action = Action.parse(actions[t])
-        out.append(int(action if action in allowed else Action.KEEP))
-    return tuple(out)
+    return encoding.read_back(actions).actions
 
 
 def torch_compiled(model, budget: float):

@@ -408,12 +408,17 @@ def fit(points: list[tuple[str, float, float, int, int, float]]) -> Calibration:
 
 
 CALIBRATION_MIXES = 3  # random half-recomputed policies calibrated on besides the four set ones
+# random halves where torch's partitions are calibrated on too (`calibrate`): a fit on the four set policies, one
+# half and torch's three partitions predicted the two other halves within 0.1 to 8.4 %, 3.0 % median, on the five
+# runs of results/compare_time/*_one_finalist (results/compiled_model/calibration_partitions.txt)
+PARTITION_MIXES = 1
 
 
-def calibration_policies(problem: CompiledProblem, seed: int = 0) -> dict[str, Chromosome]:
+def calibration_policies(problem: CompiledProblem, seed: int = 0, mixes: int = CALIBRATION_MIXES
+                         ) -> dict[str, Chromosome]:
     """The distinct policies calibrated on: keep-all; the same with masks recomputed; every generated
-    candidate recomputed; everything recomputed; `CALIBRATION_MIXES` random halves (terms that vary
-    together in the set policies vary apart in these)."""
+    candidate recomputed; everything recomputed; `mixes` random halves (terms that vary together in the set
+    policies vary apart in these)."""
     import random
 
     encoding, graph = problem.encoding, problem.graph
@@ -431,7 +436,7 @@ def calibration_policies(problem: CompiledProblem, seed: int = 0) -> dict[str, C
     chosen = {"keep-all": (), "masks recomputed": masks,
               "recompute-generated": made_by_generated,
               "recompute-all": everything}
-    chosen |= {f"random half {m + 1}": [k for k in everything if rng.random() < 0.5] for m in range(CALIBRATION_MIXES)}
+    chosen |= {f"random half {m + 1}": [k for k in everything if rng.random() < 0.5] for m in range(mixes)}
     out = {}
     for label, ks in chosen.items():
         c = problem.canonical(recompute(set(ks)))
@@ -454,14 +459,20 @@ def samples(problem: CompiledProblem, measured: list[tuple[str, Chromosome, floa
     return [(label, *terms, s) for label, terms, s in zip(labels, features(problem, list(chromosomes)), seconds)]
 
 
-def calibrate(graph: Graph, costs: Costs, cpu_times, loss: str = "sum") -> Calibration:
+def calibrate(graph: Graph, costs: Costs, cpu_times, loss: str = "sum", partitions: dict | None = None
+              ) -> Calibration:
     """Fit the compiled step's cost (`fit`) on `graph` compiled under each of `calibration_policies`:
-    `cpu_times(actions)` compiles and trains under each set of per-tensor actions (see `Problem.actions_of`)
-    and returns CPU seconds per step, or (CPU seconds, measured peak bytes above resident) pairs: then the
-    peak's offset is fitted too (`Calibration.with_peaks`)."""
+    `cpu_times({label: actions})` compiles and trains under each set of per-tensor actions (see
+    `Problem.actions_of`) and returns, in that order, CPU seconds per step, or (CPU seconds, measured peak bytes
+    above resident) pairs: then the peak's offset is fitted too (`Calibration.with_peaks`). `partitions`
+    ({label: per-tensor actions}: torch's partitions, which a compare compiles and times anyway) are calibrated
+    on as well, first, in place of all random halves but `PARTITION_MIXES`."""
     problem = CompiledProblem(graph, costs, None, actions=(Action.KEEP, Action.RECOMPUTE), loss=loss)
-    chosen = calibration_policies(problem)
-    measured = cpu_times([problem.actions_of(c) for c in chosen.values()])
+    chosen = {label: problem.canonical(problem.encoding.read_back(a)) for label, a in (partitions or {}).items()}
+    for label, c in calibration_policies(problem, mixes=PARTITION_MIXES if partitions else CALIBRATION_MIXES).items():
+        if c.actions not in {d.actions for d in chosen.values()}:
+            chosen[label] = c
+    measured = cpu_times({label: problem.actions_of(c) for label, c in chosen.items()})
     seconds = [m[0] if isinstance(m, tuple) else m for m in measured]
     calibration = fit(samples(problem, list(zip(chosen, chosen.values(), seconds))))
     peaks = [(label, c, m[1]) for label, c, m in zip(chosen, chosen.values(), measured) if isinstance(m, tuple)]

@@ -81,6 +81,15 @@ class Encoding:
         acts = tuple(int(action if action in allowed else Action.KEEP) for allowed in self.allowed)
         return Chromosome(self.captured_keys(), acts)
 
+    def read_back(self, actions: dict[str, str]) -> Chromosome:
+        """Per-tensor `actions` (a partition's, by tensor name) as a chromosome of the captured order, KEEP where
+        this encoding allows a tensor no such action."""
+        acts = []
+        for t, allowed in zip(self.candidates, self.allowed):
+            action = Action.parse(actions[t])
+            acts.append(int(action if action in allowed else Action.KEEP))
+        return Chromosome(self.captured_keys(), tuple(acts))
+
     def random(self, rng: random.Random, *, order: bool = True) -> Chromosome:
         """A random chromosome: random allowed actions, and random keys when the order evolves."""
         keys = tuple(rng.random() for _ in self.graph.ops) if order else self.captured_keys()
