@@ -409,7 +409,7 @@ def fit(points: list[tuple[str, float, float, int, int, float]]) -> Calibration:
 
 CALIBRATION_MIXES = 3  # random half-recomputed policies calibrated on besides the four set ones
 # random halves where torch's partitions are calibrated on too (`calibrate`): a fit on the four set policies, one
-# half and torch's three partitions predicted the two other halves within 0.1 to 8.4 %, 3.0 % median, on the five
+# half and torch's three partitions predicted the two other halves within 0.1 to 8.4 %, 2.2 % median, on the five
 # runs of results/compare_time/*_one_finalist (results/compiled_model/calibration_partitions.txt)
 PARTITION_MIXES = 1
 
