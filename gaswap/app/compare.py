@@ -9,10 +9,12 @@ torch's partitions, each read back as keep/recompute actions. The model cannot s
 (keeping a bool mask can slow a kernel several times), so the `finalists` fastest policies it predicts at
 each budget (the search's Pareto front, filled up with the next fastest that fit where the front holds
 fewer: it can hold one or two when every policy is predicted nearly the same peak; of those, the first whose
-programs, written by inductor without compiling their kernels, fit the budget: `compare_screen`), and torch's partitions
-whose measured peak fits, are compiled and timed first, in rounds of their own (`_finalists_round`: the
-peak metered in the first, which the allocator gives the same every run; a finalist over every budget of
-its own, or clearly slower than the fastest there, timed no longer: `_contenders`). Then
+programs, written by inductor without compiling their kernels, fit the budget: `compare_screen`), and torch's
+partitions whose measured peak fits (timed in torch.compile's own programs of them, the same as their
+read-back's; one picked is compiled as gaswap's policy for the head to head: `_make`), are compiled and timed
+first, in rounds of their own (`_finalists_round`: the peak metered in the first, which the allocator gives the
+same every run; a finalist over every budget of its own, or clearly slower than the fastest there, timed no
+longer: `_contenders`). Then
 a second round: the time model is fitted again on its calibration points and the finalists' measured
 times (`step_model.refit`), the search runs again with it, and the new finalists it predicts fastest
 are timed beside the first round's choice at their budget (`_second_round`; one the refit predicts less
@@ -31,8 +33,9 @@ each) and times them with no worker running. Workers are off by default: on this
 they have not yet been shown to save time (docs/compiled.md, "Compare's time").
 Policies are simulated as inductor runs them (`gaswap.compiled.step_model`): standalone op costs in CPU
 seconds, fused intermediates not counted, the keep-all step, the cost of recomputation, of kept masks and
-of saved bytes calibrated on policies compiled and timed first (`step_model.calibrate`, seven;
-`calibration_run`). The
+of saved bytes calibrated on policies compiled and timed first (`step_model.calibrate`: keep-all, masks
+recomputed, recompute-generated, recompute-all and a random half, beside torch's three partitions, compiled
+and metered before them; `calibration_run`). The
 table shows those predictions beside the ones of the joint graph's ops one by one (every op alone, every
 tensor counted).
 

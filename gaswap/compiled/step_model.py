@@ -17,7 +17,8 @@ and its costs into what the compiled step does, leaving the simulator as it is:
   (inductor fuses them into the backward's kernels), the recomputed library calls at `extern_scale` times
   theirs, plus a price per byte of bool mask kept and one per byte saved for the backward (`Calibration`).
   The five are fitted on seven compiled runs: keep-all, masks recomputed, recompute-generated,
-  recompute-all and three random halves; every other policy is a prediction. (The model before priced the
+  recompute-all and three random halves (in a compare, one random half and torch.compile's three partitions,
+  compiled there anyway); every other policy is a prediction. (The model before priced the
   whole step's generated ops with one scale: fusion makes the forward's several times cheaper than their
   standalone sum while a recomputation in the backward is not, so one scale could not fit both. On GPT-2 it
   priced recomputing every generated op free, where it measured +32 %.)
