@@ -96,9 +96,10 @@ def _pair(value, opwise, fmt) -> str:
 
 def goal_lines(rows: list[dict], peak: str = "peak_bytes") -> list[str]:
     """Per torch.compile point: gaswap's pick for the budget its peak became (`budget`), measured by `peak` (a
-    column), against it: met (at or below its peak and at least as fast), not met, a tie (the pick is this
-    very partition read back), or why it is not comparable; and another budget's pick at or below that peak
-    where it is faster beyond the spread of both timings (or where the pick is not comparable)."""
+    column), against it: met (at or below its peak and at least as fast), not met (saying so where the pick is
+    slower within the spread of both timings at less memory, and how much less), a tie (the pick is this very
+    partition read back), or why it is not comparable; and another budget's pick at or below that peak where it
+    is faster beyond the spread of both timings (or where the pick is not comparable)."""
     ours = {r["knob"]: r for r in rows if r["method"] == "gaswap"}
     return [_goal_line(t, ours, peak) for t in rows if t["method"] == "torch.compile"]
 
@@ -123,6 +124,9 @@ def _goal_line(t: dict, ours: dict, peak: str) -> str:
         verdict = "a tie: the pick is this very partition read back, faster or slower by noise alone"
     else:
         verdict = "met" if pick["step_s"] <= t["step_s"] else "not met"
+        if verdict == "not met" and pick["step_min"] <= t["step_max"] and pick[peak] < t[peak]:
+            verdict += (f" (slower within the spread of both timings, at {1 - pick[peak] / t[peak]:.1%} less "
+                        f"memory)")
         if origin != "search":
             verdict += f" (the pick is {origin}'s partition read back, not a policy of gaswap's own search)"
     clearly = [r for r in others[:1] if r["step_max"] < pick["step_min"]]  # beyond the spread of the timings
