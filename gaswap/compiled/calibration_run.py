@@ -49,17 +49,15 @@ def cpu_times_of(policies, model, inputs, target, exp, device, progress, program
     """(median seconds per training step by the device's clock, metered peak above the bytes resident before the
     step) of
     `model` compiled under each of `policies`, then of each of `methods` (compiled already), timed in the same
-    rounds. With `programs` (`pool.Programs`), policies of one partition are
-    compiled and timed once, in worker processes first where the pool has them."""
+    rounds. With `programs` (`pool.Programs`), compiled in worker processes first where the pool has them. Each
+    policy is compiled (telling which save the same activations takes a trace each, 2 to 24 s a compare here, and
+    found none among the calibration policies of the 18 compares in `results/compare_time/`)."""
     made = []
     for k, policy in enumerate(policies):
         m, opt = training.fresh_copy(model, exp.optimizer)
         made.append((Method("calibration", str(k + 1), m, partition.compile(m, policy), opt), policy))
-    same = programs.same(made, "calibration policy") if programs else [None] * len(made)
-    fresh = [(m, policy) for (m, policy), first in zip(made, same) if first is None]
     if programs:
-        programs.compile(fresh, "calibration policy")
-    rows = measure([*(m for m, _ in fresh), *methods], inputs, target, exp.loss, device, rounds, steps, progress,
-                   metered=1)
-    measured = {id(m): (row["step_s"], row["peak_bytes"]) for m, row in zip([*(m for m, _ in fresh), *methods], rows)}
-    return [*(measured[id(first or m)] for (m, _), first in zip(made, same)), *(measured[id(m)] for m in methods)]
+        programs.compile(made, "calibration policy")
+    timed = [*(m for m, _ in made), *methods]
+    rows = measure(timed, inputs, target, exp.loss, device, rounds, steps, progress, metered=1)
+    return [(row["step_s"], row["peak_bytes"]) for row in rows]
