@@ -212,7 +212,7 @@ def test_a_torch_partition_read_back_is_timed_in_torchs_program_and_compiled_as_
         return time_methods(methods, rounds, steps, **options)
 
     made = {}
-    chosen, rows, _ = compare._finalists_round([("A", [evaluated(1), evaluated(2)])], 1, "p", made, counted,
+    chosen, _, _ = compare._finalists_round([("A", [evaluated(1), evaluated(2)])], 1, "p", made, counted,
                                                {"A": 110, "B": 110}, 10, timing, lambda line: None,
                                                stand_ins={(2,): torch_m})
     stand_in = made[(2,)][0]

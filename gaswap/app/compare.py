@@ -27,9 +27,9 @@ it was timed. The verdicts of compare.md are `gaswap.app.compare_report`'s.
 Compiling is most of a compare's time (a cold compile of an unrolled GRU takes a minute of CPU): policies
 whose partitions save the same activations generate the same programs, so each finalist is partitioned first
 (its screen's dry compile did, or a trace) and one per partition is compiled and timed
-(`gaswap.compiled.pool.Programs`; a torch partition's name passes on to the search's policy it equals); with `workers` (`--workers`), the compiles run
-in worker processes, each into inductor's caches, before the measuring process loads them (about a second
-each) and times them with no worker running. Workers are off by default: on this project's 2-core machine
+(`gaswap.compiled.pool.Programs`; a torch partition's name passes on to the search's policy it equals); with
+`workers` (`--workers`), the compiles run in worker processes, each into inductor's caches, before the
+measuring process loads them (about a second each) and times them with no worker running. Workers are off by default: on this project's 2-core machine
 they have not yet been shown to save time (docs/compiled.md, "Compare's time").
 Policies are simulated as inductor runs them (`gaswap.compiled.step_model`): standalone op costs in CPU
 seconds, fused intermediates not counted, the keep-all step, the cost of recomputation, of kept masks and

@@ -18,7 +18,7 @@ from gaswap.run import training
 def calibrate(exp, graph: Graph, costs: Costs, model, inputs, target, device, progress, programs=None,
               beside=(), partitions: dict | None = None) -> tuple[step_model.Calibration, list[tuple[float, int]]]:
     """The calibration of `graph`'s compiled step (`step_model.calibrate`) timed here: each calibration policy
-    compiled (through `programs`, a `pool.Programs`, when given: one compile per partition) and trained; and
+    compiled (through `programs`, a `pool.Programs`, when given: in its workers first) and trained; and
     the (CPU seconds, peak) of the policies `beside`, timed in the same rotated rounds but not fitted on (a
     prediction set beside a measurement taken under the same load). `partitions` ({label: (per-tensor actions,
     Method)}: torch's partitions and their torch.compile methods, compiled already) are timed in the same rounds
