@@ -29,8 +29,9 @@ whose partitions save the same activations generate the same programs, so each f
 (its screen's dry compile did, or a trace) and one per partition is compiled and timed
 (`gaswap.compiled.pool.Programs`; a torch partition's name passes on to the search's policy it equals); with
 `workers` (`--workers`), the compiles run in worker processes, each into inductor's caches, before the
-measuring process loads them (about a second each) and times them with no worker running. Workers are off by default: on this project's 2-core machine
-they have not yet been shown to save time (docs/compiled.md, "Compare's time").
+measuring process loads them (about a second each) and times them with no worker running. Workers are off by
+default: on this project's 2-core machine they have not been shown to save time (docs/compiled.md, "Compare's
+time").
 Policies are simulated as inductor runs them (`gaswap.compiled.step_model`): standalone op costs in CPU
 seconds, fused intermediates not counted, the keep-all step, the cost of recomputation, of kept masks and
 of saved bytes calibrated on policies compiled and timed first (`step_model.calibrate`: keep-all, masks
