@@ -2,14 +2,15 @@
 allocator model's allocated and reserved peaks (plain and with expandable segments), and an arena plan.
 
 `python -m gaswap memory experiments/alexnet_4gb.yaml ...` prints a markdown table. For each experiment:
-keep-all, the fastest baseline that fits the budget, and the experiment's shipped policy
-(results/<name>/policy.yaml) when it matches the captured graph.
+keep-all, the fastest baseline that fits the budget (less the device's margin, as `gaswap search` plans:
+`budgets`), and the experiment's shipped policy (results/<name>/policy.yaml) when it matches the captured graph.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
+from gaswap.app import workflow
 from gaswap.plan.encoding import Action, Encoding
 from gaswap.plan.memory import allocator, arena
 from gaswap.plan.simulator import Simulator
@@ -40,15 +41,14 @@ def policies(prepared, results_root: str | Path = "results") -> list[tuple[str, 
     graph, costs, exp = prepared.graph, prepared.costs, prepared.experiment
     encoding = Encoding(graph)
     keep = encoding.uniform(Action.KEEP)
-    sim = Simulator(graph, costs)
-    budget = exp.budget.resolve(sim.run(encoding.decode(keep.keys), keep.actions).peak_bytes)
+    _, planned = budgets(prepared)
     out = [("keep-all", encoding.decode(keep.keys), keep.actions)]
     best = None
-    budgeted = Simulator(graph, costs, budget)
+    budgeted = Simulator(graph, costs, planned)
     for name, baseline in BASELINES.items():
-        c = baseline(graph, costs, budget)
+        c = baseline(graph, costs, planned)
         r = budgeted.run(encoding.decode(c.keys), c.actions)
-        if r.valid and r.peak_bytes <= budget and (best is None or r.step_time < best[0]):
+        if r.valid and r.peak_bytes <= planned and (best is None or r.step_time < best[0]):
             best = (r.step_time, name, c)
     if best is not None:
         out.append((best[1], encoding.decode(best[2].keys), best[2].actions))
@@ -60,11 +60,18 @@ def policies(prepared, results_root: str | Path = "results") -> list[tuple[str, 
     return out
 
 
+def budgets(prepared) -> tuple[int, int]:
+    """(the experiment's budget, the live bytes policies are planned for), resolved as `gaswap search` resolves
+    them (`workflow.planning_budget`: a fraction of keep-all's peak on the device, less the device's margin)."""
+    keep_peak = workflow.planning_problem(prepared).keep_all().peak_bytes
+    return workflow.planning_budget(prepared.experiment, keep_peak, workflow.device_margin(prepared))
+
+
 def rows(prepared, results_root: str | Path = "results") -> list[Row]:
+    """A `Row` per policy of `policies`: its live peak, the allocator model's and the arena plan's."""
     graph, costs, exp = prepared.graph, prepared.costs, prepared.experiment
-    keep_peak = Simulator(graph, costs).run(*_keep(graph)).peak_bytes
-    budget = exp.budget.resolve(keep_peak)
-    sim = Simulator(graph, costs, budget)
+    budget, planned = budgets(prepared)
+    sim = Simulator(graph, costs, planned)
     out = []
     for name, order, actions in policies(prepared, results_root):
         result = sim.run(order, actions, trace=True)
