@@ -211,10 +211,11 @@ def test_a_torch_partition_read_back_is_timed_in_torchs_program_and_compiled_as_
         actions_of.update({id(m): (2,) for m in methods if m.run is torch_run})
         return time_methods(methods, rounds, steps, **options)
 
-    made = {}
+    made, said = {}, []
     chosen, _, _ = compare._finalists_round([("A", [evaluated(1), evaluated(2)])], 1, "p", made, counted,
-                                               {"A": 110, "B": 110}, 10, timing, lambda line: None,
-                                               stand_ins={(2,): torch_m})
+                                            {"A": 110, "B": 110}, 10, timing, said.append,
+                                            stand_ins={(2,): torch_m})
+    assert "  timing 2 finalists (round 1; 1 of torch's partitions in torch.compile's programs of them)" in said
     stand_in = made[(2,)][0]
     assert stand_in.run is torch_run and stand_in.model == "its model" and stand_in.optimizer == "its optimizer"
     assert (stand_in.name, stand_in.knob, stand_in.compile_s) == ("gaswap", "A #2", 12.0)

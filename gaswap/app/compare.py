@@ -364,7 +364,9 @@ def _finalists_round(finalists, number: int, problem, made: dict, method, budget
         return {}, {}, {}
     methods = list({id(made[a][0]): made[a][0] for a in timed}.values())
     index = {a: [id(m) for m in methods].index(id(made[a][0])) for a in timed}
-    progress(f"  timing {len(methods)} finalists (round {number})")
+    theirs = sum(_stands_in(m, stand_ins) for m in methods)
+    progress(f"  timing {len(methods)} finalists (round {number}"
+             + (f"; {theirs} of torch's partitions in torch.compile's programs of them" if theirs else "") + ")")
     contenders = partial(_contenders, index, finalists, budget_of, resident)
     measured = [row | {"round": number} for row in
                 measure_methods(methods, TUNING_ROUNDS, TUNING_STEPS, metered=1, prune=contenders)]
