@@ -1,5 +1,5 @@
-"""gaswap compare: its peak meter and its verdicts (the whole comparison compiles seven times: not a unit test;
-`python -m gaswap compare experiments/compare_cnn_cpu.yaml` runs it)."""
+"""gaswap compare: its peak meter, its rounds and its verdicts; the whole comparison once, on a tiny MLP (slow: it
+compiles a dozen times; `python -m gaswap compare experiments/compare_cnn_cpu.yaml` runs a real one)."""
 import pytest
 import torch
 
@@ -218,7 +218,7 @@ def test_a_torch_partition_read_back_is_timed_in_torchs_program_and_compiled_as_
     assert "  timing 2 finalists (round 1; 1 of torch's partitions in torch.compile's programs of them)" in said
     stand_in = made[(2,)][0]
     assert stand_in.run is torch_run and stand_in.model == "its model" and stand_in.optimizer == "its optimizer"
-    assert (stand_in.name, stand_in.knob, stand_in.compile_s) == ("gaswap", "A #2", 12.0)
+    assert (stand_in.name, stand_in.knob, stand_in.compile_s) == ("gaswap", "A #1", 12.0)  # numbered first
     assert torch_m.knob == "0.5" and torch_m.name == "torch.compile"  # torch's own row unchanged
     assert chosen["A"].chromosome.actions == (2,) and timed == [(1,), (2,)]
     picked = compare._picked({"A": evaluated(2), "B": evaluated(2), "C": evaluated(1)}, made, counted,
@@ -478,3 +478,38 @@ def test_a_gpu_steps_time_is_its_wall_time_and_the_table_says_so():
                  predicted_step_s=None, opwise_step_s=None, recomputed=None)]
     table = compare_report.to_markdown(rows, "x", "H100", clock="wall time")
     assert "| wall time per step (median, range) |" in table and "CPU time" not in table
+
+
+@pytest.mark.slow
+def test_a_whole_compare_calibrates_on_torchs_partitions_and_times_them_in_torchs_programs(tmp_path):
+    import csv
+
+    import yaml
+
+    path = tmp_path / "tiny.yaml"
+    path.write_text("model: {factory: gaswap.zoo:mlp, kwargs: {sizes: [16, 32, 32, 4], dropout: 0.1}}\n"
+                    "inputs: [{shape: [batch, 16]}]\ntarget: {shape: [batch], dtype: int64, high: 4}\n"
+                    "loss: cross_entropy\nbatch_size: 8\nbudget: 0.5x\ncosts: {source: measure, device: cpu, threads: 1}\n"
+                    "search_space: compiled\nga: {population: 8, generations: 3, workers: 1}\n")
+    lines = []
+    rows = compare.run(path, rounds=1, steps=1, below=(), results_root=tmp_path, cache_dir=tmp_path / "costs",
+                       progress=lines.append)
+    folder = tmp_path / "tiny"
+    torch_rows = {r["knob"]: r for r in rows if r["method"] == "torch.compile"}
+    assert list(torch_rows) == ["1", "0.5", "0.2"] and rows[0]["method"] == "eager"
+    ours = [r for r in rows if r["method"] == "gaswap"]
+    assert ours and all(r["peak_bytes"] <= min(t["peak_bytes"] for t in torch_rows.values() if t["budget"] == r["knob"])
+                        for r in ours)  # each pick at or under the torch peak its budget is
+    points = yaml.safe_load((folder / "compiled" / "p00.yaml").read_text())["provenance"]["calibration"]["points"]
+    labels = [label for label, _, _ in points]
+    assert labels[0] == "torch 1"  # torch's partitions first, then gaswap's own calibration policies
+    assert sum(label.startswith("random half") for label in labels) <= 1  # torch's partitions in the others' place
+    assert any("calibrating the compiled model" in line and "beside torch.compile's" in line for line in lines)
+    finalists = list(csv.DictReader((folder / "finalists.csv").open()))
+    theirs = [f for f in finalists if f["origin"].startswith("torch")]
+    assert theirs  # torch's partitions are finalists at the budgets they fit, timed in torch's own programs
+    for f in theirs:
+        assert float(f["compile_s"]) == torch_rows[f["origin"].removeprefix("torch ")]["compile_s"]
+    for r in ours:  # a pick is compiled as gaswap's policy, the programs it writes to pNN.yaml
+        if r["origin"].startswith("torch"):
+            assert r["compile_s"] != torch_rows[r["origin"].removeprefix("torch ")]["compile_s"]

@@ -398,6 +398,8 @@ def _make(finalists, problem, made: dict, method, programs=None, stand_ins=None)
             if a not in made and a not in new:
                 m, policy = method(label, e, problem)
                 new[a] = (label, _standing_in(m, stand_ins[a]) if a in (stand_ins or {}) else m, policy)
+    # torch's programs first: a finalist of the same partition is timed in them, not compiled
+    new = dict(sorted(new.items(), key=lambda item: not _stands_in(item[1][1], stand_ins)))
     same = programs.same([(m, policy) for _, m, policy in new.values()], "finalist") if programs else [None] * len(new)
     count = len({id(m) for m, *_ in made.values()})
     fresh = []
@@ -495,8 +497,9 @@ def _picked(chosen: dict, made: dict, method, budget_of, problem, stand_ins=None
         a = e.chromosome.actions
         if a in made and not _stands_in(made[a][0], stand_ins):
             m, policy, _ = made[a]
-        else:
-            m, policy = own[a] if a in own else own.setdefault(a, method(label, e, problem))
+        else:  # compiled once per program: picks standing in for one torch program share it
+            key = id(made[a][0]) if a in made else a
+            m, policy = own[key] if key in own else own.setdefault(key, method(label, e, problem))
         m = replace(m, knob=label) if id(m) in used else m
         used.add(id(m))
         m.knob = label
