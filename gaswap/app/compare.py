@@ -490,16 +490,19 @@ def _picked(chosen: dict, made: dict, method, budget_of, problem, stand_ins=None
             ) -> list[tuple[Method, policies.Policy]]:
     """[(Method, Policy)] of the `chosen` ({label: Evaluated}) at each budget, knobbed by it: the one `made`
     (actions -> (Method, Policy, problem)), and where it was picked already (the same programs picked at two
-    budgets) a Method of its own running the same compiled step; a policy not made, or timed in torch.compile's
-    program (`_standing_in`), is compiled as `problem` predicts it (untimed finalists; the policy file's own)."""
+    budgets) a Method of its own running the same compiled step; a policy not made is compiled as `problem`
+    predicts it (untimed finalists), and one timed in torch.compile's program (`_standing_in`, its own or one of
+    the same partition) is that torch partition read back, compiled (the policy file's own program)."""
     out, used, own = [], set(), {}
     for label, e in chosen.items():
         a = e.chromosome.actions
         if a in made and not _stands_in(made[a][0], stand_ins):
             m, policy, _ = made[a]
-        else:  # compiled once per program: picks standing in for one torch program share it
-            key = id(made[a][0]) if a in made else a
-            m, policy = own[key] if key in own else own.setdefault(key, method(label, e, problem))
+        else:  # timed in a torch program: that partition read back is picked (compiled once, however often)
+            if a in made:
+                a = next(k for k, compiled in stand_ins.items() if compiled.run is made[a][0].run)
+                e = replace(e, chromosome=replace(e.chromosome, actions=a))
+            m, policy = own[a] if a in own else own.setdefault(a, method(label, e, problem))
         m = replace(m, knob=label) if id(m) in used else m
         used.add(id(m))
         m.knob = label
