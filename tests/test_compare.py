@@ -230,12 +230,13 @@ def test_a_torch_partition_read_back_is_timed_in_torchs_program_and_compiled_as_
 
 
 def test_a_finalist_of_a_torch_partitions_partition_is_timed_in_torchs_program_and_picked_as_that_partition():
-    evaluated, method, time_methods, actions_of, problem_of, timed = _finalist_harness({(2,): (30, 0.5)})
+    evaluated, method, time_methods, actions_of, _, timed = _finalist_harness({(2,): (30, 0.5)})
     torch_run = object()
     torch_m = compare.Method("torch.compile", "0.5", "its model", torch_run, "its optimizer", compile_s=12.0)
 
     class OnePartition:  # stands for `pool.Programs`: every finalist saves the same activations
-        compiled = []
+        def __init__(self):
+            self.compiled = []
 
         def same(self, made, what):
             return [None] + [made[0][0]] * (len(made) - 1)
@@ -248,8 +249,8 @@ def test_a_finalist_of_a_torch_partitions_partition_is_timed_in_torchs_program_a
         return time_methods(methods, rounds, steps, **options)
 
     made, programs = {}, OnePartition()
-    chosen, _, _ = compare._finalists_round([("A", [evaluated(1), evaluated(2)])], 1, "p", made, method, {"A": 110},
-                                            10, timing, lambda line: None, programs, {(2,): torch_m})
+    compare._finalists_round([("A", [evaluated(1), evaluated(2)])], 1, "p", made, method, {"A": 110}, 10, timing,
+                             lambda line: None, programs, {(2,): torch_m})
     assert made[(1,)] is made[(2,)] and made[(1,)][0].run is torch_run  # the search's (1,) timed in torch's program
     assert programs.compiled == [] and timed == [(2,)]
     ((m, _),) = compare._picked({"A": evaluated(1)}, made, method, {"A": 110}, "untimed", {(2,): torch_m})
