@@ -514,14 +514,23 @@ def test_a_whole_compare_calibrates_on_torchs_partitions_and_times_them_in_torch
 
     import yaml
 
+    # compare sets the experiment's CPU threads, raises dynamo's recompile limit and leaves a dozen compiles of the
+    # MLP's forward in dynamo's cache: all put back after (a later test counts a worker's cache hits in this process)
+    threads, limit = torch.get_num_threads(), torch._dynamo.config.recompile_limit
+
     path = tmp_path / "tiny.yaml"
     path.write_text("model: {factory: gaswap.zoo:mlp, kwargs: {sizes: [16, 32, 32, 4], dropout: 0.1}}\n"
                     "inputs: [{shape: [batch, 16]}]\ntarget: {shape: [batch], dtype: int64, high: 4}\n"
                     "loss: cross_entropy\nbatch_size: 8\nbudget: 0.5x\ncosts: {source: measure, device: cpu, threads: 1}\n"
                     "search_space: compiled\nga: {population: 8, generations: 3, workers: 1}\n")
     lines = []
-    rows = compare.run(path, rounds=1, steps=1, below=(), results_root=tmp_path, cache_dir=tmp_path / "costs",
-                       progress=lines.append)
+    try:
+        rows = compare.run(path, rounds=1, steps=1, below=(), results_root=tmp_path, cache_dir=tmp_path / "costs",
+                           progress=lines.append)
+    finally:
+        torch.set_num_threads(threads)
+        torch._dynamo.config.recompile_limit = limit
+        torch._dynamo.reset()
     folder = tmp_path / "tiny"
     torch_rows = {r["knob"]: r for r in rows if r["method"] == "torch.compile"}
     assert list(torch_rows) == ["1", "0.5", "0.2"] and rows[0]["method"] == "eager"
