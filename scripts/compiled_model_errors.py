@@ -100,8 +100,7 @@ def calibration_and_torch(exp, model, inputs, graph, problem) -> tuple[list, Cal
     for budget in TORCH_BUDGETS:
         _, actions = partition.torch_partition(model, *inputs, budget=budget, optimizer=exp.optimizer,
                                                counted=exp.counts)
-        c = problem.canonical(Chromosome(problem.encoding.captured_keys(),
-                                         compiled_methods.partition_actions(problem.encoding, actions)))
+        c = problem.canonical(problem.encoding.read_back(actions))
         m, opt = training.fresh_copy(model, exp.optimizer)
         entries.append((f"torch {budget:g}", "torch", c,
                         Method("torch.compile", f"{budget:g}", m, compiled_methods.torch_compiled(m, budget), opt)))

@@ -18,7 +18,7 @@ from functools import partial
 from gaswap.base import config
 from gaswap.base.config import format_size
 from gaswap.compiled import partition, programs, step_model
-from gaswap.compiled.methods import allow_recompiles, partition_actions, setup
+from gaswap.compiled.methods import allow_recompiles, setup
 from gaswap.plan.encoding import Action, Chromosome
 from gaswap.plan.problem import Problem
 from gaswap.run import training
@@ -42,7 +42,7 @@ def main() -> None:
     for budget in (1.0, 0.5, 0.2):
         _, actions = partition.torch_partition(model, *inputs, budget=budget, optimizer=exp.optimizer,
                                               counted=exp.counts)
-        policies[f"torch {budget:g}"] = Chromosome(encoding.captured_keys(), partition_actions(encoding, actions))
+        policies[f"torch {budget:g}"] = encoding.read_back(actions)
     rng = random.Random(0)
     for k in range(args.random):
         c = encoding.random(rng, order=False)

@@ -6,8 +6,7 @@ from gaswap.app import validate_compiled
 from gaswap.app.cli import main
 from gaswap.base import config
 from gaswap.compiled import calibration_run, partition, step_model
-from gaswap.compiled.methods import partition_actions, setup
-from gaswap.plan.encoding import Chromosome
+from gaswap.compiled.methods import setup
 from gaswap.plan.policy import Policy, load, save
 
 
@@ -34,7 +33,7 @@ def test_recalibrating_fits_the_model_on_times_taken_here_and_prices_the_policy_
     def law(policy) -> float:
         problem = step_model.CompiledProblem(graph, measured_costs[-1], None, space, loss=exp.loss)
         encoding = problem.encoding
-        chromosome = problem.canonical(Chromosome(encoding.captured_keys(), partition_actions(encoding, policy.actions)))
+        chromosome = problem.canonical(encoding.read_back(policy.actions))
         ((_, _, _, saved),) = step_model.features(problem, [chromosome])
         return 0.020 + 3e-9 * saved
 

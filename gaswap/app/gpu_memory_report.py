@@ -83,12 +83,6 @@ def rows(prepared, results_root: str | Path = "results") -> list[Row]:
     return out
 
 
-def _keep(graph):
-    encoding = Encoding(graph)
-    c = encoding.uniform(Action.KEEP)
-    return encoding.decode(c.keys), c.actions
-
-
 def markdown(table: list[Row]) -> str:
     """The rows as a markdown table, sizes in GiB to three decimals."""
     head = ("| experiment | policy | budget | live peak | allocated | reserved | reserved (expandable) | "

@@ -33,9 +33,8 @@ from pathlib import Path
 from gaswap.base import config
 from gaswap.base.files import write_atomic
 from gaswap.compiled import calibration_run, partition, pool, step_model
-from gaswap.compiled.methods import partition_actions, setup
+from gaswap.compiled.methods import setup
 from gaswap.plan import policy as policies
-from gaswap.plan.encoding import Chromosome
 from gaswap.run import training
 from gaswap.run.measure import device_name, load_per_cpu, measure
 
@@ -92,8 +91,7 @@ def recalibrated(policies_: list[policies.Policy], exp: config.Experiment, graph
             "worst_fit": calibration.worst_error()}
     out = []
     for policy, (seconds, _) in zip(policies_, beside):
-        actions = partition_actions(encoding, policy.actions)
-        predicted = problem.simulate(problem.canonical(Chromosome(encoding.captured_keys(), actions))).step_time
+        predicted = problem.simulate(problem.canonical(encoding.read_back(policy.actions))).step_time
         out.append({"step_time_s": predicted, "measured_beside_s": seconds, "time_ratio": seconds / predicted} | took)
     return out
 

@@ -14,7 +14,6 @@ import torch
 
 from gaswap.base import config
 from gaswap.compiled import partition, programs
-from gaswap.plan.encoding import Encoding
 from gaswap.run import experiment, training
 from gaswap.run.measure import resolve_device, use_cpu
 
@@ -57,11 +56,6 @@ def setup(exp: config.Experiment, device="auto") -> tuple:
     except partition.Uncompilable as e:
         raise partition.Uncompilable(f"{exp.path}: {e}") from None
     return dev, model, inputs, target, graph
-
-
-def partition_actions(encoding: Encoding, actions: dict[str, str]) -> tuple[int, ...]:
-    """`actions` (a partition's) as a chromosome's, KEEP where the encoding allows no recomputation."""
-    return encoding.read_back(actions).actions
 
 
 def torch_compiled(model, budget: float):
