@@ -12,34 +12,17 @@ repository root:
 """
 import csv
 import statistics
-from pathlib import Path
 
-import yaml
+from calibration_loo import (  # this folder's: each run's capture, problem and measured points
+    predict,
+    run_of,
+)
 
-from gaswap.base import config
-from gaswap.compiled import methods as compiled_methods
 from gaswap.compiled import partition, step_model
-from gaswap.plan.encoding import Action
-from gaswap.run.measure import measure
-
-RUNS = Path("results/compare_time")
-
-
-def predict(cal, point) -> float:
-    _, extern, generated, mask, saved, _ = point
-    return cal.base + cal.extern_scale * extern + cal.scale * generated + cal.mask_rate * mask + cal.saved_rate * saved
-
 
 errors = []
 for name in ("mixture", "cnn", "gpt", "window", "densenet"):
-    folder = RUNS / f"{name}_one_finalist"
-    exp = config.load_experiment(f"experiments/compare_{name}_cpu.yaml")
-    device, model, inputs, target, graph = compiled_methods.setup(exp)
-    costs = measure(graph, device, folder / "costs", threads=exp.costs.threads)
-    problem = step_model.CompiledProblem(graph, costs, None, actions=(Action.KEEP, Action.RECOMPUTE), loss=exp.loss)
-    chosen = step_model.calibration_policies(problem)
-    measured = {label: m for label, m, _ in yaml.safe_load((folder / "p00.yaml").read_text())
-                ["provenance"]["calibration"]["points"]}
+    folder, exp, model, inputs, problem, chosen, measured = run_of(name)
     timed = {r["knob"]: float(r["step_s"]) for r in csv.DictReader((folder / "compare.csv").open())
              if r["method"] == "torch.compile"}
     torch_points = []
