@@ -125,3 +125,46 @@ def test_the_peaks_choose_whether_recomputed_candidates_are_inlined():
         again = cc.refit(fitted, plain, [("again", policies[0][1], 2.0)])
         assert again.inline_recomputed is variant and again.peak_offset == 512
     assert cc.fit_peaks(cc.Calibration(1.0, 1.0), plain, []) == cc.Calibration(1.0, 1.0)
+
+
+def _forked() -> Graph:
+    """x -mm-> a; u = neg(a), read by the forward alone; s = sigmoid(u) and c = cos(u), both inlined by the rules
+    when recomputed, make p = mul(s, c), y = mm(p); backward: g = mm(y), h = mul(g, s), k = mul(h, c),
+    gw = mm(k, a). Recomputed and held (not inlined), s and c are each re-produced from a re-produced u: the two
+    simulations price recomputing them differently."""
+    t = {"x": Tensor("x", MB, "input"), "w": Tensor("w", MB, "param"), "gw": Tensor("gw", MB, "grad", "wgrad")}
+    for name, producer in (("a", "mm1"), ("u", "neg"), ("s", "sig"), ("c", "cos"), ("p", "prod"), ("y", "mm2"),
+                           ("g", "gout"), ("h", "mul"), ("k", "mul2")):
+        t[name] = Tensor(name, MB, "activation", producer)
+    ops = (Op("mm1", "aten.mm.default", ("x", "w"), ("a",)),
+           Op("neg", "aten.neg.default", ("a",), ("u",)),
+           Op("sig", "aten.sigmoid.default", ("u",), ("s",)),
+           Op("cos", "aten.cos.default", ("u",), ("c",)),
+           Op("prod", "aten.mul.Tensor", ("s", "c"), ("p",)),
+           Op("mm2", "aten.mm.default", ("p", "w"), ("y",)),
+           Op("gout", "aten.mm.default", ("y", "w"), ("g",), phase="bwd"),
+           Op("mul", "aten.mul.Tensor", ("g", "s"), ("h",), phase="bwd"),
+           Op("mul2", "aten.mul.Tensor", ("h", "c"), ("k",), phase="bwd"),
+           Op("wgrad", "aten.mm.default", ("k", "a"), ("gw",), phase="bwd"))
+    return Graph(ops, t, loss="y")
+
+
+def test_calibrate_fits_the_times_on_the_simulation_the_peaks_choose():
+    g = _forked()
+    actions = (Action.KEEP, Action.RECOMPUTE)
+    plain = cc.CompiledProblem(g, unit_costs(g), None, actions=actions)
+    held = cc.CompiledProblem(g, unit_costs(g), None, actions=actions, inline_recomputed=False)
+    policies = cc.calibration_policies(plain)
+    assert cc.features(plain, list(policies.values())) != cc.features(held, list(policies.values()))
+    resident = plain.fused.resident_bytes()
+
+    def runs(labelled):  # a step as the held simulation prices it, and its peak
+        cs = [plain.encoding.read_back(a) for a in labelled.values()]
+        return [(1.0 + 0.5 * generated + 2.0 * extern, held.simulate(c).peak_bytes - resident)
+                for c, (extern, generated, _, _) in zip(cs, cc.features(held, cs))]
+
+    calibration = cc.calibrate(g, unit_costs(g), runs)
+    assert calibration.inline_recomputed is False
+    priced = cc.CompiledProblem(g, unit_costs(g), None, actions=actions, calibration=calibration)
+    for (label, c), (seconds, _) in zip(policies.items(), runs({k: plain.actions_of(c) for k, c in policies.items()})):
+        assert priced.simulate(c).step_time == pytest.approx(seconds), label

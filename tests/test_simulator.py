@@ -51,6 +51,31 @@ def test_recursive_recompute_runs_each_producer_once():
     assert (r.step_time, r.compute_time) == (8.0, 8.0)
 
 
+def _two_output_graph():
+    """x -> stats -> (m, v), made together and read by the forward alone; fa(x, m) -> a and fb(v) -> b, both read
+    by the backward (bj): a batch norm's mean and variance, read by two branches."""
+    tensors = {"x": Tensor("x", 1, "input"), "m": Tensor("m", 1, "activation", "stats"),
+               "v": Tensor("v", 1, "activation", "stats"), "a": Tensor("a", 2, "activation", "fa"),
+               "b": Tensor("b", 2, "activation", "fb"), "L": Tensor("L", 1, "activation", "join"),
+               "g": Tensor("g", 1, "activation", "bj")}
+    ops = (Op("stats", "var_mean", ("x",), ("m", "v"), "fwd"), Op("fa", "sub", ("x", "m"), ("a",), "fwd"),
+           Op("fb", "rsqrt", ("v",), ("b",), "fwd"), Op("join", "mul", ("a", "b"), ("L",), "fwd"),
+           Op("bj", "mul_backward", ("L", "a", "b"), ("g",), "bwd"))
+    return Graph(ops, tensors, loss="L")
+
+
+def test_an_op_recomputed_for_one_output_keeps_the_other_for_the_same_readers_recomputations():
+    graph = _two_output_graph()
+    assert graph.candidates() == ["a", "b"]
+    r = run(graph, (R, R))
+    # stats runs again once: v, made with m for a's recomputation, stays for b's (before: stats ran twice)
+    assert [(e.name, e.reason) for e in r.timeline if e.kind == "recompute"] == [
+        ("stats", "recompute stats for fa"), ("fa", "recompute fa for bj"), ("fb", "recompute fb for bj")]
+    assert r.compute_time == 5 + 3
+    # and goes before bj runs: bj runs with x 1, L 1, a 2, b 2 and its output g 1
+    assert r.peak_bytes == 1 + 1 + 2 + 2 + 1
+
+
 def test_swap_overlaps_and_prefetches_just_in_time():
     r = run(chain(3), (K, S, S))
     assert trace(r) == [

@@ -205,12 +205,17 @@ class CompiledProblem(Problem):
     joint graph's `fused_graph` (`fused`: the joint graph's candidates, whose actions a chromosome gives, and
     the output, kept until the loss op, run where the backward starts, reads it); `graph` stays the joint
     graph. With a `calibration`, a simulated step time is the whole compiled step's (`Calibration`); without,
-    it is the sum of `costs`' op times (peaks are the same either way)."""
+    it is the sum of `costs`' op times (peaks are the same either way). `inline_recomputed`: whether the
+    recomputed candidates `inlined` names take no memory (`Calibration`'s why); by default the calibration's
+    choice, and so without one."""
 
     def __init__(self, graph: Graph, costs: Costs, budget: int | None = None, space=None, *, actions=None,
-                 loss: str = "sum", calibration: Calibration | None = None):
+                 loss: str = "sum", calibration: Calibration | None = None, inline_recomputed: bool | None = None):
         super().__init__(graph, costs, budget, space, actions=actions)
         self.loss, self.calibration = loss, calibration
+        if inline_recomputed is None:
+            inline_recomputed = calibration is None or calibration.inline_recomputed
+        self.inline_recomputed = inline_recomputed
         inside, recomputable = inlined(graph, cpu=costs.device.startswith("cpu"))  # else inductor's GPU rules
         self.fused = with_loss(without(graph, inside), loss)  # = fused_graph(graph, loss, cpu)
         index = self.fused.op_index()
@@ -225,8 +230,7 @@ class CompiledProblem(Problem):
         simulated = costs if calibration is None else calibration.costs(graph, costs)
         self.simulator = Simulator(self.fused, replace(simulated, op_time=simulated.op_time | loss_time), budget,
                                    hold_sources=True,
-                                   inlined_if_recomputed=recomputable if calibration is None
-                                   or calibration.inline_recomputed else ())
+                                   inlined_if_recomputed=recomputable if inline_recomputed else ())
         self._offset = 0.0
         if calibration is not None:  # the keep-all step (masks and saved bytes aside) costs `base`
             keep_all = self.simulate(self.encoding.uniform(Action.KEEP))
@@ -373,16 +377,23 @@ class Calibration:
                 "points": [list(p) for p in self.points]}
 
 
-def features(problem: CompiledProblem, chromosomes: list[Chromosome]) -> list[tuple[float, float, int, int]]:
+def features(problem: CompiledProblem, chromosomes: list[Chromosome], inline_recomputed: bool | None = None
+             ) -> list[tuple[float, float, int, int]]:
     """Each of `chromosomes` in the calibration's terms: what it adds to keep-all (standalone seconds of the
     library calls it recomputes, of the generated ops it recomputes), the bytes of bool masks it keeps and the
-    bytes the forward saves for the backward. `problem`'s calibration, if any, is not used."""
+    bytes the forward saves for the backward, simulated with the recomputed values inductor inlines taking
+    memory or not as `inline_recomputed` says (by default as `problem` simulates them: a calibration is
+    fitted on the terms of the simulation that predicts from it). `problem`'s calibration is not used
+    otherwise."""
+    if inline_recomputed is None:
+        inline_recomputed = problem.inline_recomputed
     keep_all = problem.encoding.uniform(Action.KEEP)
     extra, saved = [], []
     for extern in (True, False):
         only = replace(problem.costs, op_time={op.name: problem.costs.op_time[op.name] if is_library_call(op.target) == extern
                                                else 0.0 for op in problem.graph.ops})
-        p = CompiledProblem(problem.graph, only, None, actions=problem.actions, loss=problem.loss)
+        p = CompiledProblem(problem.graph, only, None, actions=problem.actions, loss=problem.loss,
+                            inline_recomputed=inline_recomputed)
         base = p.simulate(keep_all).step_time
         runs = [p.simulate(c) for c in chromosomes]
         extra.append([r.step_time - base for r in runs])
@@ -449,15 +460,17 @@ def calibration_policies(problem: CompiledProblem, seed: int = 0, mixes: int = C
 def refit(calibration: Calibration, problem: CompiledProblem, measured: list[tuple[str, Chromosome, float]]
           ) -> Calibration:
     """`calibration` fitted again on its samples and the `measured` (label, policy, CPU seconds a step) besides,
-    priced by `problem` (of the same graph; its own calibration, if any, is not used)."""
-    again = fit([*calibration.samples, *samples(problem, measured)])
+    priced by `problem` (of the same graph) as `calibration` simulates (`features`)."""
+    again = fit([*calibration.samples, *samples(problem, measured, calibration.inline_recomputed)])
     return replace(again, inline_recomputed=calibration.inline_recomputed).with_peaks(list(calibration.peak_samples))
 
 
-def samples(problem: CompiledProblem, measured: list[tuple[str, Chromosome, float]]) -> list[tuple]:
+def samples(problem: CompiledProblem, measured: list[tuple[str, Chromosome, float]],
+            inline_recomputed: bool | None = None) -> list[tuple]:
     """The `measured` (label, policy, CPU seconds a step) as `fit`'s points, in `features`' terms."""
     labels, chromosomes, seconds = zip(*measured)
-    return [(label, *terms, s) for label, terms, s in zip(labels, features(problem, list(chromosomes)), seconds)]
+    terms = features(problem, list(chromosomes), inline_recomputed)
+    return [(label, *t, s) for label, t, s in zip(labels, terms, seconds)]
 
 
 def calibrate(graph: Graph, costs: Costs, cpu_times, loss: str = "sum", partitions: dict | None = None
@@ -475,9 +488,13 @@ def calibrate(graph: Graph, costs: Costs, cpu_times, loss: str = "sum", partitio
             chosen[label] = c
     measured = cpu_times({label: problem.actions_of(c) for label, c in chosen.items()})
     seconds = [m[0] if isinstance(m, tuple) else m for m in measured]
-    calibration = fit(samples(problem, list(zip(chosen, chosen.values(), seconds))))
     peaks = [(label, c, m[1]) for label, c, m in zip(chosen, chosen.values(), measured) if isinstance(m, tuple)]
-    return fit_peaks(calibration, problem, peaks)
+    # the memory side first: it chooses how recomputed values are simulated, and the times are fitted on terms
+    # simulated that way (fitted on the other, separable's torch partitions were predicted 14 % off, `features`)
+    memory = fit_peaks(Calibration(0.0, 1.0), problem, peaks)
+    timed = fit(samples(problem, list(zip(chosen, chosen.values(), seconds)), memory.inline_recomputed))
+    return replace(timed, inline_recomputed=memory.inline_recomputed, peak_offset=memory.peak_offset,
+                   peak_samples=memory.peak_samples)
 
 
 def fit_peaks(calibration: Calibration, problem: CompiledProblem, measured: list[tuple[str, Chromosome, int]]

@@ -334,6 +334,7 @@ class _Run:
         self.compute = 0.0
         self.pos = 0  # position of the op being prepared or run
         self.needed = [0] * nt  # inputs of the recomputations under way (nested)
+        self.siblings: list[int] = []  # other outputs of the ops re-run for the op at `pos` (`rematerialize`)
 
     def inline(self, inlined, moved, last_use, last_fwd, first_bwd, n: int) -> None:
         """The recomputed tensors `inlined` take no memory; what their producers read stays, in the forward and
@@ -423,6 +424,7 @@ class _Run:
                     for u in op_in[i]:
                         if not resident[u]:
                             self.rematerialize(u, names[i])
+                    self.drop_siblings()
                     start = self.start_time(i)
                     clock, mem, peak, compute = self.clock, self.mem, self.peak, self.compute
                     break
@@ -614,9 +616,20 @@ class _Run:
                 break
         self.run_op(i, self.start_time(i), reader)
         last_use, needed, droppable = self.last_use, self.needed, self.droppable
-        for u in sim.op_touched[i]:  # drop what no later op reads, nor a recompute under way
-            if resident[u] and last_use[u] < self.pos and droppable[u] and u != t and not needed[u]:
+        for u in sim.op_in[i]:  # drop what no later op reads, nor a recompute under way
+            if resident[u] and last_use[u] < self.pos and droppable[u] and not needed[u]:
                 self.free(u, self.clock)
+        # the op's other outputs: another recomputation for the same reader may read one (batch norm's mean
+        # and variance, made together, read by two branches): dropped once the reader's inputs are all back
+        self.siblings += [u for u in sim.op_out[i] if u != t and last_use[u] < self.pos and droppable[u]]
+
+    def drop_siblings(self) -> None:
+        """Free the `siblings` no later op reads (`rematerialize`)."""
+        resident, last_use = self.resident, self.last_use
+        for u in self.siblings:
+            if resident[u] and last_use[u] < self.pos:
+                self.free(u, self.clock)
+        self.siblings.clear()
 
     def rematerialize_inputs(self, i: int) -> None:
         """Make the inputs of op i resident before it runs again; re-producing one must not drop another."""
@@ -669,6 +682,7 @@ class _TracedRun(_Run):
             for t in sim.op_in[i]:
                 if not resident[t]:
                     self.rematerialize(t, sim.op_names[i])
+            self.drop_siblings()
             self.run_op(i, self.start_time(i))
             for t in sim.op_out[i]:
                 if swapped[t]:
