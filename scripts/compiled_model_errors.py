@@ -115,11 +115,8 @@ def measure_experiment(path: str, out: Path, program_dir: Path, rounds: int, ste
     n_cal = sum(kind == "calibration" for _, kind, _, _ in entries)
     compiled_methods.allow_recompiles(len(entries) + 5)
     first = _time([e[3] for e in entries], exp, inputs, target, device, rounds, steps)
-    calibration = step_model.fit(step_model.samples(problem, [
-        (label, c, row["step_s"]) for (label, _, c, _), row in zip(entries[:n_cal], first[:n_cal])]))
-    if hasattr(step_model, "fit_peaks"):  # the model before it fitted no peaks
-        calibration = step_model.fit_peaks(calibration, problem, [
-            (label, c, row["peak_bytes"]) for (label, _, c, _), row in zip(entries[:n_cal], first[:n_cal])])
+    calibration = step_model.fit_measured(problem, [
+        (label, c, row["step_s"], row["peak_bytes"]) for (label, _, c, _), row in zip(entries[:n_cal], first[:n_cal])])
     resident = problem.fused.resident_bytes()
     torch_peaks = sorted({row["peak_bytes"] for row in first[n_cal:]}, reverse=True)
     budgets = [resident + p for p in torch_peaks] + [resident + int(BELOW * torch_peaks[-1])]
@@ -215,11 +212,9 @@ def report_experiment(path: str, out: Path, program_dir: Path) -> list[dict]:
     _, _, _, _, _, graph, costs, space = _setup(path, out)
     problem = step_model.CompiledProblem(graph, costs, None, space, loss=exp.loss)
     cal = [r for r in stored if r["kind"] == "calibration"]
-    calibration = step_model.fit(step_model.samples(problem, [
-        (r["label"], _chromosome(problem, r["actions"]), _first(r)) for r in cal]))
-    if hasattr(step_model, "fit_peaks"):  # the model before it fitted no peaks
-        calibration = step_model.fit_peaks(calibration, problem, [
-            (r["label"], problem.canonical(_chromosome(problem, r["actions"])), int(r["peak_bytes"])) for r in cal])
+    calibration = step_model.fit_measured(problem, [
+        (r["label"], problem.canonical(_chromosome(problem, r["actions"])), _first(r), int(r["peak_bytes"]))
+        for r in cal])
     priced = step_model.CompiledProblem(graph, costs, None, space, loss=exp.loss, calibration=calibration)
     opwise = Problem(graph, costs, None, space)
     resident = priced.fused.resident_bytes()
