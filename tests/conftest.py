@@ -17,12 +17,3 @@ def fresh_inductor_cache(tmp_path_factory):
     like: about 9 s on 2 cores) is written once for all of them."""
     return tmp_path_factory.mktemp("inductor")
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _dynamo_reset_after_each_module():
-    """Each test module leaves dynamo's compiled code behind it: its recompile limit (8 compiles of one function,
-    fullgraph=True then failing) counts over the whole session, so a module compiling the tiny models' forward
-    again passed or failed by which modules ran before it (`pytest -m slow` failed in test_compiled_program)."""
-    yield
-    if "torch._dynamo" in sys.modules:
-        sys.modules["torch._dynamo"].reset()
