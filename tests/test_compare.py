@@ -82,6 +82,19 @@ def test_a_pick_above_torch_by_the_resident_set_is_explained_and_eager_faster_th
     assert compare_report.eager_lines(rows) == [] and "Eager ran" not in compare_report.to_markdown(rows, "x", "cpu")
 
 
+def test_a_torch_partition_timed_again_as_a_pick_says_how_far_one_program_moved():
+    rows = [_row("torch.compile", "1", 200, 1.0, "A"), _row("torch.compile", "0.2", 100, 0.8, "B"),
+            _row("gaswap", "A", 100, 0.9), _row("gaswap", "B", 100, 0.84)]
+    assert compare_report.noise_lines(rows) == []  # no pick is a torch partition
+    rows[2]["origin"] = rows[3]["origin"] = "torch 0.2"
+    assert compare_report.noise_lines(rows) == ["", (
+        "torch.compile 0.2's partition ran as torch.compile and as gaswap's pick for A, B: 800.00 ms to 900.00 ms a "
+        "step (12.5% apart) in the same rounds. Time differences of that size are within this run's noise.")]
+    assert "(12.5% apart)" in compare_report.to_markdown(rows, "x", "cpu")
+    rows[2]["step_s"] = rows[3]["step_s"] = 0.8
+    assert compare_report.noise_lines(rows) == []  # measured alike: nothing to say
+
+
 def test_budgets_apart_however_close_keep_labels_apart():
     resident = 1000
     peaks = [resident + 17_139_000, resident + 17_140_600, resident + 36_600_000, resident + 17_139_000]

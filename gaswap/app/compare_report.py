@@ -5,7 +5,8 @@ A verdict is about the policy gaswap picked for the budget a torch.compile point
 budget they were picked for), judged by one meter: at or below torch's peak, and at least as fast. It labels
 the budget and the measured peak apart, says when the pick is one of torch's own partitions read back, what
 another budget's pick does where it is clearly faster at a lower peak, why a pick reads above torch by the resident
-set, and when eager ran faster than every compiled method.
+set, how far one program's timings moved where a pick is a torch partition, and when eager ran faster than
+every compiled method.
 """
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def to_markdown(rows: list[dict], name: str, device: str, tuning: list[dict] = (
     if all(r.get("rss_peak_bytes") is not None for r in rows):
         lines += ["", f"By peak resident set (the process's high-water mark; {RESIDENT_NOTE}):",
                   *goal_lines(rows, "rss_peak_bytes")]
-    lines += eager_lines(rows)
+    lines += noise_lines(rows) + eager_lines(rows)
     if tuning:
         lines += ["", ("Finalists: the gaswap policies fastest in prediction at each budget, and torch's partitions "
                   "whose measured peak fits it, timed in rounds of their own before the table above; round 2: "
@@ -151,6 +152,22 @@ def below_lines(rows: list[dict]) -> list[str]:
             f"{_ms(r['step_s'])} ({r['step_s'] / lowest['step_s'] - 1:+.1%} against torch.compile {lowest['knob']}, "
             f"{_ms(lowest['step_s'])} at {format_size(lowest['peak_bytes'])})"
             for r in rows if r["method"] == "gaswap" and r["knob"] not in theirs]
+
+
+def noise_lines(rows: list[dict]) -> list[str]:
+    """A paragraph per torch.compile partition that also ran as gaswap's pick (read back: the same partition, its
+    programs alike) where their medians differ: how far apart one program measured in this head to head, the
+    size of a difference that is noise here. None where no pick is a torch partition."""
+    out = []
+    for t in (r for r in rows if r["method"] == "torch.compile"):
+        same = [r for r in rows if r["method"] == "gaswap" and r.get("origin") == f"torch {t['knob']}"]
+        times = [t["step_s"], *(r["step_s"] for r in same)]
+        if same and max(times) > min(times):
+            out.append(f"torch.compile {t['knob']}'s partition ran as torch.compile and as gaswap's pick for "
+                       + ", ".join(r["knob"] for r in same) + f": {_ms(min(times))} to {_ms(max(times))} a step "
+                       f"({max(times) / min(times) - 1:.1%} apart) in the same rounds. Time differences of that "
+                       f"size are within this run's noise.")
+    return ["", *out] if out else []
 
 
 def eager_lines(rows: list[dict]) -> list[str]:
