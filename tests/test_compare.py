@@ -88,7 +88,7 @@ def test_a_torch_partition_timed_again_as_a_pick_says_how_far_one_program_moved(
     assert compare_report.noise_lines(rows) == []  # no pick is a torch partition
     rows[2]["origin"] = rows[3]["origin"] = "torch 0.2"
     assert compare_report.noise_lines(rows) == ["", (
-        "torch.compile 0.2's partition ran as torch.compile and as gaswap's pick for A, B: 800.00 ms to 900.00 ms a "
+        "- torch.compile 0.2's partition ran as torch.compile and as gaswap's pick for A, B: 800.00 ms to 900.00 ms a "
         "step (12.5% apart) in the same rounds. Time differences of that size are within this run's noise.")]
     assert "(12.5% apart)" in compare_report.to_markdown(rows, "x", "cpu")
     rows[2]["step_s"] = rows[3]["step_s"] = 0.8

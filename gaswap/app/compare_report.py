@@ -155,7 +155,7 @@ def below_lines(rows: list[dict]) -> list[str]:
 
 
 def noise_lines(rows: list[dict]) -> list[str]:
-    """A paragraph per torch.compile partition that also ran as gaswap's pick (read back: the same partition, its
+    """A line per torch.compile partition that also ran as gaswap's pick (read back: the same partition, its
     programs alike) where their medians differ: how far apart one program measured in this head to head, the
     size of a difference that is noise here. None where no pick is a torch partition."""
     out = []
@@ -163,7 +163,7 @@ def noise_lines(rows: list[dict]) -> list[str]:
         same = [r for r in rows if r["method"] == "gaswap" and r.get("origin") == f"torch {t['knob']}"]
         times = [t["step_s"], *(r["step_s"] for r in same)]
         if same and max(times) > min(times):
-            out.append(f"torch.compile {t['knob']}'s partition ran as torch.compile and as gaswap's pick for "
+            out.append(f"- torch.compile {t['knob']}'s partition ran as torch.compile and as gaswap's pick for "
                        + ", ".join(r["knob"] for r in same) + f": {_ms(min(times))} to {_ms(max(times))} a step "
                        f"({max(times) / min(times) - 1:.1%} apart) in the same rounds. Time differences of that "
                        f"size are within this run's noise.")
