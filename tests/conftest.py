@@ -16,4 +16,3 @@ def fresh_inductor_cache(tmp_path_factory):
     there, so the graphs it finds are its own, and what any first compile writes besides (C++ checks and the
     like: about 9 s on 2 cores) is written once for all of them."""
     return tmp_path_factory.mktemp("inductor")
-

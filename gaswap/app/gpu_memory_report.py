@@ -35,13 +35,12 @@ class Row:
     arena_bound: int  # most aligned bytes alive at once
 
 
-def policies(prepared, results_root: str | Path = "results") -> list[tuple[str, list[int], tuple]]:
-    """(name, order, actions) of keep-all, the fastest baseline under the budget, the shipped policy."""
-
+def policies(prepared, planned: int, results_root: str | Path = "results") -> list[tuple[str, list[int], tuple]]:
+    """(name, order, actions) of keep-all, the fastest baseline under `planned` live bytes (the budget less the
+    device's margin: `budgets`), the shipped policy."""
     graph, costs, exp = prepared.graph, prepared.costs, prepared.experiment
     encoding = Encoding(graph)
     keep = encoding.uniform(Action.KEEP)
-    _, planned = budgets(prepared)
     out = [("keep-all", encoding.decode(keep.keys), keep.actions)]
     best = None
     budgeted = Simulator(graph, costs, planned)
@@ -73,13 +72,13 @@ def rows(prepared, results_root: str | Path = "results") -> list[Row]:
     budget, planned = budgets(prepared)
     sim = Simulator(graph, costs, planned)
     out = []
-    for name, order, actions in policies(prepared, results_root):
+    for name, order, actions in policies(prepared, planned, results_root):
         result = sim.run(order, actions, trace=True)
         plain = allocator.replay(graph, result, optimizer=exp.optimizer)
         expandable = allocator.replay(graph, result, expandable_segments=True)
-        planned = arena.plan(graph, result)
+        plan = arena.plan(graph, result)
         out.append(Row(exp.name, name, budget, result.step_time, result.peak_bytes, plain.allocated, plain.reserved,
-                       expandable.reserved, plain.optimizer_step, planned.size, planned.lower_bound))
+                       expandable.reserved, plain.optimizer_step, plan.size, plan.lower_bound))
     return out
 
 
