@@ -90,11 +90,60 @@ def test_a_finalists_round_compiles_and_times_each_partition_once_and_a_torch_pa
     assert lines[-1] == "  at B: finalist #1 of #2, #1, #3" and unfit == {}
 
 
+def _policy(*actions: str) -> Policy:
+    return Policy("f", (), {f"t{k}": a for k, a in enumerate(actions)})
+
+
+class SyncExecutor:
+    """A ProcessPoolExecutor standing in for workers: each job done at once in `seconds` (its label recorded)."""
+
+    def __init__(self, *args, **kwargs):
+        self.labels = []
+        SyncExecutor.last = self
+
+    def submit(self, fn, job):
+        from concurrent.futures import Future
+
+        self.labels.append(job.label)
+        done = Future()
+        done.set_result(3.0 if job.label.startswith("torch") else 2.0)
+        return done
+
+    def shutdown(self, **kwargs):
+        pass
+
+
+def test_a_job_submitted_twice_compiles_once_and_answers_with_the_first(monkeypatch):
+    monkeypatch.setattr(pool, "ProcessPoolExecutor", SyncExecutor)
+    lines = []
+    with pool.CompilePool("unused.yaml", 2, lines.append) as workers:
+        workers.submit([pool.Job("torch.compile 1", budget=1.0), pool.Job("calibration policy 1", _policy("keep")),
+                        pool.Job("again", _policy("keep"))])  # the same policy twice in one call
+        seconds = workers.compile([pool.Job("calibration 1", _policy("keep")), pool.Job("other", _policy("recompute")),
+                                   pool.Job("torch.compile 1 again", budget=1.0)])
+        assert seconds == [2.0, 2.0, 3.0]
+        assert SyncExecutor.last.labels == ["torch.compile 1", "calibration policy 1", "other"]
+        assert workers.compile([pool.Job("later", _policy("recompute"))]) == [2.0]  # done before: not compiled again
+        assert SyncExecutor.last.labels[-1] == "other"
+        varied = _policy("keep")
+        varied.provenance["inductor"] = {"order": "demand_first"}  # other settings: other programs
+        workers.compile([pool.Job("varied", varied)])
+        assert SyncExecutor.last.labels[-1] == "varied"
+    assert lines[0] == "  compiling 3 in 2 worker processes: torch.compile 1, calibration policy 1, other"
+
+
+def test_each_worker_compiles_kernels_on_twice_its_share_of_the_cpus(monkeypatch):
+    for cpus, workers, threads in ((2, 2, 2), (4, 4, 2), (16, 4, 8), (1, 1, 1), (3, 4, 1), (8, 1, 8)):
+        monkeypatch.setattr(pool, "_cpus", lambda: cpus)
+        assert pool.kernel_threads(workers) == threads
+
+
 def test_without_workers_the_pool_compiles_nothing_and_says_nothing():
     lines = []
     nothing = pool.CompilePool("unused.yaml", 0, lines.append)
     nothing.submit([pool.Job("torch.compile 1", budget=1.0)])
-    assert nothing.compile([pool.Job("a", policy="p")]) == [None] and nothing.partitions(["p", "q"]) == [None, None]
+    assert nothing.compile([pool.Job("a", policy=_policy("keep"))]) == [None]
+    assert nothing.partitions(["p", "q"]) == [None, None]
     assert lines == [] and nothing.seconds == {}
     assert pool.default_workers() in (0, *range(2, pool.MAX_WORKERS + 1))
 
@@ -111,7 +160,7 @@ def test_workers_that_cannot_start_leave_the_compiles_to_the_measuring_process(m
     lines = []
     workers = pool.CompilePool("unused.yaml", 2, lines.append)
     assert workers.partitions(["p", "q"]) == [None, None] and workers.workers == 0
-    assert workers.compile([pool.Job("a", policy="p")]) == [None]
+    assert workers.compile([pool.Job("a", policy=_policy("keep"))]) == [None]
     assert lines == ["  the compile workers stopped; compiling in this process"]
 
 

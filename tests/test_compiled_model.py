@@ -104,6 +104,28 @@ def _gated() -> Graph:
     return Graph(ops, t, loss="y")
 
 
+def test_the_calibration_compile_jobs_are_the_policies_calibrate_then_compiles():
+    from types import SimpleNamespace
+
+    from gaswap.compiled import calibration_run, pool
+
+    g = _gated()
+    partitions = {"torch 1": {t: "keep" for t in g.candidates()}}
+    exp = SimpleNamespace(optimizer="sgd", counts=(), loss="sum")
+    asked = []
+
+    def runs(actions):
+        asked.append(actions)
+        return [1.0 + sum(v == "recompute" for v in a.values()) for a in actions.values()]
+
+    cc.calibrate(g, unit_costs(g), runs, "sum", partitions)
+    own = [a for label, a in asked[0].items() if label not in partitions]
+    jobs = calibration_run.compile_jobs(exp, g, unit_costs(g), partitions)
+    assert len(own) >= 2 and [job.policy.actions for job in jobs] == own  # each policy, in order
+    assert [job.label for job in jobs] == [f"calibration policy {k + 1}" for k in range(len(own))]
+    assert len({pool.actions_key(job.policy) for job in jobs}) == len(jobs)
+
+
 def test_the_peaks_choose_whether_recomputed_candidates_are_inlined():
     g = _gated()
     actions = (Action.KEEP, Action.RECOMPUTE)

@@ -123,9 +123,12 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     compile_pool.submit([pool.Job(f"torch.compile {b:g}", budget=b) for b in TORCH_BUDGETS])  # after the costs
     torch_actions = {b: partition.torch_partition(model, *inputs, budget=b, optimizer=exp.optimizer,
                                                   counted=exp.counts)[1] for b in TORCH_BUDGETS}
+    if compile_pool.workers > 0:  # the calibration's compiles queued behind torch's: no worker waits between
+        compile_pool.submit(calibration_run.compile_jobs(
+            exp, graph, costs, {f"torch {b:g}": a for b, a in torch_actions.items()}))
     eager, opt = training.fresh_copy(model, exp.optimizer)
     methods = [Method("eager", "-", eager, eager, opt)]
-    compile_pool.compile([])  # those submitted: torch's
+    compile_pool.compile([])  # those submitted: torch's and the calibration policies'
     for budget in TORCH_BUDGETS:
         m, opt = training.fresh_copy(model, exp.optimizer)
         methods.append(Method("torch.compile", f"{budget:g}", m, compiled_methods.torch_compiled(m, budget), opt,

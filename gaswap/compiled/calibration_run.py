@@ -8,7 +8,7 @@ policy planned on one device is run on another (`gaswap.app.validate_compiled`).
 """
 from __future__ import annotations
 
-from gaswap.compiled import partition, step_model
+from gaswap.compiled import partition, pool, step_model
 from gaswap.compiled.methods import Method, measure
 from gaswap.plan.costs import Costs
 from gaswap.plan.graph import Graph
@@ -42,6 +42,17 @@ def calibrate(exp, graph: Graph, costs: Costs, model, inputs, target, device, pr
 
     calibration = step_model.calibrate(graph, costs, cpu_times, exp.loss, {label: a for label, (a, _) in ready.items()})
     return calibration, timed_beside
+
+
+def compile_jobs(exp, graph: Graph, costs: Costs, partitions: dict) -> list[pool.Job]:
+    """The compiles (`pool.Job`) of the calibration policies `calibrate` will compile beside `partitions`
+    ({label: per-tensor actions}: torch's): submitted to a `pool.CompilePool` before `calibrate` asks for them,
+    they compile while the workers would otherwise wait (the pool compiles each once)."""
+    provenance = {"optimizer": exp.optimizer, "counts": sorted(exp.counts)}
+    problem, chosen = step_model.calibration_set(graph, costs, exp.loss, partitions)
+    own = [problem.actions_of(c) for label, c in chosen.items() if label not in partitions]
+    return [pool.Job(f"calibration policy {k + 1}", partition.make_policy(graph, a, provenance=provenance))
+            for k, a in enumerate(own)]
 
 
 def cpu_times_of(policies, model, inputs, target, exp, device, progress, programs=None, rounds: int = 4,

@@ -53,8 +53,20 @@ class Job:
 def default_workers() -> int:
     """Worker processes for this machine: one per CPU this process may run on, at most `MAX_WORKERS`; none
     (compile in the measuring process) on a single CPU, where workers only add their start-up."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpus = _cpus()
     return 0 if cpus < 2 else min(cpus, MAX_WORKERS)
+
+
+def kernel_threads(workers: int) -> int:
+    """Inductor's compile threads (C++ compilers at once) in each of `workers` processes: twice their share
+    of the CPUs, at most all of them, so that the CPUs stay busy while a worker is in its Python part (dynamo,
+    lowering) or compiles the last job alone."""
+    cpus = _cpus()
+    return max(1, min(cpus, 2 * cpus // max(workers, 1)))
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 class CompilePool:
@@ -68,6 +80,7 @@ class CompilePool:
         self.seconds: dict[str, float] = {}  # a job's label -> the worker's wall seconds compiling it
         self._executor = None
         self._pending: dict = {}  # future -> Job
+        self._submitted: dict[tuple, Job] = {}  # `_job_key` -> the job submitted for it (each compiled once)
 
     def __enter__(self) -> Self:
         return self
@@ -82,16 +95,26 @@ class CompilePool:
             self._executor, self._pending = None, {}
 
     def submit(self, jobs: list[Job]) -> None:
-        """Start compiling `jobs` in the workers (`compile` waits for them)."""
-        executor = self._start() if jobs else None
+        """Start compiling `jobs` in the workers (`compile` waits for them); a job that compiles what one
+        submitted before compiles is not submitted again."""
+        first: dict[tuple, Job] = {}
+        for job in jobs:
+            if _job_key(job) not in self._submitted:
+                first.setdefault(_job_key(job), job)
+        new = list(first.values())
+        executor = self._start() if new else None
         try:
-            self._pending |= {executor.submit(_compile, job): job for job in jobs} if executor else {}
+            self._pending |= {executor.submit(_compile, job): job for job in new} if executor else {}
         except (OSError, BrokenProcessPool):  # no process to start here: this process compiles
             self._broken()
+            return
+        if executor:
+            self._submitted |= {_job_key(job): job for job in new}
 
     def compile(self, jobs: list[Job]) -> list[float | None]:
         """Compile `jobs` in the workers and wait for them and those submitted before; per job of `jobs` the
-        worker's wall seconds, or None where it left the job to the measuring process."""
+        worker's wall seconds (of the job submitted first for what it compiles), or None where it left the job
+        to the measuring process."""
         self.submit(jobs)
         if self._pending:
             pending = list(self._pending.values())
@@ -102,7 +125,8 @@ class CompilePool:
                     self.seconds[job.label] = seconds
                     self.progress(f"  compiled {job.label} ({k} of {len(pending)}, {len(pending) - k} to go; "
                                   f"{seconds:.0f} s in a worker)")
-        return [self.seconds.get(job.label) for job in jobs]
+        first = [self._submitted.get(_job_key(job)) for job in jobs]
+        return [None if job is None else self.seconds.get(job.label) for job in first]
 
     def partitions(self, policies: list) -> list[tuple | None]:
         """Per policy, the activations its partition saves and those it offloads ((saved, offloaded), sorted
@@ -121,7 +145,7 @@ class CompilePool:
         if self.workers > 0 and self._executor is None:
             stable_cache_keys()  # the keys of the measuring process's compiles, as the workers hash them
             self._executor = ProcessPoolExecutor(self.workers, mp_context=get_context("spawn"), initializer=_init,
-                                                 initargs=(self.path,))
+                                                 initargs=(self.path, kernel_threads(self.workers)))
         return self._executor
 
     def _wait(self):
@@ -134,7 +158,14 @@ class CompilePool:
 
     def _broken(self) -> None:
         self.progress("  the compile workers stopped; compiling in this process")
-        self.workers, self._executor, self._pending = 0, None, {}
+        self.workers, self._executor, self._pending, self._submitted = 0, None, {}, {}
+
+
+def _job_key(job: Job) -> tuple:
+    """What a job compiles: torch.compile at its budget, or a policy's partition under its inductor settings."""
+    if job.policy is None:
+        return ("torch.compile", job.budget)
+    return actions_key(job.policy), _settings_key(job.policy)
 
 
 def actions_key(policy) -> tuple:
@@ -203,12 +234,12 @@ def _memory_format(name: str):
 
 # --- in a worker -----------------------------------------------------------------------------------------
 
-def _init(experiment_path: str) -> None:
+def _init(experiment_path: str, compile_threads: int = 1) -> None:
     """Set up this worker as `methods.setup` sets up the measuring process (the same model, inputs and
-    threads), its cache keys as stable (`stable_cache_keys`)."""
+    threads), its cache keys as stable (`stable_cache_keys`), its kernels compiled `compile_threads` at once."""
     for name in ("torch._inductor", "torch._dynamo", "torch._functorch"):
         logging.getLogger(name).setLevel(logging.ERROR)  # e.g. "failed to pickle cache key" of partitioned_by
-    inductor_config.compile_threads = 1  # the workers are the parallelism
+    inductor_config.compile_threads = compile_threads
     stable_cache_keys()
     exp = config.load_experiment(experiment_path)
     device, model, inputs, target, _ = methods.setup(exp)

@@ -481,14 +481,22 @@ def calibrate(graph: Graph, costs: Costs, cpu_times, loss: str = "sum", partitio
     above resident) pairs: then the peak's offset is fitted too (`Calibration.with_peaks`). `partitions`
     ({label: per-tensor actions}: torch's partitions, which a compare compiles and times anyway) are calibrated
     on as well, first, in place of all random halves but `PARTITION_MIXES`."""
+    problem, chosen = calibration_set(graph, costs, loss, partitions)
+    measured = cpu_times({label: problem.actions_of(c) for label, c in chosen.items()})
+    return fit_measured(problem, [(label, c, *(m if isinstance(m, tuple) else (m, None)))
+                                  for label, c, m in zip(chosen, chosen.values(), measured)])
+
+
+def calibration_set(graph: Graph, costs: Costs, loss: str = "sum", partitions: dict | None = None
+                    ) -> tuple[CompiledProblem, dict[str, Chromosome]]:
+    """The uncalibrated problem `calibrate` prices with, and the policies it measures ({label: chromosome}):
+    `partitions` first (as `calibrate` takes them), then the `calibration_policies` that differ from them."""
     problem = CompiledProblem(graph, costs, None, actions=(Action.KEEP, Action.RECOMPUTE), loss=loss)
     chosen = {label: problem.canonical(problem.encoding.read_back(a)) for label, a in (partitions or {}).items()}
     for label, c in calibration_policies(problem, mixes=PARTITION_MIXES if partitions else CALIBRATION_MIXES).items():
         if c.actions not in {d.actions for d in chosen.values()}:
             chosen[label] = c
-    measured = cpu_times({label: problem.actions_of(c) for label, c in chosen.items()})
-    return fit_measured(problem, [(label, c, *(m if isinstance(m, tuple) else (m, None)))
-                                  for label, c, m in zip(chosen, chosen.values(), measured)])
+    return problem, chosen
 
 
 def fit_measured(problem: CompiledProblem, measured: list[tuple[str, Chromosome, float, int | None]]) -> Calibration:
