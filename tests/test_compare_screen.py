@@ -70,6 +70,32 @@ def test_a_policy_whose_programs_cannot_be_read_stays_on_the_models_word(peaks):
     assert any("not read (a size that is not a number)" in line for line in lines)
 
 
+def test_programs_written_ahead_in_workers_are_read_from_them_and_failures_written_here(peaks):
+    from concurrent.futures import Future
+
+    made, written, _ = peaks
+
+    class Workers:  # stands for a CompilePool: its workers answer 0 with 100, fail on 1
+        asked = []
+
+        def program_peaks(self, policies, output_bytes):
+            self.asked.append(policies)
+            answers = []
+            for policy in policies:
+                answers.append(Future())
+                answers[-1].set_result((100, None) if policy == 0 else None)
+            return answers
+
+    made.workers = Workers()
+    made.ahead([Chromosome((0.0,), (0,)), Chromosome((0.0,), (1,)), Chromosome((0.0,), (0,))])
+    assert Workers.asked == [[0, 1]]  # each policy once
+    kept, _ = made.screen("A", RESIDENT + 500, RESIDENT, [_evaluated(0, 1.0, 90), _evaluated(1, 1.1, 90)], 2)
+    assert [e.peak_bytes for e in kept] == [RESIDENT + 110, RESIDENT + 160]
+    assert written == [1]  # 0 read from its worker; 1, which its worker failed on, written here
+    made.ahead([Chromosome((0.0,), (0,))])
+    assert len(Workers.asked) == 1  # known already: not asked again
+
+
 def test_the_offset_is_the_median_gap_over_the_programs_read():
     assert compare_screen.offset([110, 210, 330], [100, None, 300]) == 20
     assert compare_screen.offset([110], [None]) == 0

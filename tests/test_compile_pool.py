@@ -169,7 +169,7 @@ def test_a_worker_compiles_into_the_caches_the_measuring_process_loads(tmp_path,
     from torch._dynamo.utils import counters
 
     from gaswap.base import config
-    from gaswap.compiled import methods, partition
+    from gaswap.compiled import dry_compile, methods, partition
     from gaswap.run import training
 
     # cold for this MLP (the session's own folder, where no other test compiles it), shared with the worker
@@ -188,6 +188,9 @@ def test_a_worker_compiles_into_the_caches_the_measuring_process_loads(tmp_path,
     with pool.CompilePool(path, 1, lines.append) as workers:
         keys = workers.partitions([keep, recompute, keep])
         assert keys[0] == keys[2] != keys[1] and keys[0][0]  # keep-all saves activations; the same policy, the same
+        output_bytes = graph.tensors[graph.loss].size
+        written = workers.program_peaks([recompute], output_bytes)[0].result()  # no kernel compiled
+        assert written[0] == dry_compile.policy_peak_and_partition(model, recompute, inputs, output_bytes, exp.loss)[0]
         workers.submit([pool.Job("torch.compile 0.5", budget=0.5)])
         seconds = workers.compile([pool.Job("keep-all", keep)])
     assert seconds[0] > 0 and set(workers.seconds) == {"keep-all", "torch.compile 0.5"}

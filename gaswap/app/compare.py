@@ -173,7 +173,8 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
                          lambda c, inductor=None: partition.make_policy(
                              graph, unbounded.actions_of(c), provenance=provenance | _inductor(inductor)),
                          offset(reached, [_program_peak(m, output_bytes, exp.loss, progress) for m in methods[1:]]),
-                         progress, partition_keys) if finalists > 0 else None
+                         progress, partition_keys, compile_pool if compile_pool.workers > 0 else None
+                         ) if finalists > 0 else None
     shortlist = _search(exp, graph, costs, calibration, space, seeds, budgets, resident, progress, finalists, peaks)
     folder = Path(results_root) / exp.name
     budget_of = dict(budgets)
@@ -261,12 +262,19 @@ def _search(exp, graph, costs, calibration, space, seeds, budgets, resident, pro
         return _shortlist(result.front, result.fastest, problem.canonical,
                           finalists * (SCREENED if peaks is not None else 1))
 
-    out = []
+    searched = []
     for label, budget in budgets:
         if peaks is not None and label in peaks.unreached:
             progress(f"  at {label}: not searched again (no policy's programs fit it, searched lower too)")
             continue
-        shortlist = shortlist_at(label, budget)
+        searched.append((label, budget, shortlist_at(label, budget)))
+    if peaks is not None:  # the first each budget checks, written at once where there are workers
+        first = []
+        for label, _, shortlist in searched:
+            first += [e.chromosome for e in shortlist if not (settled and settled(label, e))][:finalists]
+        peaks.ahead(first)
+    out = []
+    for label, budget, shortlist in searched:
         if peaks is not None and shortlist:
             skip = partial(settled, label) if settled else None
             shortlist, ratio = peaks.screen(label, budget, resident, shortlist, finalists, skip)

@@ -38,10 +38,12 @@ class ProgramPeaks:
     `pool.Programs` to tell which finalists generate the same programs without tracing them again)."""
 
     def __init__(self, model, inputs, output_bytes: int, loss: str, policy_of, offset: int, progress=print,
-                 partitions: dict | None = None):
+                 partitions: dict | None = None, workers=None):
         self.model, self.inputs, self.output_bytes, self.loss = model, inputs, output_bytes, loss
         self.policy_of, self.offset, self.progress = policy_of, offset, progress
         self.partitions = {} if partitions is None else partitions
+        self.workers = workers  # a `pool.CompilePool` whose workers write programs `ahead` of `peak`
+        self._ahead: dict[tuple, object] = {}  # actions -> future of (peak, partition key) or None (`ahead`)
         self.known: dict[tuple, int | None] = {}  # actions -> programs' peak (None: inductor's program unreadable)
         self.unreached: set[str] = set()  # budgets (labels) no candidate fitted by its programs, even searched lower
         # actions -> the `VARIANTS` entry its programs fit a budget under (the lowest budget's, where several:
@@ -49,8 +51,29 @@ class ProgramPeaks:
         self.inductor: dict[tuple, dict] = {}
         self._varied: dict[tuple, list] = {}  # actions -> [(variant, peak or None)] written so far
 
+    def ahead(self, chromosomes: list) -> None:
+        """Start writing the programs of `chromosomes` in the workers (with `workers`), several at once, for
+        `peak` to read later; those known or started already are left as they are."""
+        new = list({c.actions: c for c in chromosomes if c.actions not in self.known and c.actions not in self._ahead}
+                   .values())
+        if self.workers is not None and new:
+            futures = self.workers.program_peaks([self.policy_of(c) for c in new], self.output_bytes)
+            self._ahead |= {c.actions: future for c, future in zip(new, futures)}
+
+    def _written_ahead(self, chromosome) -> tuple | None:
+        """What a worker answered for `chromosome` (`ahead`), None where it was not asked or failed."""
+        future = self._ahead.pop(chromosome.actions, None)
+        try:
+            return None if future is None else future.result()
+        except Exception:  # noqa: BLE001 - a broken pool: this process writes the programs itself
+            return None
+
     def peak(self, chromosome) -> int | None:
         """Bytes above resident (None where inductor could not write or gaswap could not read its programs)."""
+        if chromosome.actions not in self.known and (written := self._written_ahead(chromosome)) is not None:
+            self.known[chromosome.actions], key = written
+            if key is not None:
+                self.partitions[actions_key(self.policy_of(chromosome))] = key
         if chromosome.actions not in self.known:
             policy = self.policy_of(chromosome)
             try:

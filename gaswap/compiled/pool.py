@@ -33,7 +33,7 @@ import torch
 from torch._inductor import config as inductor_config
 
 from gaswap.base import config
-from gaswap.compiled import methods, partition
+from gaswap.compiled import dry_compile, methods, partition
 from gaswap.run import training
 
 MAX_WORKERS = 4  # each holds a copy of the model and inductor's compile state
@@ -140,6 +140,17 @@ class CompilePool:
         except (OSError, BrokenProcessPool):
             self._broken()
             return [None] * len(policies)
+
+    def program_peaks(self, policies: list, output_bytes: int) -> list:
+        """Per policy, a future of what `dry_compile.policy_peak_and_partition` answers for it in a worker
+        ((program peak, partition key), or None where the worker failed: the measuring process writes it
+        itself and meets the error there); none without workers."""
+        executor = self._start() if policies and self.workers > 0 else None
+        try:
+            return [executor.submit(_program_peak, policy, output_bytes) for policy in policies] if executor else []
+        except (OSError, BrokenProcessPool):
+            self._broken()
+            return []
 
     def _start(self):
         if self.workers > 0 and self._executor is None:
@@ -267,6 +278,16 @@ def _partition(policy) -> tuple | None:
         return partition_of(_state["model"], _state["inputs"], policy)
     finally:
         torch._dynamo.reset()  # a worker traces the model afresh for each policy: no recompile limit to reach
+
+
+def _program_peak(policy, output_bytes: int) -> tuple | None:
+    try:
+        return dry_compile.policy_peak_and_partition(_state["model"], policy, _state["inputs"], output_bytes,
+                                                     _state["exp"].loss)
+    except Exception:  # noqa: BLE001 - the measuring process writes it again and reports what fails
+        return None
+    finally:
+        torch._dynamo.reset()
 
 
 def partition_of(model, inputs, policy) -> tuple | None:
