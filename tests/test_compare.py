@@ -539,7 +539,7 @@ def test_a_whole_compare_calibrates_on_torchs_partitions_and_times_them_in_torch
     lines = []
     try:
         rows = compare.run(path, rounds=1, steps=1, below=(), results_root=tmp_path, cache_dir=tmp_path / "costs",
-                           progress=lines.append)
+                           progress=lines.append, workers=0)
     finally:
         torch.set_num_threads(threads)
         torch._dynamo.config.recompile_limit = limit

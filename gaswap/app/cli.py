@@ -115,9 +115,9 @@ def main(argv=None) -> int:
                         "in prediction, unchecked and untimed)")
     p.add_argument("--results", default="results", help="folder of result folders (default: results)")
     p.add_argument("--cache", default=None, help="cost cache folder (default: $GASWAP_CACHE or ~/.cache/gaswap)")
-    p.add_argument("--workers", type=_workers, default=0,
-                   help="processes that compile the policies before they are timed (default 0: the measuring process "
-                        "compiles; auto: one per CPU); not yet shown to pay, see docs/compiled.md")
+    p.add_argument("--workers", type=_workers, default=None,
+                   help="processes that compile the policies before they are timed (default auto: one per CPU, at "
+                        "most 4; 0: the measuring process compiles)")
     p.set_defaults(run=compare)
     p = add_parser("shard-compare", help="a sharded run's checkpointing head to head: no AC, full AC, torchtitan's "
                                          "SAC and per-layer AC, gaswap; per rank at W = 8, 64, 256")
