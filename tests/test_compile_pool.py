@@ -148,6 +148,13 @@ def test_without_workers_the_pool_compiles_nothing_and_says_nothing():
     assert pool.default_workers() in (0, *range(2, pool.MAX_WORKERS + 1))
 
 
+def test_workers_by_default_one_per_cpu_on_a_cpu_and_none_on_a_gpu(monkeypatch):
+    for cpus, workers in ((1, 0), (2, 2), (3, 3), (16, pool.MAX_WORKERS)):
+        monkeypatch.setattr(pool, "_cpus", lambda: cpus)
+        assert pool.default_workers() == pool.default_workers(torch.device("cpu")) == pool.default_workers("cpu")
+        assert pool.default_workers("cpu") == workers and pool.default_workers(torch.device("cuda", 0)) == 0
+
+
 def test_workers_that_cannot_start_leave_the_compiles_to_the_measuring_process(monkeypatch):
     class NoProcesses:
         def __init__(self, *args, **kwargs):

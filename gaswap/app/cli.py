@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     p.add_argument("--cache", default=None, help="cost cache folder (default: $GASWAP_CACHE or ~/.cache/gaswap)")
     p.add_argument("--workers", type=_workers, default=None,
                    help="processes that compile the policies before they are timed (default auto: one per CPU, at "
-                        "most 4; 0: the measuring process compiles)")
+                        "most 4, where the model trains on the CPU, none on a GPU; 0: the measuring process compiles)")
     p.set_defaults(run=compare)
     p = add_parser("shard-compare", help="a sharded run's checkpointing head to head: no AC, full AC, torchtitan's "
                                          "SAC and per-layer AC, gaswap; per rank at W = 8, 64, 256")

@@ -28,7 +28,7 @@ Compiling is most of a compare's time (a cold compile of an unrolled GRU takes a
 whose partitions save the same activations generate the same programs, so each finalist is partitioned first
 (its screen's dry compile did, or a trace) and one per partition is compiled and timed
 (`gaswap.compiled.pool.Programs`; a torch partition's name passes on to the search's policy it equals); with
-`workers` (`--workers`, one per CPU by default), the compiles run in worker processes, each into inductor's
+`workers` (`--workers`, by default one per CPU where the model trains on the CPU), the compiles run in worker processes, each into inductor's
 caches, before the measuring process loads them (about a second each) and times them with no worker running:
 the calibration policies' compiles queue behind torch's, and the first candidates of every budget are written
 (no kernels compiled) at once. On this project's 2-core machine that cut a compare's wall time by 9 to 25 %
@@ -112,7 +112,7 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
         results_root="results", cache_dir=None, progress=print, workers: int | None = None) -> list[dict]:
     """Compare the methods on one experiment; write compare.csv / compare.md; return the rows (COLUMNS).
     `workers`: processes that compile before the measuring process loads (`gaswap.compiled.pool`; None, the
-    default: one per CPU, `pool.default_workers`; 0: compile in the measuring process)."""
+    default: one per CPU on a CPU, none on a GPU, `pool.default_workers`; 0: compile in the measuring process)."""
     exp = config.load_experiment(experiment_path)
     if exp.loss == "external":
         raise config.ConfigError(f"{exp.path}: loss: compare computes the loss outside the compiled model; give a "
@@ -123,7 +123,7 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     costs = measure(graph, device, cache_dir, threads=exp.costs.threads)
     space = config.load_search_space(partition.space_for(device))  # swaps on CUDA, keep / recompute on a CPU
     provenance = {"optimizer": exp.optimizer, "counts": sorted(exp.counts)}
-    compile_pool = pool.CompilePool(exp.path, pool.default_workers() if workers is None else workers, progress,
+    compile_pool = pool.CompilePool(exp.path, pool.default_workers(device) if workers is None else workers, progress,
                                     local=(model, inputs))
     compile_pool.submit([pool.Job(f"torch.compile {b:g}", budget=b) for b in TORCH_BUDGETS])  # after the costs
     torch_actions = {b: partition.torch_partition(model, *inputs, budget=b, optimizer=exp.optimizer,

@@ -50,11 +50,14 @@ class Job:
     budget: float | None = None
 
 
-def default_workers() -> int:
+def default_workers(device=None) -> int:
     """Worker processes for this machine: one per CPU this process may run on, at most `MAX_WORKERS`; none
-    (compile in the measuring process) on a single CPU, where workers only add their start-up."""
+    (compile in the measuring process) on a single CPU, where workers only add their start-up, or where the
+    model trains on a GPU (`device`): there each worker would hold a training step's memory on the device while
+    the measuring process times, and workers have not been measured there."""
     cpus = _cpus()
-    return 0 if cpus < 2 else min(cpus, MAX_WORKERS)
+    on_gpu = device is not None and torch.device(device).type != "cpu"
+    return 0 if cpus < 2 or on_gpu else min(cpus, MAX_WORKERS)
 
 
 def kernel_threads(workers: int) -> int:
