@@ -5,8 +5,9 @@ made them), each policy simulated with the recomputed values inductor inlines ta
 held ("raw held"), and the memory side fitted on the calibration policies' peaks alone in five ways: the model's
 (`step_model.fit_peaks`: the simulation nearer on average, offset by the median residual: V0), the same with the
 offset kept at 0 or more (V0c), a blend of the two simulations with its weight chosen on a grid (V1) or by
-weighted least squares (V3), each offset by the median residual. Judged on torch's partitions and gaswap's picks
-(held out). Run from the repository root:
+weighted least squares (V3), each offset by the median residual; or the model's simulation offset by the residual
+of the calibration policy whose simulated peak is nearest (V4), or scaled and offset (a x simulated + b, least
+squares on relative errors: V5). Judged on torch's partitions and gaswap's picks (held out). Run from the repository root:
     PYTHONPATH=. python results/compiled_model/peak_variants.py cnn separable window mixture normmix > results/compiled_model/peak_variants.txt
 """
 import csv
@@ -53,8 +54,26 @@ def variants(cal) -> dict:
     y = np.array([(m - i) / m for _, m, i, _ in cal])
     wls = float(np.clip(np.linalg.lstsq(a, y, rcond=None)[0][0], 0, 1))
     return {"V0 choose+median": (chosen[2], chosen[0]), "V0c choose+median>=0": (chosen[2], max(0.0, chosen[0])),
+            "V4 choose+nearest": (chosen[2], ("nearest", cal)), "V5 choose+affine": (chosen[2], ("affine", cal)),
             "V1 blend+median": (grid[2], grid[0]), "V3 wls blend": (wls, blended(cal, wls)[0]),
             "raw inline": (0.0, 0.0), "raw held": (1.0, 0.0)}
+
+
+def predicted(weight: float, offset, i: int, h: int) -> float:
+    """A policy's peak by `weight` x held + (1 - weight) x inlined, plus `offset`: a number, or ("nearest", cal):
+    the residual of the calibration policy whose simulated peak (the same blend) is nearest, or ("affine", cal):
+    a x simulated + b fitted by least squares on the calibration policies' relative errors."""
+    s = i + weight * (h - i)
+    if not isinstance(offset, tuple):
+        return s + offset
+    how, cal = offset
+    sims = [(ci + weight * (ch - ci), m) for _, m, ci, ch in cal]
+    if how == "nearest":
+        near = min(sims, key=lambda x: abs(x[0] - s))
+        return s + near[1] - near[0]
+    a = np.array([[x, 1.0] for x, _ in sims]) / np.array([[m] for _, m in sims])
+    coef = np.linalg.lstsq(a, np.ones(len(sims)), rcond=None)[0]
+    return coef[0] * s + coef[1]
 
 
 def main(names) -> None:
@@ -64,10 +83,10 @@ def main(names) -> None:
         cal = [r for r in rows if r[0] == "calibration"]
         fitted = variants(cal)
         print(f"{name}: " + "; ".join(f"{v} held weight {w:.2f}, offset {o / 1e6:+.2f} MB" for v, (w, o) in fitted.items()
-                                      if v.startswith("V")))
+                                      if v.startswith("V") and not isinstance(o, tuple)))
         for v, (w, o) in fitted.items():
-            errors = [(i + w * (h - i) + o) / m - 1 for _, m, i, h in rows if _ != "calibration"]
-            own = [(i + w * (h - i) + o) / m - 1 for _, m, i, h in cal]
+            errors = [predicted(w, o, i, h) / m - 1 for _, m, i, h in rows if _ != "calibration"]
+            own = [predicted(w, o, i, h) / m - 1 for _, m, i, h in cal]
             held_out.setdefault(v, []).extend(errors)
             print(f"  {v:22s} held out: mean |e| {np.mean(np.abs(errors)):.1%}, worst {max(errors, key=abs):+.1%}, "
                   f"within 5 % {sum(abs(e) <= .05 for e in errors)}/{len(errors)} | calibration worst "
