@@ -210,6 +210,33 @@ def test_a_candidate_just_over_its_budget_is_kept_where_other_inductor_settings_
     assert written[3:] == [(5, "demand_first", False)]
 
 
+def test_with_workers_the_other_settings_are_written_at_once_there(peaks):
+    from concurrent.futures import Future
+
+    made, written, _ = peaks
+    program = {(5, "demand_first", True): 104, (5, None, False): 100, (5, "demand_first", False): 90}
+
+    class Workers:  # stands for a CompilePool: answers from the table, in one call per batch
+        batches = []
+
+        def program_peaks(self, policies, output_bytes):
+            self.batches.append(policies)
+            answers = [Future() for _ in policies]
+            for answer, policy in zip(answers, policies):
+                answer.set_result((program[policy], None) if policy != (5, None, False) else None)  # one fails
+            return answers
+
+    made.workers = Workers()
+    kept, _ = made.screen("A", RESIDENT + 110, RESIDENT, [_evaluated(5, 1.0, 100)], 1)
+    assert [e.peak_bytes for e in kept] == [RESIDENT + 110] and made.inductor == {(5,): {"buffer_reuse": False}}
+    assert Workers.batches == [[(5, "demand_first", True), (5, None, False), (5, "demand_first", False)]]
+    assert written == [5, (5, None, False)]  # 5 itself (not asked `ahead`) and the setting its worker failed on
+    kept, _ = made.screen("B", RESIDENT + 109, RESIDENT, [_evaluated(5, 1.0, 100)], 1)  # the third settings fit
+    assert [e.peak_bytes for e in kept] == [RESIDENT + 100] and made.inductor[(5,)] == {
+        "order": "demand_first", "buffer_reuse": False}
+    assert len(Workers.batches) == 1 and len(written) == 2  # every setting written already: nothing again
+
+
 def test_a_candidate_far_over_its_budget_is_not_tried_under_other_settings(peaks):
     made, written, _ = peaks
     kept, _ = made.screen("A", RESIDENT + 100, RESIDENT, [_evaluated(1, 1.0, 80)], 1)  # 160 against 100

@@ -10,7 +10,7 @@ loss). `screen` keeps a budget's fastest candidates (by the model) whose program
 
 A candidate whose programs hold at most `NEAR` over the budget is written again under inductor's other
 settings (`VARIANTS`: its graphs lowered in demand-first order, `gaswap.compiled.order`, or with no freed
-buffer handed on), and kept where one of them fits; the settings are recorded for the policy
+buffer handed on; with workers, all at once in them), and kept where one of them fits; the settings are recorded for the policy
 (`ProgramPeaks.inductor`; `provenance.inductor` of the policy compiled, which `partition.backend` applies).
 Measured on window, the only experiment where they moved a gaswap policy's peak: demand-first, 4.9 % lower.
 """
@@ -62,11 +62,7 @@ class ProgramPeaks:
 
     def _written_ahead(self, chromosome) -> tuple | None:
         """What a worker answered for `chromosome` (`ahead`), None where it was not asked or failed."""
-        future = self._ahead.pop(chromosome.actions, None)
-        try:
-            return None if future is None else future.result()
-        except Exception:  # noqa: BLE001 - a broken pool: this process writes the programs itself
-            return None
+        return _answer(self._ahead.pop(chromosome.actions, None))
 
     def peak(self, chromosome) -> int | None:
         """Bytes above resident (None where inductor could not write or gaswap could not read its programs)."""
@@ -89,21 +85,31 @@ class ProgramPeaks:
 
     def varied_peak(self, chromosome, room: int) -> int | None:
         """The meter's peak above resident under the first of `VARIANTS` whose programs fit `room` (bytes above
-        resident), the variant recorded in `inductor`; None where none does. Each variant written once."""
+        resident), the variant recorded in `inductor`; None where none does. Each variant written once; with
+        `workers`, all those not written yet at once, in the workers."""
         tried = self._varied.setdefault(chromosome.actions, [])
+        if self.workers is not None and len(tried) < len(VARIANTS):
+            rest = VARIANTS[len(tried):]
+            for variant, future in zip(rest, self.workers.program_peaks(
+                    [self.policy_of(chromosome, v) for v in rest], self.output_bytes)):
+                written = _answer(future)
+                tried.append((variant, self._written_here(chromosome, variant) if written is None else written[0]))
         for k, variant in enumerate(VARIANTS):
             if k == len(tried):
-                try:
-                    peak, _ = dry_compile.policy_peak_and_partition(
-                        self.model, self.policy_of(chromosome, variant), self.inputs, self.output_bytes, self.loss)
-                except (ProgramError, PolicyError):
-                    peak = None
-                tried.append((variant, peak))
+                tried.append((variant, self._written_here(chromosome, variant)))
             peak = tried[k][1]
             if peak is not None and peak + self.offset <= room:
                 self.inductor[chromosome.actions] = variant
                 return peak + self.offset
         return None
+
+    def _written_here(self, chromosome, variant: dict) -> int | None:
+        """The programs' peak of `chromosome` under `variant`, written in this process (None: unreadable)."""
+        try:
+            return dry_compile.policy_peak_and_partition(
+                self.model, self.policy_of(chromosome, variant), self.inputs, self.output_bytes, self.loss)[0]
+        except (ProgramError, PolicyError):
+            return None
 
     def summary(self) -> str:
         """One line: how many policies' programs were written, and the offset."""
@@ -144,6 +150,15 @@ class ProgramPeaks:
         self.progress(f"  at {label}: {len(kept) - passed} of {checked} candidates checked fit by inductor's "
                       f"programs{varied}{excess}{settled}")
         return kept, (1.0 if kept or not ratios else min(ratios))
+
+
+def _answer(future) -> tuple | None:
+    """A worker's (programs' peak, partition key) from `future`; None where there is none or the worker failed
+    (this process then writes the programs itself)."""
+    try:
+        return None if future is None else future.result()
+    except Exception:  # noqa: BLE001 - a broken pool
+        return None
 
 
 def offset(metered: list[int], program_peaks: list[int | None]) -> int:
