@@ -28,10 +28,10 @@ Compiling is most of a compare's time (a cold compile of an unrolled GRU takes a
 whose partitions save the same activations generate the same programs, so each finalist is partitioned first
 (its screen's dry compile did, or a trace) and one per partition is compiled and timed
 (`gaswap.compiled.pool.Programs`; a torch partition's name passes on to the search's policy it equals); with
-`workers` (`--workers`, by default one per CPU where the model trains on the CPU), the compiles run in worker processes, each into inductor's
-caches, before the measuring process loads them (about a second each) and times them with no worker running:
-the calibration policies' compiles queue behind torch's, and the first candidates of every budget are written
-(no kernels compiled) at once. On this project's 2-core machine that cut a compare's wall time by 9 to 25 %
+`workers` (`--workers`, by default one per CPU where the model trains on the CPU), the compiles run in worker
+processes, each into inductor's caches, before the measuring process loads them (about a second each) and
+times them with no worker running: the calibration policies' compiles queue behind torch's, and the first
+candidates of every budget are written (no kernels compiled) at once. On this project's 2-core machine that cut a compare's wall time by 9 to 25 %
 (docs/compiled.md, "Compare's time").
 Policies are simulated as inductor runs them (`gaswap.compiled.step_model`): standalone op costs in CPU
 seconds, fused intermediates not counted, the keep-all step, the cost of recomputation, of kept masks and
