@@ -11,8 +11,8 @@ loss). `screen` keeps a budget's fastest candidates (by the model) whose program
 A candidate whose programs hold at most `NEAR` over the budget is written again under inductor's other
 settings (`VARIANTS`: its graphs lowered in demand-first order, `gaswap.compiled.order`, or with no freed
 buffer handed on; with workers, all at once in them), and kept where one of them fits; the settings are
-recorded for the policy (`ProgramPeaks.inductor`; `provenance.inductor` of the policy compiled, which `partition.backend` applies).
-Measured on window, the only experiment where they moved a gaswap policy's peak: demand-first, 4.9 % lower.
+recorded for the policy (`ProgramPeaks.inductor`; `provenance.inductor` of the policy compiled, which
+`partition.backend` applies). Measured on window, the only experiment where they moved a gaswap policy's peak: demand-first, 4.9 % lower.
 """
 from __future__ import annotations
 
