@@ -136,6 +136,33 @@ def test_a_budget_none_of_whose_candidates_fit_is_searched_again_under_the_progr
                            made) == [] and searched == []
 
 
+def test_the_candidates_each_budget_checks_first_are_sent_ahead_at_once(peaks, monkeypatch):
+    from types import SimpleNamespace
+
+    from gaswap.app import compare
+    from gaswap.compiled import step_model
+
+    made, _, _ = peaks
+    sent = []
+    monkeypatch.setattr(made, "ahead", lambda chromosomes: sent.append([c.actions for c in chromosomes]))
+
+    class Problem:  # stands for CompiledProblem
+        def __init__(self, graph, costs, budget, space, loss, calibration):
+            self.budget, self.canonical = budget - RESIDENT, (lambda c: c)
+
+    def search(problem, ga, seed, seeds):  # at 500: 1 (settled) before 0; at 400: 2 before 0
+        front = [_evaluated(1 if problem.budget == 500 else 2, 1.0, 80), _evaluated(0, 1.1, 90)]
+        return SimpleNamespace(best=front[0], front=front, fastest=front)
+
+    monkeypatch.setattr(step_model, "CompiledProblem", Problem)
+    monkeypatch.setattr(compare, "search", search)
+    exp = SimpleNamespace(loss="sum", ga=None, seed=0)
+    settled = lambda label, e: e.chromosome.actions == (1,)  # noqa: E731 - compiled already, say
+    compare._search(exp, None, None, None, None, {}, [("A", RESIDENT + 500), ("B", RESIDENT + 400)], RESIDENT,
+                    lambda line: None, 1, made, settled)
+    assert sent == [[(2,)]]  # A's first is settled (it fills A's one finalist): only B's first is written ahead
+
+
 def test_candidates_settled_already_are_passed_on_unchecked_and_count_toward_the_finalists(peaks):
     made, written, lines = peaks
     candidates = [_evaluated(1, 1.0, 100), _evaluated(0, 1.1, 100), _evaluated(2, 1.2, 80)]

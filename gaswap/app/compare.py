@@ -274,10 +274,10 @@ def _search(exp, graph, costs, calibration, space, seeds, budgets, resident, pro
             progress(f"  at {label}: not searched again (no policy's programs fit it, searched lower too)")
             continue
         searched.append((label, budget, shortlist_at(label, budget)))
-    if peaks is not None:  # the first each budget checks, written at once where there are workers
+    if peaks is not None:  # those each budget checks first (settled ones count), written at once with workers
         first = []
         for label, _, shortlist in searched:
-            first += [e.chromosome for e in shortlist if not (settled and settled(label, e))][:finalists]
+            first += [e.chromosome for e in shortlist[:finalists] if not (settled and settled(label, e))]
         peaks.ahead(first)
     out = []
     for label, budget, shortlist in searched:

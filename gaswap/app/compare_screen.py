@@ -12,7 +12,8 @@ A candidate whose programs hold at most `NEAR` over the budget is written again 
 settings (`VARIANTS`: its graphs lowered in demand-first order, `gaswap.compiled.order`, or with no freed
 buffer handed on; with workers, all at once in them), and kept where one of them fits; the settings are
 recorded for the policy (`ProgramPeaks.inductor`; `provenance.inductor` of the policy compiled, which
-`partition.backend` applies). Measured on window, the only experiment where they moved a gaswap policy's peak: demand-first, 4.9 % lower.
+`partition.backend` applies). Measured on window, the only experiment where they moved a gaswap policy's peak:
+demand-first, 4.9 % lower.
 """
 from __future__ import annotations
 

@@ -284,6 +284,7 @@ def _partition(policy) -> tuple | None:
 
 
 def _program_peak(policy, output_bytes: int) -> tuple | None:
+    """`dry_compile.policy_peak_and_partition` of `policy` on this worker's model; None if it failed."""
     try:
         return dry_compile.policy_peak_and_partition(_state["model"], policy, _state["inputs"], output_bytes,
                                                      _state["exp"].loss)
