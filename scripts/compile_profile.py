@@ -62,5 +62,6 @@ def main(path: str) -> None:
     warmed("random half 1", compiled_methods.Method("gaswap", "1", m, partition.compile(m, policy), opt),
            exp, inputs, target, device, cache)
 
+
 if __name__ == "__main__":
     main(sys.argv[1])

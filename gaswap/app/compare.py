@@ -31,8 +31,8 @@ whose partitions save the same activations generate the same programs, so each f
 `workers` (`--workers`, by default one per CPU where the model trains on the CPU), the compiles run in worker
 processes, each into inductor's caches, before the measuring process loads them (about a second each) and
 times them with no worker running: the calibration policies' compiles queue behind torch's, and the first
-candidates of every budget are written (no kernels compiled) at once. On this project's 2-core machine that cut a compare's wall time by 9 to 25 %
-(docs/compiled.md, "Compare's time").
+candidates of every budget are written (no kernels compiled) at once. On this project's 2-core machine that
+cut a compare's wall time by 9 to 25 % (docs/compiled.md, "Compare's time").
 Policies are simulated as inductor runs them (`gaswap.compiled.step_model`): standalone op costs in CPU
 seconds, fused intermediates not counted, the keep-all step, the cost of recomputation, of kept masks and
 of saved bytes calibrated on policies compiled and timed first (`step_model.calibrate`: keep-all, masks

@@ -67,20 +67,19 @@ class ProgramPeaks:
 
     def peak(self, chromosome) -> int | None:
         """Bytes above resident (None where inductor could not write or gaswap could not read its programs)."""
-        if chromosome.actions not in self.known and (written := self._written_ahead(chromosome)) is not None:
-            self.known[chromosome.actions], key = written
-            if key is not None:
-                self.partitions[actions_key(self.policy_of(chromosome))] = key
         if chromosome.actions not in self.known:
             policy = self.policy_of(chromosome)
-            try:
-                self.known[chromosome.actions], key = dry_compile.policy_peak_and_partition(
-                    self.model, policy, self.inputs, self.output_bytes, self.loss)
-                if key is not None:
-                    self.partitions[actions_key(policy)] = key
-            except (ProgramError, PolicyError) as e:
-                self.progress(f"  a finalist's programs not read ({e}): kept on the model's word")
-                self.known[chromosome.actions] = None
+            written = self._written_ahead(chromosome)  # by a worker, else here
+            if written is None:
+                try:
+                    written = dry_compile.policy_peak_and_partition(
+                        self.model, policy, self.inputs, self.output_bytes, self.loss)
+                except (ProgramError, PolicyError) as e:
+                    self.progress(f"  a finalist's programs not read ({e}): kept on the model's word")
+                    written = (None, None)
+            self.known[chromosome.actions], key = written
+            if key is not None:
+                self.partitions[actions_key(policy)] = key
         peak = self.known[chromosome.actions]
         return None if peak is None else peak + self.offset
 
