@@ -177,3 +177,9 @@ def test_a_cuda_run_is_capped_at_an_absolute_budget_only():
     assert budget_cap(absolute, policy, torch.device("cuda")) == 4_500_000_000
     assert budget_cap(absolute, policy, torch.device("cpu")) is None
     assert budget_cap(fraction, policy, torch.device("cuda")) is None
+
+
+def test_a_step_is_timed_by_the_cpu_clock_on_a_cpu_and_by_the_wall_clock_on_a_gpu():
+    timed = [(0.5, 0.2), (0.7, 0.3)]  # (wall s, CPU s), as train_step gives them
+    assert training.device_seconds(timed, "cpu") == [0.2, 0.3]
+    assert training.device_seconds(timed, torch.device("cuda", 0)) == [0.5, 0.7]

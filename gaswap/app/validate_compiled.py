@@ -1,13 +1,14 @@
 """`gaswap validate` for a compiled policy (`gaswap.compiled.partition`): train the experiment's model compiled under
-the policy, measure its peak with the independent meter (`gaswap.run.training`) and its CPU time per step, and set
+the policy, measure its peak with the independent meter (`gaswap.run.training`) and its time per step, and set
 them beside the policy's predictions: the step time of the search's model (`gaswap.compiled.step_model`), the
 peak of the programs inductor generated for the policy (`gaswap.compiled.programs`, written by `gaswap
 compare`; the model's peak, `search_peak_bytes`, beside it), or the model's where the file has no program's.
 
 Figures are those `gaswap compare` reports (`gaswap.run.peak_meter`): the peak bytes torch's allocator holds above
 what was allocated before the step (CUDA: the caching allocator; CPU: the CPU allocator, counted by the
-profiler) and, on a CPU, the resident-set high-water mark beside it; and the process's CPU seconds per
-training step (forward, loss, backward, optimizer step) with the experiment's `costs.threads` intra-op
+profiler) and, on a CPU, the resident-set high-water mark beside it; and the seconds per training step by
+the device's clock (`training.device_seconds`: the process's CPU seconds on a CPU, wall seconds on a GPU)
+(forward, loss, backward, optimizer step) with the experiment's `costs.threads` intra-op
 threads. Each of `steps` rounds (`training.metered_round`) runs one metered step, one untimed step (malloc
 takes back what the meter handed to the OS) and `TIMED` timed steps, after the warm-up (the compile), as
 `gaswap compare` does: the meter slows the steps right after it (on compare_gru_cpu the first took 14.5 ms, the second 12.7, the
@@ -46,7 +47,7 @@ TIME_TOLERANCE = 0.15
 def validate_compiled(policy: policies.Policy, policy_path: Path, exp: config.Experiment, steps: int,
                       device: str = "auto", progress=None, recalibrate: bool = False, say=None) -> dict:
     """Train `steps` rounds under the compiled policy; return (and write to `<policy>.validation.json`) the
-    predicted and measured peak (bytes above resident) and CPU seconds per step; with `recalibrate`, the step
+    predicted and measured peak (bytes above resident) and seconds per step (the device's clock); with `recalibrate`, the step
     time predicted from costs and a calibration timed here (`recalibrated`; `say` gets its progress lines)."""
     predicted = policy.predicted
     if "resident_bytes" not in predicted:
@@ -64,7 +65,7 @@ def validate_compiled(policy: policies.Policy, policy_path: Path, exp: config.Ex
         peak, rss_peak, timed = training.metered_round(step, dev, TIMED)
         peaks.append(peak)
         rss_peaks.append(rss_peak)
-        times += [cpu for _, cpu in timed]
+        times += training.device_seconds(timed, dev)
         if progress:
             progress(k + 1, steps)
     load = max(load, load_per_cpu())
@@ -75,7 +76,7 @@ def recalibrated(policies_: list[policies.Policy], exp: config.Experiment, graph
                  progress) -> list[dict]:
     """For each of `policies_` (compiled, of `graph`), its step time predicted by the compiled model timed on
     `device` here: the op costs of `graph` measured and the calibration policies compiled and trained
-    (`calibration_run.calibrate`); its CPU seconds a step measured beside them, in the same rotated rounds (the
+    (`calibration_run.calibrate`); its seconds a step measured beside them, in the same rotated rounds (the
     same load), and the ratio of the two; the CPU seconds (this process and its children) and wall seconds the
     whole took; the calibration, and how far it fits its own points (`worst_fit`)."""
     wall, cpu = time.perf_counter(), _cpu_seconds()

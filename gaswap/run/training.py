@@ -124,6 +124,14 @@ def metered_round(step, device, timed: int) -> tuple[int, int | None, list[tuple
     return peak, rss_peak, [step() for _ in range(timed)]
 
 
+def device_seconds(timed: list[tuple[float, float]], device) -> list[float]:
+    """The seconds of `timed` steps ((wall s, CPU s) pairs, as `train_step` gives them) by the device's clock:
+    CPU seconds on a CPU, wall seconds of a synchronized step on a GPU (the CPU time of a GPU step is the
+    host's, however long its kernels run)."""
+    on_cpu = torch.device(device).type == "cpu"
+    return [cpu if on_cpu else wall for wall, cpu in timed]
+
+
 def metered_peak(step, device) -> tuple[int, int | None]:
     """`step()` under the independent meter: (peak bytes above resident, resident-set peak (CPU) or None)."""
     with PeakMeter(device) as meter:
