@@ -434,7 +434,9 @@ def test_a_policy_written_predicts_its_generated_programs_peak_and_keeps_the_mod
     assert compare._with_program_peak(policy, None) is policy  # no program read: the model's stays
     written = compare._with_program_peak(policy, 1050)
     assert written.predicted == {"peak_bytes": 1150, "step_time_s": 1.0, "resident_bytes": 100,
-                                 "search_peak_bytes": 1000}
+                                 "beyond_programs_bytes": 0, "search_peak_bytes": 1000}
+    beyond = compare._with_program_peak(policy, 1050, 40)  # what the meter read beyond torch's programs (a GPU's)
+    assert beyond.predicted["peak_bytes"] == 1190 and beyond.predicted["beyond_programs_bytes"] == 40
     r = validate_compiled.report(written, tmp_path / "p.yaml", "e", "cpu", 1, [1000], [1.1], [None], 0.1)
     assert r["predicted"] == {"peak_bytes": 1050, "step_time_s": 1.0, "search_peak_bytes": 900}
     assert r["peak_ratio"] == 1000 / 1050 and r["search_peak_ratio"] == 1000 / 900

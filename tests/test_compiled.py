@@ -156,6 +156,16 @@ def test_a_compiled_policy_called_with_another_batch_size_or_dtype_names_them_no
         assert "TORCHDYNAMO_VERBOSE" not in str(refused.value) and isinstance(refused.value, PolicyError)
 
 
+def test_a_compiled_policy_of_another_torch_release_is_refused_saying_so_and_nothing_of_inputs():
+    model, x, _ = _mlp()
+    graph = partition.capture(model, x)
+    policy = partition.make_policy(graph, {}, provenance={"torch_version": "1.13.0+cu117"})
+    with pytest.raises(partition.OtherGraph) as refused:
+        partition.compile(copy.deepcopy(model), policy)(x)
+    said = str(refused.value)
+    assert said.startswith("policy: made with torch 1.13.0+cu117, this is torch") and "inputs" not in said, said
+
+
 def _train(fn, model, x, y, steps=3):
     """Losses, gradients and the state dict (parameters, BatchNorm statistics) after `steps` SGD steps."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

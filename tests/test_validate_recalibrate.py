@@ -90,3 +90,21 @@ def test_validate_prints_the_recalibrated_prediction_and_why_it_misses(tmp_path,
     save(replace(policy, provenance={"form": "compiled"}), tmp_path / "p.yaml")  # no budget recorded, no device
     assert main(["validate", str(tmp_path / "p.yaml"), "--recalibrate"]) == 0
     assert "budget none recorded" in capsys.readouterr().out
+
+
+def test_a_policy_of_another_torch_release_is_refused_before_recalibrating(tmp_path, monkeypatch):
+    """On a GPU machine with another torch, a shipped policy was refused only when its compile ran, after the
+    calibration's 33 s (results/gpu_check/run5_validate_log.txt)."""
+    import pytest
+
+    from gaswap.plan.policy import PolicyError
+
+    exp = config.load_experiment(_mlp_experiment(tmp_path))
+    dev, model, inputs, target, graph = setup(exp, "cpu")
+    policy = partition.make_policy(graph, dict.fromkeys(graph.candidates()[:2], "recompute"),
+                                   {"peak_bytes": 1000, "step_time_s": 1.0, "resident_bytes": 100},
+                                   {"torch_version": "1.13.0+cu117"})
+    monkeypatch.setattr(validate_compiled, "setup", lambda exp, device: (dev, model, inputs, target, graph))
+    monkeypatch.setattr(validate_compiled, "recalibrated", lambda *a, **k: pytest.fail("recalibrated first"))
+    with pytest.raises(PolicyError, match="made with torch 1.13.0"):
+        validate_compiled.validate_compiled(policy, tmp_path / "p.yaml", exp, 2, "cpu", recalibrate=True)

@@ -473,8 +473,11 @@ def validate(args) -> int:
           f"({r['peak_ratio'] - 1:+.1%}); budget "
           f"{'none recorded' if r['budget_bytes'] is None else format_size(r['budget_bytes'])}")
     if "search_peak_ratio" in r:
-        print(f"             (the peak predicted is the generated program's; the search's model predicted "
-              f"{format_size(p['search_peak_bytes'])}: {r['search_peak_ratio'] - 1:+.1%})")
+        beyond = p.get("beyond_programs_bytes")
+        print(f"             (the peak predicted is the generated program's"
+              + (f", and {format_size(beyond)} the meter read beyond torch's programs" if beyond else "")
+              + f"; the search's model predicted {format_size(p['search_peak_bytes'])}: "
+              f"{r['search_peak_ratio'] - 1:+.1%})")
     print(f"  step time  predicted {_ms(p['step_time_s'])}, measured {_ms(m['step_time_s'])} ({r['time_ratio'] - 1:+.1%})"
           + (" (planned for another device)" if elsewhere else ""))
     if "recalibrated" in r:

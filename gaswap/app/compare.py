@@ -52,7 +52,8 @@ profiler), and on a CPU also the process's resident-set high-water mark. Both co
 temporary; the goal is judged by each. The predicted peak beside them is the simulated peak less the bytes
 resident before a step (parameters, buffers, inputs, optimizer state); beside it, the peak of the programs
 inductor generated for the method, read from them at its compile (`gaswap.compiled.programs`). A policy
-file written predicts the latter (`predicted.peak_bytes`; the search model's is `search_peak_bytes`). On a
+file written predicts the latter, plus what the meter read beyond torch's partitions' programs
+(`predicted.peak_bytes`, `beyond_programs_bytes`; the search model's is `search_peak_bytes`). On a
 CPU, a swap would not lower these figures (the host store is the same RAM), so the compared policies keep
 or recompute only; on CUDA with torch's asynchronous offloading they may swap too (`partition.space_for`).
 
@@ -174,11 +175,12 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     seeds = {f"torch_{b:g}": c for b, (c, _) in torch_points.items()}
     output_bytes = graph.tensors[graph.loss].size
     partition_keys = {}  # `pool.actions_key` -> partition key: the dry compiles' (`ProgramPeaks`), for `pool.Programs`
+    # what the meter reads beyond the generated programs (a few kB on a CPU; on a GPU cuDNN's workspaces)
+    beyond_programs = offset(reached, [_program_peak(m, output_bytes, exp.loss, progress) for m in methods[1:]])
     peaks = ProgramPeaks(model, inputs, output_bytes, exp.loss,
                          lambda c, inductor=None: partition.make_policy(
                              graph, unbounded.actions_of(c), provenance=provenance | _inductor(inductor)),
-                         offset(reached, [_program_peak(m, output_bytes, exp.loss, progress) for m in methods[1:]]),
-                         progress, partition_keys, compile_pool if compile_pool.workers > 0 else None
+                         beyond_programs, progress, partition_keys, compile_pool if compile_pool.workers > 0 else None
                          ) if finalists > 0 else None
     shortlist = _search(exp, graph, costs, calibration, space, seeds, budgets, resident, progress, finalists, peaks)
     folder = Path(results_root) / exp.name
@@ -239,7 +241,8 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
         stale.unlink()  # an earlier run's policies and their validations
     program_peak = {id(m): row["program_peak_bytes"] for m, row in zip(methods, rows)}
     for k, (m, policy) in enumerate(picked):
-        policies.save(_with_program_peak(policy, program_peak[id(m)]), folder / "compiled" / f"p{k:02d}.yaml")
+        policies.save(_with_program_peak(policy, program_peak[id(m)], beyond_programs),
+                      folder / "compiled" / f"p{k:02d}.yaml")
     write_atomic(folder / "compare.csv", csv_text(rows, COLUMNS))
     if tuning:
         write_atomic(folder / "finalists.csv", csv_text(tuning, FINALIST_COLUMNS))
@@ -540,13 +543,16 @@ def _with_budget(policy: policies.Policy, label: str, budget_bytes: int) -> poli
     return replace(policy, provenance=policy.provenance | {"budget": label, "budget_bytes": budget_bytes})
 
 
-def _with_program_peak(policy: policies.Policy, program_peak: int | None) -> policies.Policy:
-    """`policy` predicting the peak its compiled programs hold (`compiled_program`); the search model's
-    prediction stays beside it as `search_peak_bytes`."""
+def _with_program_peak(policy: policies.Policy, program_peak: int | None, beyond: int = 0) -> policies.Policy:
+    """`policy` predicting the peak its compiled programs hold (`compiled_program`) and `beyond` them what the
+    meter read beyond torch's partitions' programs on this device (`compare_screen.offset`, recorded as
+    `beyond_programs_bytes`: a few kB on a CPU; 147 MB of cuDNN's workspaces for compare_cnn_cpu on an H100,
+    `results/gpu_check/`); the search model's prediction stays beside it as `search_peak_bytes`."""
     if program_peak is None:
         return policy
     predicted = policy.predicted
-    return replace(policy, predicted=predicted | {"peak_bytes": program_peak + predicted["resident_bytes"],
+    return replace(policy, predicted=predicted | {"peak_bytes": program_peak + beyond + predicted["resident_bytes"],
+                                                  "beyond_programs_bytes": beyond,
                                                   "search_peak_bytes": predicted["peak_bytes"]})
 
 

@@ -2,7 +2,8 @@
 the policy, measure its peak with the independent meter (`gaswap.run.training`) and its time per step, and set
 them beside the policy's predictions: the step time of the search's model (`gaswap.compiled.step_model`), the
 peak of the programs inductor generated for the policy (`gaswap.compiled.programs`, written by `gaswap
-compare`; the model's peak, `search_peak_bytes`, beside it), or the model's where the file has no program's.
+compare`, with what the meter read beyond torch's programs there, `beyond_programs_bytes`; the model's peak,
+`search_peak_bytes`, beside it), or the model's where the file has no program's.
 
 Figures are those `gaswap compare` reports (`gaswap.run.peak_meter`): the peak bytes torch's allocator holds above
 what was allocated before the step (CUDA: the caching allocator; CPU: the CPU allocator, counted by the
@@ -31,6 +32,8 @@ import time
 from functools import partial
 from pathlib import Path
 
+import torch
+
 from gaswap.base import config
 from gaswap.base.files import write_atomic
 from gaswap.compiled import calibration_run, partition, pool, step_model
@@ -54,7 +57,8 @@ def validate_compiled(policy: policies.Policy, policy_path: Path, exp: config.Ex
         raise policies.PolicyError(f"{policy_path}: predicted: needs resident_bytes (re-run `gaswap compare`)")
     dev, model, inputs, target, graph = setup(exp, device)
     here = {"input_shapes": [(list(x.shape), str(x.dtype).removeprefix("torch.")) for x in inputs]}
-    policies.check_matches(policy, graph, policy_path, provenance=here)
+    # another torch release is refused here, before a recalibration's minutes (its compile would refuse it then)
+    policies.check_matches(policy, graph, policy_path, provenance=here, torch_version=torch.__version__)
     again = recalibrated([policy], exp, graph, dev, model, inputs, target, say or print)[0] if recalibrate else None
     m, optimizer = training.fresh_copy(model, exp.optimizer)
     step = partial(training.train_step, partition.compile(m, policy), optimizer, inputs, target, exp.loss, dev)
@@ -127,6 +131,8 @@ def report(policy: policies.Policy, policy_path: Path, name: str, device: str, s
     if "search_peak_bytes" in predicted:  # the peak_bytes predicted are the generated programs' (`compiled_program`)
         r["predicted"]["search_peak_bytes"] = predicted["search_peak_bytes"] - resident
         r["search_peak_ratio"] = r["measured"]["peak_bytes"] / r["predicted"]["search_peak_bytes"]
+    if predicted.get("beyond_programs_bytes"):  # in peak_bytes: what the meter read beyond torch's programs
+        r["predicted"]["beyond_programs_bytes"] = predicted["beyond_programs_bytes"]
     r["time_ratio"] = r["measured"]["step_time_s"] / r["predicted"]["step_time_s"]
     r["targets"] = {"peak_within_5pc": abs(r["peak_ratio"] - 1) <= PEAK_TOLERANCE,
                     "peak_within_budget": None if budget is None else r["measured"]["peak_bytes"] <= r["budget_bytes"],

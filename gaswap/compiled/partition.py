@@ -245,8 +245,11 @@ class PolicyPartitioner(CustomPartitionerFn):
         joint = _joint(gm, num_fwd_outputs, static_indices, self.policy.provenance.get("optimizer", "sgd_momentum"),
                        self.policy.provenance.get("counts", graphs.COUNTABLE))
         try:
-            policies.check_matches(self.policy, joint.graph, "policy", provenance={"input_shapes": joint.inputs},
-                                   torch_version=torch.__version__)
+            policies.check_release(self.policy, "policy", torch.__version__)
+        except PolicyError as e:
+            raise OtherGraph(str(e)) from None
+        try:
+            policies.check_matches(self.policy, joint.graph, "policy", provenance={"input_shapes": joint.inputs})
         except PolicyError as e:
             unnamed = "" if "inputs" in self.policy.provenance else (
                 f" The inputs here: {', '.join(f'{shape} {dtype}' for shape, dtype in joint.inputs)}; the policy does "

@@ -176,10 +176,8 @@ def check_matches(policy: Policy, graph: Graph, path: str | Path = "policy", pro
     """Refuse (PolicyError) a policy made for another graph or another torch release, saying what differs (from
     `provenance`, the description of the model and inputs at hand, when given; else from the graphs), and a
     policy whose content does not fit its graph (`check_content`)."""
-    made_with = policy.provenance.get("torch_version")
-    if torch_version is not None and made_with is not None and _release(made_with) != _release(torch_version):
-        raise PolicyError(f"{path}: made with torch {made_with}, this is torch {torch_version}: captured graphs "
-                          f"and kernels differ between releases; re-run the search with this torch")
+    if torch_version is not None:
+        check_release(policy, path, torch_version)
     if said := specialization_differences(policy.provenance.get("specialized"), graph):
         raise PolicyError(f"{path}: {said}")
     if policy.fingerprint != graph.fingerprint():
@@ -187,6 +185,15 @@ def check_matches(policy: Policy, graph: Graph, path: str | Path = "policy", pro
                           f"{graph.fingerprint()}: {differences(policy, graph, provenance)}. Re-run the search for "
                           f"this model, shapes and dtype.")
     check_content(policy, graph, path)
+
+
+def check_release(policy: Policy, path: str | Path, torch_version: str) -> None:
+    """Refuse (PolicyError) a policy made with another torch release than `torch_version` (one that names none
+    passes)."""
+    made_with = policy.provenance.get("torch_version")
+    if made_with is not None and _release(made_with) != _release(torch_version):
+        raise PolicyError(f"{path}: made with torch {made_with}, this is torch {torch_version}: captured graphs "
+                          f"and kernels differ between releases; re-run the search with this torch")
 
 
 def _release(version: str) -> str:
