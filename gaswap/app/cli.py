@@ -472,6 +472,9 @@ def validate(args) -> int:
     print(f"  peak       predicted {format_size(p['peak_bytes'])}, measured {format_size(m['peak_bytes'])} "
           f"({r['peak_ratio'] - 1:+.1%}); budget "
           f"{'none recorded' if r['budget_bytes'] is None else format_size(r['budget_bytes'])}")
+    if "graph_peak_ratio" in r:
+        print(f"             (the peak predicted holds each op's transients measured on the device; the graph's "
+              f"tensors alone: {format_size(p['graph_peak_bytes'])}, {r['graph_peak_ratio'] - 1:+.1%})")
     if "search_peak_ratio" in r:
         beyond = p.get("beyond_programs_bytes")
         print(f"             (the peak predicted is the generated program's"

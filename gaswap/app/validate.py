@@ -40,7 +40,9 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, e
     named only by the policy must be one of gaswap's own models unless `trust_factory` (a shared policy file
     must not choose code to run). The first step warms up and creates the optimizer state. Step time is the
     median of the later steps; the peak is the allocator's (CUDA, every later step) or the storage tracker's
-    (CPU, the last step, which is left out of the timing because tracking slows it). `progress(done, steps)`
+    (CPU, the last step, which is left out of the timing because tracking slows it); on CUDA the peak predicted
+    is the one with each op's transients where the search measured them (`device_peak_bytes`), the graph's
+    tensors' alone beside it. `progress(done, steps)`
     after each step. With `arena`, the step's activations and gradients live in one buffer made beforehand at
     the offsets `arena.plan` gives (gaswap.run.arena_runtime), counted in the peak; the report says how big it is
     and which ops had their results copied into it. With `recalibrate` (compiled policies only), the compiled
@@ -96,7 +98,8 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, e
         "cost_source": policy.provenance.get("cost_source"),
         "steps": steps,
         "loss": float(loss) if exp.loss != "external" else None,  # external: `loss` is the model's output
-        "predicted": {"peak_bytes": policy.predicted["peak_bytes"], "step_time_s": policy.predicted["step_time_s"]},
+        "predicted": {"peak_bytes": policy.predicted["peak_bytes"], "step_time_s": policy.predicted["step_time_s"]}
+        | _on_device(policy.predicted, dev),
         "measured": {"peak_bytes": max(peaks), "step_time_s": statistics.median(times)},
         "budget_bytes": policy.provenance.get("budget_bytes"),
         "capped_at_bytes": cap,
@@ -105,11 +108,21 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, e
         "load_per_cpu": round(max(load, load_per_cpu()), 2),
     }
     report["peak_ratio"] = report["measured"]["peak_bytes"] / report["predicted"]["peak_bytes"]
+    if "graph_peak_bytes" in report["predicted"]:
+        report["graph_peak_ratio"] = report["measured"]["peak_bytes"] / report["predicted"]["graph_peak_bytes"]
     report["time_ratio"] = report["measured"]["step_time_s"] / report["predicted"]["step_time_s"]
     if arena:
         report["arena"] = arena_figures(runner)
     write_atomic(policy_path.with_name("validation.json"), json.dumps(report, indent=2) + "\n")
     return report
+
+
+def _on_device(predicted: dict, dev: torch.device) -> dict:
+    """On CUDA, where the search measured each op's transients there (`workflow.device_peak`): the peak compared
+    is the one with them (`peak_bytes`), the graph's tensors' alone beside it (`graph_peak_bytes`)."""
+    if dev.type != "cuda" or "device_peak_bytes" not in predicted:
+        return {}
+    return {"peak_bytes": predicted["device_peak_bytes"], "graph_peak_bytes": predicted["peak_bytes"]}
 
 
 def budget_cap(exp: config.Experiment, policy: policies.Policy, dev: torch.device) -> int | None:

@@ -256,10 +256,10 @@ def _search_and_write(prepared: Prepared, out: Path, on_generation, resume: bool
             if exp.memory is not None else {}
 
     def make_policy(e: Evaluated) -> policies.Policy:
-        program = problem.simulate(e.chromosome, trace=True).program  # what the runtime replays
+        traced = problem.simulate(e.chromosome, trace=True)  # its program: what the runtime replays
         return policies.from_result(graph, problem.encoding.candidates, problem.order(e.chromosome),
-                                    e.chromosome.actions, results.point(e, reference) | memory(e), provenance,
-                                    program)
+                                    e.chromosome.actions, results.point(e, reference) | memory(e)
+                                    | device_peak(exp, graph, traced, kept), provenance, traced.program)
 
     summary = describe(prepared) | {
         "budget_bytes": budget,
@@ -278,6 +278,23 @@ def _search_and_write(prepared: Prepared, out: Path, on_generation, resume: bool
     results.write(out, result, make_policy, summary, carry=carry, finish=finish,
                   extra={costfile.NAME: costfile.dumps(costs, graph.fingerprint())})  # what `plot` re-simulates with
     return result, summary
+
+
+def device_peak(experiment: config.Experiment, graph, traced, margin) -> dict:
+    """{"device_peak_bytes": the peak the device's meter reads under a traced SimResult's program} where the
+    `margin` holds each op's transients measured on the device (CUDA; else {}): the allocator model with them, as
+    `validate` measures it: the requested bytes of the step (cuBLAS's workspace, made before it, left out), or
+    with `memory: {target: reserved}` the reservations, the workspace's segment in. On an H100 the model with
+    the transients gave GPT's measured peak to 208 bytes in five runs, where the graph's tensors alone were up to
+    9.6 % under it (`results/gpu_check/`, docs/gpu_memory.md)."""
+    if not margin.transients:
+        return {}
+    if experiment.memory is not None and experiment.memory.target == "reserved":
+        return {"device_peak_bytes": allocator.replay(graph, traced, workspace=margin.workspace_bytes,
+                                                      transients=margin.transients,
+                                                      **allocator_options(experiment)).reserved}
+    return {"device_peak_bytes": allocator.replay(graph, traced, transients=margin.transients,
+                                                  optimizer=experiment.optimizer).requested}
 
 
 def describe(prepared: Prepared) -> dict:

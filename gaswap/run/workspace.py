@@ -14,7 +14,7 @@ import logging
 import os
 import re
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -42,13 +42,15 @@ PROFILE_CAPABILITY = {"h100-sxm-80gb": (9, 0), "a100-pcie-40gb": (8, 0), "v100-p
 class Margin:
     """What a search keeps under the budget for what the device holds beyond the graph's tensors: cuBLAS's
     workspace (kept all step) plus the largest transient of one op (ops run one at a time on the compute
-    stream), and where the figures come from (`source`, `note`: what they leave out)."""
+    stream), and where the figures come from (`source`, `note`: what they leave out); `transients`, each op's
+    measured (`op_transients`: the search's policies predict with them, `workflow.device_peak`)."""
 
     workspace_bytes: int
     transient_bytes: int
     transient_op: str | None
     source: str
     note: str = ""
+    transients: dict = field(default_factory=dict, compare=False)
 
     @property
     def margin_bytes(self) -> int:
@@ -59,7 +61,8 @@ class Margin:
         return sum(_footprint(n, expandable_segments) for n in (self.workspace_bytes, self.transient_bytes) if n)
 
     def as_dict(self) -> dict:
-        return asdict(self) | {"margin_bytes": self.margin_bytes}
+        """The record results and policy files keep (each op's transients left out)."""
+        return {k: v for k, v in asdict(self).items() if k != "transients"} | {"margin_bytes": self.margin_bytes}
 
 
 def _footprint(nbytes: int, expandable: bool) -> int:
@@ -99,7 +102,7 @@ def margin(costs: Costs, device: str, graph: Graph) -> Margin:
     op = max(transients, key=transients.get, default=None)
     return Margin(workspace_bytes(dev), transients.get(op, 0), op, f"measured on {dev}",
                   "each op's least transient: cuDNN takes a larger workspace where the device has memory to spare "
-                  "(a run capped at the budget, `capped`, leaves it none)")
+                  "(a run capped at the budget, `capped`, leaves it none)", transients)
 
 
 def profile_margin(profile: str) -> Margin:
