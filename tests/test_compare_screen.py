@@ -136,6 +136,26 @@ def test_a_budget_none_of_whose_candidates_fit_is_searched_again_under_the_progr
                            made) == [] and searched == []
 
 
+def test_with_no_finalists_each_budget_gets_the_models_choice(monkeypatch):
+    """`compare --finalists 0` (the GPU check's cut) picked no policy at any budget: the shortlists were empty."""
+    from types import SimpleNamespace
+
+    from gaswap.app import compare
+    from gaswap.compiled import step_model
+
+    class Problem:  # stands for CompiledProblem
+        def __init__(self, graph, costs, budget, space, loss, calibration):
+            self.canonical = lambda c: c
+
+    front = [_evaluated(1, 1.0, 80), _evaluated(2, 1.5, 60)]
+    monkeypatch.setattr(step_model, "CompiledProblem", Problem)
+    monkeypatch.setattr(compare, "search", lambda problem, ga, seed, seeds: SimpleNamespace(
+        best=front[0], front=front, fastest=front))
+    exp = SimpleNamespace(loss="sum", ga=None, seed=0)
+    out = compare._search(exp, None, None, None, None, {}, [("A", RESIDENT + 200)], RESIDENT, lambda line: None, 0)
+    assert [(label, [e.chromosome.actions for e in es]) for label, es in out] == [("A", [(1,)])]
+
+
 def test_the_candidates_each_budget_checks_first_are_sent_ahead_at_once(peaks, monkeypatch):
     from types import SimpleNamespace
 

@@ -268,8 +268,8 @@ def _search(exp, graph, costs, calibration, space, seeds, budgets, resident, pro
         result = search(problem, exp.ga, exp.seed, seeds=seeds)
         progress(f"  gaswap search at {label}: " + ("nothing fits" if result.best is None else
                  f"{format_size(result.best.peak_bytes - resident)}, {result.best.step_time * 1e3:.2f} ms predicted"))
-        return _shortlist(result.front, result.fastest, problem.canonical,
-                          finalists * (SCREENED if peaks is not None else 1))
+        return _shortlist(result.front, result.fastest, problem.canonical,  # none timed: the model's choice
+                          max(finalists, 1) * (SCREENED if peaks is not None else 1))
 
     searched = []
     for label, budget in budgets:
