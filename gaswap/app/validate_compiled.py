@@ -50,8 +50,9 @@ TIME_TOLERANCE = 0.15
 def validate_compiled(policy: policies.Policy, policy_path: Path, exp: config.Experiment, steps: int,
                       device: str = "auto", progress=None, recalibrate: bool = False, say=None) -> dict:
     """Train `steps` rounds under the compiled policy; return (and write to `<policy>.validation.json`) the
-    predicted and measured peak (bytes above resident) and seconds per step (the device's clock); with `recalibrate`, the step
-    time predicted from costs and a calibration timed here (`recalibrated`; `say` gets its progress lines)."""
+    predicted and measured peak (bytes above resident) and seconds per step (the device's clock); with
+    `recalibrate`, the step time predicted from costs and a calibration timed here (`recalibrated`; `say` gets its
+    progress lines)."""
     predicted = policy.predicted
     if "resident_bytes" not in predicted:
         raise policies.PolicyError(f"{policy_path}: predicted: needs resident_bytes (re-run `gaswap compare`)")
