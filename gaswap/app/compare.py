@@ -153,7 +153,10 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
              f"{calibration.scale:.2f}x their ops one by one, library calls {calibration.extern_scale:.2f}x; "
              f"a kept mask {calibration.mask_rate * 1e9:.1f} ms per MB, saved tensors "
              f"{calibration.saved_rate * 1e9:.1f} ms per MB; fit within "
-             f"{calibration.worst_error():.1%} on its points; peaks offset by "
+             f"{calibration.worst_error():.1%} on its points"
+             + ("" if calibration.terms == step_model.TERMS else
+                f" (terms fitted: {', '.join(calibration.terms) or 'none'}; the others at their defaults)")
+             + "; peaks offset by "
              f"{'-' if calibration.peak_offset < 0 else '+'}{format_size(abs(calibration.peak_offset))}"
              f" (recomputed values inductor inlines {'held' if not calibration.inline_recomputed else 'not held'})")
     unbounded = step_model.CompiledProblem(graph, costs, None, space, loss=exp.loss, calibration=calibration)

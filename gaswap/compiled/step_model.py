@@ -32,6 +32,7 @@ and its costs into what the compiled step does, leaving the simulator as it is:
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -42,6 +43,8 @@ from gaswap.plan.graph import Graph, Op, Tensor
 from gaswap.plan.op_types import is_heavy, is_library_call, is_realized
 from gaswap.plan.problem import Problem
 from gaswap.plan.simulator import SimResult, Simulator
+
+TERMS = ("extern", "generated", "mask", "saved")  # a calibration point's terms, in order after its label
 
 # What the eager loss between the compiled forward and backward holds besides the model's output and its
 # gradient, in units of the output's size: cross entropy saves log_softmax's result and makes nll_loss's
@@ -343,13 +346,17 @@ class Calibration:
     peak_offset: int = 0
     peak_samples: tuple = ()
     inline_recomputed: bool = True
+    terms: tuple = TERMS  # the terms fitted (`fit`); the others at their defaults
+
+    def predict(self, point) -> float:
+        """Seconds a step of a fit point (label, extern s, generated s, mask bytes, saved bytes, ...)."""
+        factors = (self.extern_scale, self.scale, self.mask_rate, self.saved_rate)
+        return self.base + sum(term * f for term, f in zip(point[1:5], factors))
 
     @property
     def points(self) -> tuple:
         """(label, measured s, predicted s) of each sample fitted on."""
-        factors = (self.extern_scale, self.scale, self.mask_rate, self.saved_rate)
-        return tuple((p[0], p[5], self.base + sum(term * f for term, f in zip(p[1:5], factors)))
-                     for p in self.samples)
+        return tuple((p[0], p[5], self.predict(p)) for p in self.samples)
 
     def costs(self, graph: Graph, costs: Costs) -> Costs:
         """`costs` with every generated op's time multiplied by `scale`, every extern op's by `extern_scale`."""
@@ -374,6 +381,7 @@ class Calibration:
         return {"base_s": self.base, "scale": self.scale, "extern_scale": self.extern_scale,
                 "mask_s_per_byte": self.mask_rate, "saved_s_per_byte": self.saved_rate,
                 "peak_offset_bytes": self.peak_offset, "inline_recomputed": self.inline_recomputed,
+                "terms_fitted": list(self.terms),
                 "points": [list(p) for p in self.points]}
 
 
@@ -404,19 +412,38 @@ def features(problem: CompiledProblem, chromosomes: list[Chromosome], inline_rec
 def fit(points: list[tuple[str, float, float, int, int, float]]) -> Calibration:
     """Fit `measured = base + extern_scale * extern + scale * generated + mask_rate * mask bytes + saved_rate *
     saved bytes` on points (label, extern s, generated s, mask bytes, saved bytes, measured s) by non-negative
-    least squares, each term scaled to the points' range first. A term that does not vary over the points
-    cannot be told from the base: its factor stays at the standalone cost's 1 (the byte rates at 0)."""
+    least squares (`fit_terms`). With more points than the five factors, only the terms whose fit predicts the
+    points best when each is left out (the least worst error; fewer terms on a tie) are fitted, the others kept
+    at their defaults: the standalone cost's 1, byte rates 0. (Fitted on all four, separable's calibration on the
+    AMD machine put keep-all's base at 1.2 ms and its pick at 25.6 ms, measured 40.0; the terms chosen so, 36.7:
+    results/compiled_model/term_choice.txt.)"""
+    if len(points) <= len(TERMS) + 1:
+        return fit_terms(points, TERMS)
+
+    def worst_left_out(terms) -> float:
+        return max(abs(fit_terms(points[:k] + points[k + 1:], terms).predict(p) / p[5] - 1)
+                   for k, p in enumerate(points))
+
+    subsets = [t for n in range(len(TERMS) + 1) for t in itertools.combinations(TERMS, n)]
+    scores = [worst_left_out(t) for t in subsets]
+    return fit_terms(points, subsets[scores.index(min(scores))])
+
+
+def fit_terms(points: list[tuple[str, float, float, int, int, float]], terms=TERMS) -> Calibration:
+    """`fit` of the named `terms` alone (the others at their defaults), each scaled to the points' range first. A
+    term that does not vary over the points cannot be told from the base: it keeps its default too."""
     from scipy.optimize import nnls
 
     default = {1: 1.0, 2: 1.0, 3: 0.0, 4: 0.0}
     spread = {k: max(p[k] for p in points) - min(p[k] for p in points) for k in default}
-    fixed = {k: f for k, f in default.items() if spread[k] <= 1e-9 * max(abs(p[k]) for p in points)}
-    free = [k for k in default if k not in fixed]
+    free = [k for k in default if TERMS[k - 1] in terms and spread[k] > 1e-9 * max(abs(p[k]) for p in points)]
+    fixed = {k: f for k, f in default.items() if k not in free}
     rows = [[p[k] / spread[k] for k in free] + [1.0] for p in points]
     ys = [p[5] - sum(p[k] * f for k, f in fixed.items()) for p in points]
     solved, _ = nnls(np.array(rows), np.array(ys))
     factor = fixed | {k: float(x) / spread[k] for k, x in zip(free, solved)}
-    return Calibration(float(solved[-1]), factor[2], factor[1], factor[3], factor[4], tuple(points))
+    return Calibration(float(solved[-1]), factor[2], factor[1], factor[3], factor[4], tuple(points),
+                       terms=tuple(TERMS[k - 1] for k in free))
 
 
 CALIBRATION_MIXES = 3  # random half-recomputed policies calibrated on besides the four set ones
