@@ -323,20 +323,36 @@ def test_with_more_points_than_factors_the_fit_keeps_the_terms_that_predict_poin
     assert (fitted.extern_scale, fitted.mask_rate) == (1.0, 0.0)  # the terms left out keep their defaults
 
 
-def test_separables_calibration_no_longer_puts_its_pick_a_third_under_its_time():
-    """compare_separable_cpu's eight calibration points on the AMD machine and its pick (measured 40.0 ms),
-    re-priced from results/compare_time/separable_a301c48_w2 (4 significant digits): fitted on all four terms the
-    base came out 1.2 ms and the pick 25.6 ms; the terms chosen by points left out put it within 10 %."""
-    points = [("torch 1", 0.0, 0.00632, 262100.0, 60040000.0, 0.05078),
-              ("torch 0.5", 0.0001444, 0.04401, 0.0, 29360000.0, 0.04284),
-              ("torch 0.2", 0.004206, 0.04401, 0.0, 11540000.0, 0.04459),
-              ("keep-all", 0.0, 0.0, 6554000.0, 80490000.0, 0.1116),
-              ("masks recomputed", 0.0, 0.002055, 0.0, 87560000.0, 0.0744),
-              ("recompute-generated", 0.0, 0.04401, 0.0, 30410000.0, 0.05245),
-              ("recompute-all", 0.008474, 0.04401, 0.0, 1280.0, 0.04612),
-              ("random half 1", 0.00126, 0.02426, 3670000.0, 61870000.0, 0.08571)]
-    pick = ("pick", 0.002232, 0.009994, 0.0, 16790000.0, 0.04005)
+SEPARABLE_RUNS = {  # compare_separable_cpu's eight calibration points on the AMD machine and its first pick, re-priced
+    # from results/compare_time/<run> (4 significant digits)
+    "separable_a301c48_w2": ([("torch 1", 0.0, 0.00632, 262100.0, 60040000.0, 0.05078),
+                              ("torch 0.5", 0.0001444, 0.04401, 0.0, 29360000.0, 0.04284),
+                              ("torch 0.2", 0.004206, 0.04401, 0.0, 11540000.0, 0.04459),
+                              ("keep-all", 0.0, 0.0, 6554000.0, 80490000.0, 0.1116),
+                              ("masks recomputed", 0.0, 0.002055, 0.0, 87560000.0, 0.0744),
+                              ("recompute-generated", 0.0, 0.04401, 0.0, 30410000.0, 0.05245),
+                              ("recompute-all", 0.008474, 0.04401, 0.0, 1280.0, 0.04612),
+                              ("random half 1", 0.00126, 0.02426, 3670000.0, 61870000.0, 0.08571)],
+                             ("pick", 0.002232, 0.009994, 0.0, 16790000.0, 0.04005)),
+    # here the four terms predict the points left out best, by 0.2 points of 19.9 %: the fewer terms are taken
+    "separable_806fea8": ([("torch 1", 0.0, 0.006503, 262100.0, 60040000.0, 0.05775),
+                           ("torch 0.5", 0.0001502, 0.04579, 0.0, 29360000.0, 0.04943),
+                           ("torch 0.2", 0.004356, 0.04579, 0.0, 11540000.0, 0.05023),
+                           ("keep-all", 0.0, 0.0, 6554000.0, 80490000.0, 0.1194),
+                           ("masks recomputed", 0.0, 0.002155, 0.0, 87560000.0, 0.07986),
+                           ("recompute-generated", 0.0, 0.04579, 0.0, 30410000.0, 0.05881),
+                           ("recompute-all", 0.00881, 0.04579, 0.0, 1280.0, 0.0514),
+                           ("random half 1", 0.001324, 0.0253, 3670000.0, 61870000.0, 0.09348)],
+                          ("pick", 0.002353, 0.01026, 0.0, 16790000.0, 0.04222)),
+}
+
+
+@pytest.mark.parametrize("run", sorted(SEPARABLE_RUNS))
+def test_separables_calibration_no_longer_puts_its_pick_a_quarter_or_more_under_its_time(run):
+    """Fitted on all four terms, separable's base came out 1.2 to 9.2 ms and its pick 23 to 36 % under its measured
+    time; with the terms chosen by points left out, within 10 % (results/compiled_model/term_choice.txt)."""
+    points, pick = SEPARABLE_RUNS[run]
     every_term = cc.fit_terms(points)
-    assert every_term.base < 0.002 and every_term.predict(pick) / pick[5] - 1 < -0.30
+    assert every_term.base < 0.010 and every_term.predict(pick) / pick[5] - 1 < -0.20
     chosen = cc.fit(points)
-    assert chosen.terms != cc.TERMS and abs(chosen.predict(pick) / pick[5] - 1) < 0.10
+    assert chosen.terms == ("generated", "mask", "saved") and abs(chosen.predict(pick) / pick[5] - 1) < 0.10

@@ -6,9 +6,9 @@ out of sample, on the measurements this repository holds. Run from the repositor
    `gaswap compare` fits (the four set policies, one random half, torch's three partitions, on their first
    timing), each priced by the op costs of that machine (results/compiled_model/costs/, read as that device's);
    predicted: the two other random halves and gaswap's picks.
-2. results/compare_time/*_a301c48_w2 (the AMD EPYC, `gaswap compare` runs): the run's own eight calibration points
-   (`p00.yaml`'s provenance), re-priced by its cost cache; predicted: its first pick (`p00.yaml`, measured in
-   compare.csv).
+2. results/compare_time/*_a301c48_w2 and four later runs (the AMD EPYC, `gaswap compare` runs): the run's own
+   eight calibration points (`p00.yaml`'s provenance), re-priced by its cost cache; predicted: its first pick
+   (`p00.yaml`, measured in compare.csv).
 """
 import csv
 import sys
@@ -72,8 +72,8 @@ def stored(name: str) -> list[str]:
     return [header(f"{name} (Intel, stored)", every, chosen)] + [line(p[0], every, chosen, p) for p in held]
 
 
-def compare_run(name: str) -> list[str]:
-    run = RUNS / f"{name}_a301c48_w2"
+def compare_run(name: str, run: str) -> list[str]:
+    run = RUNS / run
     exp = config.load_experiment(f"experiments/compare_{name}_cpu.yaml")
     device, model, inputs, _, graph = compiled_methods.setup(exp)
     costs = measure_module.measure(graph, device, run / "costs", threads=exp.costs.threads)
@@ -97,5 +97,8 @@ if __name__ == "__main__":
     for name in ("cnn", "mixture", "normmix", "separable", "window"):
         print("\n".join(stored(name)), flush=True)
     for name in ("cnn", "mixture", "normmix", "separable", "window", "gpt", "gpt2_hf", "gru", "densenet"):
-        print("\n".join(compare_run(name)), flush=True)
+        print("\n".join(compare_run(name, f"{name}_a301c48_w2")), flush=True)
+    for name, run in (("separable", "separable_5b19884"), ("separable", "separable_806fea8"),
+                      ("densenet", "densenet_6ec12ec"), ("densenet", "densenet_806fea8")):
+        print("\n".join(compare_run(name, run)), flush=True)
     sys.exit(0)
