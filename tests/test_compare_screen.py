@@ -136,6 +136,33 @@ def test_a_budget_none_of_whose_candidates_fit_is_searched_again_under_the_progr
                            made) == [] and searched == []
 
 
+def test_a_policy_one_budgets_search_found_is_a_candidate_wherever_it_fits(monkeypatch):
+    """Each budget's search is a GA of its own: one can stop short of a policy another found that fits it too (on
+    separable, 39.5 ms predicted at 59.22 MB, where a 37.2 ms policy found at 62.35 MB fits)."""
+    from types import SimpleNamespace
+
+    from gaswap.app import compare
+    from gaswap.compiled import step_model
+
+    class Problem:  # stands for CompiledProblem
+        def __init__(self, graph, costs, budget, space, loss, calibration):
+            self.budget, self.canonical = budget - RESIDENT, (lambda c: c)
+
+    def search(problem, ga, seed, seeds):  # at 200 it finds 1 (fast, small), at 120 only 2
+        front = [_evaluated(1, 1.0, 60)] if problem.budget == 200 else [_evaluated(2, 1.5, 100)]
+        return SimpleNamespace(best=front[0], front=front, fastest=front)
+
+    monkeypatch.setattr(step_model, "CompiledProblem", Problem)
+    monkeypatch.setattr(compare, "search", search)
+    lines = []
+    out = compare._search(SimpleNamespace(loss="sum", ga=None, seed=0), None, None, None, None, {},
+                          [("A", RESIDENT + 200), ("B", RESIDENT + 120), ("C", RESIDENT + 80)], RESIDENT,
+                          lines.append, 2)
+    assert [(label, [e.chromosome.actions for e in es]) for label, es in out] == [
+        ("A", [(1,), (2,)]), ("B", [(1,), (2,)]), ("C", [(1,)])]  # C: 2 is over it
+    assert any("at B: a policy another budget's search found is faster" in line for line in lines)
+
+
 def test_with_no_finalists_each_budget_gets_the_models_choice(monkeypatch):
     """`compare --finalists 0` (the GPU check's cut) picked no policy at any budget: the shortlists were empty."""
     from types import SimpleNamespace
@@ -170,8 +197,8 @@ def test_the_candidates_each_budget_checks_first_are_sent_ahead_at_once(peaks, m
         def __init__(self, graph, costs, budget, space, loss, calibration):
             self.budget, self.canonical = budget - RESIDENT, (lambda c: c)
 
-    def search(problem, ga, seed, seeds):  # at 500: 1 (settled) before 0; at 400: 2 before 0
-        front = [_evaluated(1 if problem.budget == 500 else 2, 1.0, 80), _evaluated(0, 1.1, 90)]
+    def search(problem, ga, seed, seeds):  # at 500: 1 (settled; over 400) before 0; at 400: 2 before 0
+        front = [_evaluated(1, 1.0, 450) if problem.budget == 500 else _evaluated(2, 1.0, 80), _evaluated(0, 1.1, 90)]
         return SimpleNamespace(best=front[0], front=front, fastest=front)
 
     monkeypatch.setattr(step_model, "CompiledProblem", Problem)
