@@ -565,3 +565,19 @@ def test_a_whole_compare_calibrates_on_torchs_partitions_and_times_them_in_torch
     for r in ours:  # a pick is compiled as gaswap's policy, the programs it writes to pNN.yaml
         if r["origin"].startswith("torch"):
             assert r["compile_s"] != torch_rows[r["origin"].removeprefix("torch ")]["compile_s"]
+
+
+def test_an_experiment_naming_no_ga_is_searched_with_compares_own_settings(tmp_path):
+    """The defaults (64 policies a generation, up to 500 generations, patience 50) would take minutes a compare on a
+    model nobody wrote settings for; an experiment's own `ga` is kept."""
+    from gaswap.base import config
+
+    body = ("model: {factory: gaswap.zoo:mlp, kwargs: {sizes: [12, 32, 5]}}\ninputs: [{shape: [batch, 12]}]\n"
+            "target: {shape: [batch], dtype: int64, high: 5}\nloss: cross_entropy\nbatch_size: 8\nbudget: 1.0x\n"
+            "search_space: compiled\n")
+    (tmp_path / "plain.yaml").write_text(body)
+    (tmp_path / "own.yaml").write_text(body + "ga: {population: 8, generations: 3}\n")
+    plain = compare.search_settings(config.load_experiment(tmp_path / "plain.yaml"))
+    own = compare.search_settings(config.load_experiment(tmp_path / "own.yaml"))
+    assert plain.ga is compare.SEARCH and plain.ga.generations < config.GASettings().generations
+    assert (own.ga.population, own.ga.generations) == (8, 3)

@@ -106,6 +106,9 @@ COLUMNS = ("method", "knob", "predicted_peak_bytes", "predicted_step_s", "peak_b
 # budget a torch.compile row's measured peak became, a gaswap row's own (`gaswap.app.compare_report`);
 # steps_timed: fewer for a finalist no longer timed once clearly slower (`_contenders`); compile_s: wall seconds
 # compiling (in a worker, `gaswap.compiled.pool`, plus loading it in the measuring process)
+# the search each budget runs where the experiment names no `ga` (the defaults, 64 x up to 500 generations with
+# patience 50, would take minutes a compare); the shipped compare experiments name these
+SEARCH = config.GASettings(population=32, generations=100, patience=20, workers=1)
 FINALIST_COLUMNS = (*COLUMNS, "round")  # finalists.csv: the round that timed the finalist (`_finalists_round`)
 
 
@@ -114,11 +117,14 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     """Compare the methods on one experiment; write compare.csv / compare.md; return the rows (COLUMNS).
     `workers`: processes that compile before the measuring process loads (`gaswap.compiled.pool`; None, the
     default: one per CPU on a CPU, none on a GPU, `pool.default_workers`; 0: compile in the measuring process)."""
-    exp = config.load_experiment(experiment_path)
+    exp = search_settings(config.load_experiment(experiment_path))
     if exp.loss == "external":
         raise config.ConfigError(f"{exp.path}: loss: compare computes the loss outside the compiled model; give a "
                                  f"loss (cross_entropy, mse or sum) and its target")
     progress(f"{exp.name}: capturing torch.compile's joint graph")
+    if exp.ga is SEARCH:
+        progress(f"  {exp.path} names no `ga`: each search runs {SEARCH.population} policies a generation, at most "
+                 f"{SEARCH.generations} generations, until {SEARCH.patience} bring nothing better")
     device, model, inputs, target, graph = compiled_methods.setup(exp)
     progress(f"  on {device_name(device)}")
     costs = measure(graph, device, cache_dir, threads=exp.costs.threads)
@@ -254,6 +260,11 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     write_atomic(folder / "compare.md", to_markdown(rows, exp.name, device_name(device), tuning,
                                                     CLOCK_NAMES.get(device.type, "wall time")))
     return rows
+
+
+def search_settings(exp: config.Experiment) -> config.Experiment:
+    """`exp`, searching with `SEARCH` where its file names no `ga` (else as it says)."""
+    return exp if "ga" in config.keys_given(exp.path) else replace(exp, ga=SEARCH)
 
 
 def _search(exp, graph, costs, calibration, space, seeds, budgets, resident, progress,

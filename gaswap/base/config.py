@@ -564,6 +564,11 @@ def load_search_space(name_or_path: str | Path, *, root: str | Path | None = Non
     return _load_space_file(_find_space(str(name_or_path), Path(root or SEARCH_SPACES_DIR), base=None))
 
 
+def keys_given(path: str | Path) -> set[str]:
+    """The top-level keys an experiment file names itself (the others take their defaults)."""
+    return set(_read_yaml(Path(path)))
+
+
 def load_experiment(path: str | Path) -> Experiment:
     """Load and validate an experiment file; a relative search-space path is relative to this file."""
     path = Path(path)
