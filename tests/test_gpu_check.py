@@ -227,3 +227,23 @@ def test_a_policy_out_of_memory_under_its_cap_is_an_error_with_the_uncapped_run_
     out = gpu_check.check_experiment("experiments/alexnet_4gb.yaml", tmp_path, steps=3)
     assert out["error"] == "policy.yaml: out of memory on Stand-in GPU capped at 5.34 GB"
     assert out["memory_uncapped"] == {"r": 1} and runs == [False] and "validation" not in out
+
+
+def test_an_out_of_memory_is_reported_with_torchs_message_and_the_program_line_it_came_from():
+    """AlexNet ran out of memory capped on an H100 in two runs of three, and the report said only that
+    (results/gpu_check/README.md): the next run says what was asked for, where, and what the allocator held."""
+    from gaswap.base.errors import NoFit
+
+    program = compile("def step():\n    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')\n",
+                      "<gaswap program test>", "exec")
+    scope = {"torch": torch}
+    exec(program, scope)
+    try:
+        try:
+            scope["step"]()
+        except torch.OutOfMemoryError:
+            raise NoFit("policy.yaml: out of memory capped at 7.34 GB") from None
+    except NoFit as e:
+        detail = gpu_check.out_of_memory(e, "cpu")
+    assert "Tried to allocate 2.00 GiB" in detail["message"]
+    assert detail["raised_in"] == ["<gaswap program test>:2:step"] and "allocator" not in detail  # no CUDA here

@@ -28,6 +28,7 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from gaswap.base.errors import GaswapError, NoFit
@@ -230,15 +231,38 @@ def check_experiment(path: str | Path, work: Path, steps: int, device: str = "cu
         validation = validate.validate(policy, steps=steps, device=device)
     except NoFit as e:  # out of memory capped at the budget
         error = str(e)  # (the exception's frames, and the tensors they hold, go at the end of this block)
+        detail = out_of_memory(e, device)
     else:
         error = None
     if error is not None:  # the same steps uncapped say by how much it missed
-        return out | {"error": error, "memory_uncapped": memory_run(policy, steps=3, device=device, cap=False)}
+        return out | {"error": error, "out_of_memory": detail,
+                      "memory_uncapped": memory_run(policy, steps=3, device=device, cap=False)}
     memory = memory_run(policy, steps=3, device=device)
     out |= {"validation": validation, "memory": memory}
     out["goals"] = goals(validation, memory)
     # a failed arena run is recorded in its own entry ("error"); the experiment's other figures stand
     out["arena"] = _part("arena", lambda: arena_run(policy, memory, device))
+    return out
+
+
+def out_of_memory(error: BaseException, device: str = "cuda") -> dict:
+    """What the out-of-memory behind `error` (a NoFit raised while handling torch's OutOfMemoryError) says, read
+    before anything else runs: torch's message (what it tried to allocate, what the process held and reserved), the
+    last of gaswap's frames it was raised in (a generated program's line names the instruction), and the caching
+    allocator's figures then (CUDA)."""
+    import torch
+
+    oom = error.__cause__ or error.__context__
+    package = str(Path(__file__).resolve().parents[1])
+    frames = traceback.extract_tb(oom.__traceback__) if oom is not None else []
+    ours = [f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in frames
+            if f.filename.startswith(package) or f.filename.startswith("<gaswap")]
+    out = {"message": " ".join(str(oom).split())[:600] if oom is not None else None, "raised_in": ours[-4:]}
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        stats = torch.cuda.memory_stats(device)
+        out["allocator"] = {k: stats.get(k) for k in (
+            "allocated_bytes.all.current", "reserved_bytes.all.current", "reserved_bytes.all.peak",
+            "inactive_split_bytes.all.current", "segment.all.current", "num_alloc_retries", "num_ooms")}
     return out
 
 
