@@ -163,6 +163,16 @@ def test_a_policy_one_budgets_search_found_is_a_candidate_wherever_it_fits(monke
     assert any("at B: a policy another budget's search found is faster" in line for line in lines)
 
 
+def test_among_policies_the_model_cannot_tell_apart_by_time_the_smallest_peak_goes_first():
+    from gaswap.app import compare
+
+    fast, close_small, close_big, slow = (_evaluated(1, 1.000, 90), _evaluated(2, 1.005, 40), _evaluated(3, 1.008, 95),
+                                          _evaluated(4, 1.2, 10))
+    ordered = compare._slack_first([fast, close_small, close_big, slow])
+    assert [e.chromosome.actions for e in ordered] == [(2,), (1,), (3,), (4,)]  # 4 is no equal of the fastest
+    assert compare._slack_first([]) == []
+
+
 def test_with_no_finalists_each_budget_gets_the_models_choice(monkeypatch):
     """`compare --finalists 0` (the GPU check's cut) picked no policy at any budget: the shortlists were empty."""
     from types import SimpleNamespace
@@ -198,7 +208,7 @@ def test_the_candidates_each_budget_checks_first_are_sent_ahead_at_once(peaks, m
             self.budget, self.canonical = budget - RESIDENT, (lambda c: c)
 
     def search(problem, ga, seed, seeds):  # at 500: 1 (settled; over 400) before 0; at 400: 2 before 0
-        front = [_evaluated(1, 1.0, 450) if problem.budget == 500 else _evaluated(2, 1.0, 80), _evaluated(0, 1.1, 90)]
+        front = [_evaluated(1, 0.9, 450) if problem.budget == 500 else _evaluated(2, 1.0, 80), _evaluated(0, 1.1, 90)]
         return SimpleNamespace(best=front[0], front=front, fastest=front)
 
     monkeypatch.setattr(step_model, "CompiledProblem", Problem)
