@@ -99,6 +99,7 @@ if __name__ == "__main__":
     for name in ("cnn", "mixture", "normmix", "separable", "window", "gpt", "gpt2_hf", "gru", "densenet"):
         print("\n".join(compare_run(name, f"{name}_a301c48_w2")), flush=True)
     for name, run in (("separable", "separable_5b19884"), ("separable", "separable_806fea8"),
+                      ("separable", "separable_3fa5542"),
                       ("densenet", "densenet_6ec12ec"), ("densenet", "densenet_806fea8")):
         print("\n".join(compare_run(name, run)), flush=True)
     sys.exit(0)
