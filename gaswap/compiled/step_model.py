@@ -416,8 +416,9 @@ def fit(points: list[tuple[str, float, float, int, int, float]]) -> Calibration:
     least squares (`fit_terms`). With more points than the five factors, only some terms are fitted: the fewest
     whose fit predicts the points, each left out in turn, within `PARSIMONY` of the best worst error; the others
     keep their defaults (the standalone cost's 1, byte rates 0). (Fitted on all four, separable's calibration on
-    the AMD machine put keep-all's base at 1.2 to 9.2 ms and its pick 23 to 36 % under its measured time in three
-    runs; with the terms chosen so, -8.3, -14.2 and -1.3 %: results/compiled_model/term_choice.txt.)"""
+    the AMD machine put keep-all's base at 1.2 to 9.2 ms and its pick 23 to 36 % under its measured time in four
+    runs; with the terms chosen so, -8.3, -14.2 and -1.3 % in three, and in the fourth all four were kept:
+    results/compiled_model/term_choice.txt.)"""
     if len(points) <= len(TERMS) + 1:
         return fit_terms(points, TERMS)
 
