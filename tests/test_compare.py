@@ -371,6 +371,22 @@ def test_measure_meters_the_first_rounds_only_and_stops_timing_what_prune_drops(
     assert [r["steps_timed"] for r in rows] == [6, 2, 6] and rows[1]["peak_min"] == rows[1]["peak_max"] > 0
 
 
+def test_pruning_reads_the_step_times_by_the_devices_clock_as_the_rows_do(monkeypatch):
+    """On a GPU the rows are timed by the wall clock; pruning between rounds read the host's CPU seconds."""
+    from gaswap import zoo
+    from gaswap.compiled import methods
+    from gaswap.run import training
+
+    model, x, y = zoo.mlp(sizes=(12, 32, 5)), torch.randn(8, 12), torch.randint(0, 5, (8,))
+    ms = [methods.Method("eager", k, *(lambda m, o: (m, m, o))(*training.fresh_copy(model, "sgd"))) for k in "ab"]
+    monkeypatch.setattr(training, "step_clock", lambda device: "wall")  # as on a GPU
+    monkeypatch.setattr(methods.Method, "step", lambda self, *args: (0.5, 0.1))  # (wall s, CPU s)
+    seen = []
+    rows = methods.measure(ms, (x,), y, "cross_entropy", torch.device("cpu"), 2, 1, lambda line: None, metered=1,
+                           prune=lambda rows_: seen.append([r["step_s"] for r in rows_]) or {0, 1})
+    assert seen == [[0.5, 0.5]] and [r["step_s"] for r in rows] == [0.5, 0.5]
+
+
 def test_a_budget_no_finalist_fits_is_searched_again_under_the_model_error():
     budget_of, resident = {"A": 110, "B": 60, "C": 40}, 10
     # A's finalists measured up to 1.25x their predictions: search A under 100 / 1.25; C erred low: no search

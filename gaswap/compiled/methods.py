@@ -100,6 +100,7 @@ def measure(methods: list[Method], inputs, target, loss: str, device, rounds: in
     the others run an untimed step in its place; with `prune`, after each round `prune(rows so far)` gives
     the indices of the methods still worth timing (the others keep the rounds they ran)."""
     allow_recompiles(len(methods))
+    clock = training.step_clock(device)  # what the rows' step times, and the pruning, read
     runs = [{"wall": [], "cpu": [], "peak": [], "rss": []} for _ in methods]
     cold = [m for m in methods if not m.compile_s]
     for k, m in enumerate(cold):
@@ -121,18 +122,17 @@ def measure(methods: list[Method], inputs, target, loss: str, device, rounds: in
             runs[i]["wall"] += [wall for wall, _ in timed]
             runs[i]["cpu"] += [cpu for _, cpu in timed]
         if prune is not None and r + 1 < rounds:
-            kept = prune(_rows(methods, runs))
+            kept = prune(_rows(methods, runs, clock))
             if len(kept) < len(alive):
                 progress(f"  {len(alive) - len(kept)} of {len(alive)} no longer timed: clearly slower than another "
                          f"at the same budget")
             alive = [i for i in alive if i in kept]
-    return _rows(methods, runs, "cpu" if torch.device(device).type == "cpu" else "wall")
+    return _rows(methods, runs, clock)
 
 
-def _rows(methods: list[Method], runs: list[dict], clock: str = "cpu") -> list[dict]:
+def _rows(methods: list[Method], runs: list[dict], clock: str) -> list[dict]:
     """A row per method; its step time (`step_s`, `step_min`, `step_max`) by `clock`, the device's
-    (`runtime.device_clock`): "cpu" seconds on a CPU, "wall" seconds of a synchronized GPU step (the CPU time of
-    a GPU step is the host's, however long its kernels run)."""
+    (`training.step_clock`)."""
     rows = []
     for m, run in zip(methods, runs):
         c, p = run[clock], run["peak"]

@@ -124,11 +124,15 @@ def metered_round(step, device, timed: int) -> tuple[int, int | None, list[tuple
     return peak, rss_peak, [step() for _ in range(timed)]
 
 
+def step_clock(device) -> str:
+    """The clock a step on `device` is timed by: "cpu" seconds on a CPU, "wall" seconds of a synchronized step on a
+    GPU (the CPU time of a GPU step is the host's, however long its kernels run)."""
+    return "cpu" if torch.device(device).type == "cpu" else "wall"
+
+
 def device_seconds(timed: list[tuple[float, float]], device) -> list[float]:
-    """The seconds of `timed` steps ((wall s, CPU s) pairs, as `train_step` gives them) by the device's clock:
-    CPU seconds on a CPU, wall seconds of a synchronized step on a GPU (the CPU time of a GPU step is the
-    host's, however long its kernels run)."""
-    on_cpu = torch.device(device).type == "cpu"
+    """The seconds of `timed` steps ((wall s, CPU s) pairs, as `train_step` gives them) by `step_clock`."""
+    on_cpu = step_clock(device) == "cpu"
     return [cpu if on_cpu else wall for wall, cpu in timed]
 
 
