@@ -22,7 +22,6 @@ timed out; `scripts/gpu_check.sh` adds 2: deap cannot be imported (no wheel to i
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import os
 import subprocess
@@ -325,8 +324,7 @@ def memory_run(policy_path: str | Path, steps: int = 3, device: str = "cuda", *,
     cap = budget_cap(exp, policy, dev) if cap else None
     cuda = dev.type == "cuda"
     if cuda:  # record every allocation from a clean cache: the model replays the same requests (replay_recorded)
-        gc.collect()
-        torch.cuda.empty_cache()
+        workspace.fresh_allocator(dev)
         _record_history(True)
     torch.manual_seed(exp.seed)
     model = experiment.build_model(exp, device=str(dev))

@@ -70,6 +70,7 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, e
         raise policies.PolicyError(f"{policy_path}: predicted: needs peak_bytes and step_time_s to compare with")
     exp = _experiment(policy, policy_path, experiment, trust_factory)
     dev = resolve_device(device)
+    workspace.fresh_allocator(dev)  # what the process did before (measuring costs) must not crowd the cap
     model, inputs, target, captured = _captured(policy, policy_path, exp, dev)
     if arena:  # gradients too: each step drops them (training.optimizer_step) before the next
         runner = ArenaRunner(captured, policy.program, dev, results_in_arena=True)

@@ -10,6 +10,7 @@ on a CUDA device, from a hardware profile's architecture where the device is abs
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import re
@@ -194,6 +195,17 @@ def _measured_call(fn, args, kwargs, dev: torch.device, api) -> tuple[int, int]:
     api.synchronize(dev)
     out_bytes = _bytes(out)
     return max(0, api.max_memory_allocated(dev) - before - out_bytes), out_bytes
+
+
+def fresh_allocator(device, *, api=None) -> None:
+    """On CUDA, hand back to the device every segment the caching allocator holds unused (after a garbage
+    collection frees what earlier work left unreferenced): a run metered or capped from here reserves only the
+    segments of its own requests, as the allocator model replays them from an empty cache, not those that earlier
+    work in the process (measuring costs) cut to other sizes. Nothing on a CPU. `api`: torch.cuda, or a stand-in."""
+    if torch.device(device).type != "cuda":
+        return
+    gc.collect()
+    (api or torch.cuda).empty_cache()
 
 
 @contextmanager
