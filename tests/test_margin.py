@@ -47,12 +47,14 @@ def test_a_profile_margin_is_cublas_workspace_on_its_architecture_and_says_what_
 
 def test_a_measured_margin_is_the_workspace_plus_the_largest_op_transient(monkeypatch):
     monkeypatch.setattr(workspace, "workspace_bytes", lambda dev: 32 * MiB)
-    monkeypatch.setattr(workspace, "op_transients", lambda graph, dev: {"conv": 3 * MiB, "mm": 5 * MiB, "sdpa": MiB})
+    monkeypatch.setattr(workspace, "measure_transients", lambda graph, dev: workspace.Transients(
+        {"conv": 3 * MiB, "mm": 5 * MiB, "sdpa": MiB}, {"conv": 0.25}))
     measured = Costs({}, 1e9, 1e9, "a GPU", "measured")
     m = workspace.margin(measured, "cuda", graph=None)
     assert (m.workspace_bytes, m.transient_bytes, m.transient_op, m.margin_bytes) == (32 * MiB, 5 * MiB, "mm",
                                                                                       37 * MiB)
     assert m.source == "measured on cuda" and m.transients == {"conv": 3 * MiB, "mm": 5 * MiB, "sdpa": MiB}
+    assert m.capped_seconds == {"conv": 0.25}
     assert "transients" not in m.as_dict()  # the record a policy file keeps stays small
     cpu = workspace.margin(measured, "cpu", graph=None)
     assert cpu.margin_bytes == 0 and "step meter" in cpu.note
@@ -187,3 +189,20 @@ def test_validate_compares_a_cuda_peak_with_the_prediction_that_holds_the_transi
     assert validate._on_device(predicted, torch.device("cuda", 0)) == {"peak_bytes": 1100, "graph_peak_bytes": 1000}
     assert validate._on_device(predicted, torch.device("cpu")) == {}  # the CPU's meter sees no transient
     assert validate._on_device({"peak_bytes": 1000}, torch.device("cuda", 0)) == {}  # none measured: the graph's
+
+
+def test_a_search_for_an_absolute_budget_prices_ops_at_their_capped_times(tmp_path, monkeypatch):
+    """`validate` caps a run at an absolute budget, where cuDNN's convolutions take their least workspace and
+    slower plans (`workspace.capped_costs`); a fraction of keep-all's peak runs uncapped, at the times alone."""
+    prepared = workflow.prepare(_experiment(tmp_path, "0.7x"))
+    op = prepared.graph.ops[0].name
+    slow = prepared.costs.op_time[op] + 0.5
+    margin = workspace.Margin(0, 0, None, "measured on cuda:0", "", {}, {op: slow})
+    monkeypatch.setattr(workflow, "device_margin", lambda prepared: margin)
+    keep_all = workflow.keep_all(prepared)
+    _, fraction = workflow.run_search(prepared, tmp_path / "fraction")
+    assert fraction["keep_all"]["step_time_s"] == pytest.approx(keep_all.step_time)
+    capped = dataclasses.replace(prepared, experiment=_experiment(tmp_path, keep_all.peak_bytes))
+    _, absolute = workflow.run_search(capped, tmp_path / "absolute")
+    assert absolute["keep_all"]["step_time_s"] == pytest.approx(keep_all.step_time + 0.5)
+    assert absolute["device_margin"]["ops_timed_capped"] == 1

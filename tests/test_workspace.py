@@ -1,10 +1,12 @@
 """What a GPU holds beyond the graph's tensors, measured per op (gaswap.run.workspace): on the CPU with the step
 tracker standing in for CUDA's allocator statistics."""
 import json
+import time
 from types import SimpleNamespace
 
 import torch
 
+from gaswap.plan.costs import Costs
 from gaswap.plan.graph import Graph, Op, Tensor
 from gaswap.plan.memory.allocator import replay
 from gaswap.run import workspace
@@ -158,6 +160,42 @@ def test_an_ops_least_transient_is_measured_with_the_process_capped(monkeypatch)
     assert workspace.op_transients(graph, "cuda", api=api) == {"conv": 64 << 10, "mm": 8 * MiB}
     assert api.fractions[-1] == 1.0 and api.fraction == 1.0  # the cap lifted after each call
     assert workspace.op_transients(graph, "cuda", api=api, least=False) == {"conv": 1 << 30, "mm": 8 * MiB}
+
+
+def test_an_op_whose_transient_shrinks_when_memory_is_short_is_timed_there(monkeypatch):
+    """On an H100 cuDNN's plans with little workspace ran AlexNet's convolutions up to 8x slower, and a policy
+    capped at its budget 1.8-2.1x its predicted step (results/gpu_check/, runs 2 and 8): an op whose least transient
+    is below the one with memory to spare is timed capped; one whose transient cannot shrink is not."""
+    api = _CappedAllocator()
+    plans = {1 << 30: 0.0, 64 << 10: 0.02}  # workspace bytes -> seconds the plan takes
+
+    def elastic(*args, **kwargs):
+        out = torch.empty(MiB, dtype=torch.uint8)
+        api.allocate(MiB)
+        for workspace_bytes, seconds in plans.items():
+            try:
+                api.allocate(workspace_bytes)
+            except torch.OutOfMemoryError:
+                continue
+            time.sleep(seconds)
+            api.free(workspace_bytes)
+            return out
+        raise torch.OutOfMemoryError("stand-in: no plan fits")
+
+    ops = {"elastic": elastic, "fixed": _planned_op(api, [8 * MiB])}
+    monkeypatch.setattr(workspace, "op_call", lambda signature, dev: (ops[json.loads(signature)["target"]], (), {}))
+    tensors = {"x": Tensor("x", 4, "input"), "a": Tensor("a", MiB, "activation", "conv"),
+               "loss": Tensor("loss", 4, "activation", "mm")}
+    graph = Graph((Op("conv", "elastic", ("x",), ("a",), signature=json.dumps({"target": "elastic"})),
+                   Op("mm", "fixed", ("a",), ("loss",), signature=json.dumps({"target": "fixed"}))), tensors, loss="loss")
+    measured = workspace.measure_transients(graph, "cuda", api=api)
+    assert measured.bytes == {"conv": 64 << 10, "mm": 8 * MiB}
+    assert list(measured.capped_seconds) == ["conv"] and 0.02 <= measured.capped_seconds["conv"] < 0.2
+    assert workspace.measure_transients(graph, "cuda", api=api, least=False).capped_seconds == {}
+    margin = workspace.Margin(0, 8 * MiB, "mm", "t", "", measured.bytes, measured.capped_seconds)
+    costs = workspace.capped_costs(Costs({"conv": 0.001, "mm": 0.002}, 1e9, 1e9, "t", "measured"), margin)
+    assert costs.op_time == {"conv": measured.capped_seconds["conv"], "mm": 0.002}
+    assert margin.as_dict()["ops_timed_capped"] == 1 and "capped_seconds" not in margin.as_dict()
 
 
 def test_a_capped_run_lifts_its_cap_when_it_fails():

@@ -139,7 +139,8 @@ def main(argv=None) -> int:
     p = add_parser("check-gpu", help="on a CUDA machine: CUDA tests, search + validate two experiments, "
                                            "allocator model vs measured memory, one JSON report")
     p.add_argument("--out", default="gpu_check.json", help="the JSON report (default: gpu_check.json)")
-    p.add_argument("--steps", type=_at_least(3, int), default=5, help="validation steps per experiment (default 5)")
+    p.add_argument("--steps", type=_at_least(3, int), default=11,
+                   help="validation steps per experiment (default 11: a warm-up, then ten timed)")
     p.set_defaults(run=check_gpu)
     try:
         args = parser.parse_args(argv)

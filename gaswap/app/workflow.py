@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from gaswap.app import results
@@ -180,6 +180,14 @@ def device_margin(prepared: Prepared):
     return workspace.margin(prepared.costs, prepared.experiment.costs.device, prepared.graph)
 
 
+def with_capped_costs(prepared: Prepared, margin) -> Prepared:
+    """`prepared` with the times of the ops `margin` timed capped (`workspace.capped_costs`) when its experiment's
+    budget is absolute: `validate` caps such a run at it (`validate.budget_cap`), as a device of that size would."""
+    if prepared.experiment.budget.bytes is None:
+        return prepared
+    return replace(prepared, costs=workspace.capped_costs(prepared.costs, margin))
+
+
 def planning_budget(experiment: config.Experiment, keep_all_peak: int, margin) -> tuple[int, int]:
     """(the budget, what the search plans for): the experiment's budget, a fraction of keep-all's peak on the device
     (`keep_all_peak`, the graph's, with the margin: what the allocator reports for plain PyTorch), and that less the
@@ -232,9 +240,10 @@ def run_search(prepared: Prepared, out: str | Path, *, on_generation=None, resum
 
 def _search_and_write(prepared: Prepared, out: Path, on_generation, resume: bool, stop,
                       finish=None) -> tuple[SearchResult, dict]:
+    kept = device_margin(prepared)
+    prepared = with_capped_costs(prepared, kept)
     exp, graph, costs = prepared.experiment, prepared.graph, prepared.costs
     reference = planning_problem(prepared).keep_all()
-    kept = device_margin(prepared)
     budget, planned = planning_budget(exp, reference.peak_bytes, kept)
     problem = planning_problem(prepared, planned)
     result = search(problem, exp.ga, exp.seed, on_generation=on_generation, checkpoint=out / checkpoints.NAME,

@@ -14,8 +14,10 @@ import gc
 import logging
 import os
 import re
+import statistics
+import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -44,7 +46,8 @@ class Margin:
     """What a search keeps under the budget for what the device holds beyond the graph's tensors: cuBLAS's
     workspace (kept all step) plus the largest transient of one op (ops run one at a time on the compute
     stream), and where the figures come from (`source`, `note`: what they leave out); `transients`, each op's
-    measured (`op_transients`: the search's policies predict with them, `workflow.device_peak`)."""
+    measured (`op_transients`: the search's policies predict with them, `workflow.device_peak`); `capped_seconds`,
+    the times of the ops whose transient shrinks when memory is short, timed so (`capped_costs`)."""
 
     workspace_bytes: int
     transient_bytes: int
@@ -52,6 +55,7 @@ class Margin:
     source: str
     note: str = ""
     transients: dict = field(default_factory=dict, compare=False)
+    capped_seconds: dict = field(default_factory=dict, compare=False)  # `Transients.capped_seconds`
 
     @property
     def margin_bytes(self) -> int:
@@ -62,8 +66,9 @@ class Margin:
         return sum(_footprint(n, expandable_segments) for n in (self.workspace_bytes, self.transient_bytes) if n)
 
     def as_dict(self) -> dict:
-        """The record results and policy files keep (each op's transients left out)."""
-        return {k: v for k, v in asdict(self).items() if k != "transients"} | {"margin_bytes": self.margin_bytes}
+        """The record results and policy files keep (each op's transients and times left out)."""
+        return {k: v for k, v in asdict(self).items() if k not in ("transients", "capped_seconds")} \
+            | {"margin_bytes": self.margin_bytes, "ops_timed_capped": len(self.capped_seconds)}
 
 
 def _footprint(nbytes: int, expandable: bool) -> int:
@@ -99,11 +104,22 @@ def margin(costs: Costs, device: str, graph: Graph) -> Margin:
     if dev.type == "cpu":
         return Margin(0, 0, None, "cpu", "no cuBLAS workspace; the tensors a CPU kernel allocates inside it "
                                          "(convolutions' scratch) are host memory the step meter does not count")
-    transients = op_transients(graph, dev)
+    measured = measure_transients(graph, dev)
+    transients = measured.bytes
     op = max(transients, key=transients.get, default=None)
     return Margin(workspace_bytes(dev), transients.get(op, 0), op, f"measured on {dev}",
                   "each op's least transient: cuDNN takes a larger workspace where the device has memory to spare "
-                  "(a run capped at the budget, `capped`, leaves it none)", transients)
+                  "(a run capped at the budget, `capped`, leaves it none)", transients, measured.capped_seconds)
+
+
+def capped_costs(costs: Costs, margin: Margin) -> Costs:
+    """`costs` with the times of the ops `margin` timed capped (`capped_seconds`): what they take in a run capped
+    at an absolute budget, where cuDNN's convolutions get the least workspace and its slower plans (on an H100,
+    AlexNet's planned at 6.5 GB ran 1.8-2.1x the step time its ops predicted timed alone with the whole device free:
+    results/gpu_check/, run 8)."""
+    if not margin.capped_seconds:
+        return costs
+    return replace(costs, op_time=costs.op_time | margin.capped_seconds)
 
 
 def profile_margin(profile: str) -> Margin:
@@ -136,34 +152,54 @@ def workspace_bytes(device, *, api=None) -> int:
     return max(0, api.memory_allocated(dev) - before - _bytes(a) - _bytes(out))
 
 
+@dataclass(frozen=True)
+class Transients:
+    """What `measure_transients` measured: `bytes`, {op name: bytes it allocates and frees while it runs} (ops that
+    do); `capped_seconds`, {op name: seconds per call capped at its least transient} for the ops whose least is
+    below their transient with memory to spare (cuDNN's convolutions, whose plans differ in speed too)."""
+
+    bytes: dict[str, int]
+    capped_seconds: dict[str, float]
+
+
 def op_transients(graph: Graph, device, *, api=None, least: bool = True) -> dict[str, int]:
-    """{op name: bytes it allocates and frees while it runs} for the ops of `graph` that do (CUDA; {} elsewhere),
-    each signature measured once: the allocator's peak during one call, less what was there before and what the
-    call returns. The call is made once before (handles and the workspace, kept, are not an op's transients). An
-    op that cannot run standalone counts none (op timing prices it by roofline, and says so).
+    """{op name: bytes it allocates and frees while it runs} for the ops of `graph` that do (`measure_transients`)."""
+    return measure_transients(graph, device, api=api, least=least).bytes
+
+
+def measure_transients(graph: Graph, device, *, api=None, least: bool = True) -> Transients:
+    """Each op's transient (CUDA; none elsewhere), each signature measured once: the allocator's peak during one
+    call, less what was there before and what the call returns. The call is made once before (handles and the
+    workspace, kept, are not an op's transients). An op that cannot run standalone counts none (op timing prices
+    it by roofline, and says so).
 
     With `least` (the default), the least the op runs with: cuDNN's convolutions take a workspace as large as
     the device has free (torch tries cuDNN's plans in turn and skips one whose workspace it cannot allocate;
     on an 80 GB H100 AlexNet's first convolution's backward takes 2.2 GB, and 10 KB when memory is short), so
     the op is called again with the process capped (`capped`) at what it holds plus a headroom that grows
-    eightfold from 2 MiB until the call runs; the transient then is its least. Without, the transient on a device
+    eightfold from 2 MiB until the call runs; the transient then is its least, and where that is less than with
+    memory to spare the op is timed there too (`Transients.capped_seconds`). Without, the transient on a device
     with memory to spare. `api`: torch.cuda's memory functions (a stand-in measures elsewhere, as the CPU tests
     do; one without `set_per_process_memory_fraction` gives the transient with memory to spare)."""
     dev = torch.device(device)
     if api is None and dev.type != "cuda":
-        return {}
+        return Transients({}, {})
     api = api or torch.cuda
-    by_signature: dict[str, int] = {}
+    by_signature: dict[str, tuple[int, float | None]] = {}
     for op in graph.ops:
         if op.signature not in by_signature:
             by_signature[op.signature] = _transient(op.signature, dev, api, least)
-    return {op.name: by_signature[op.signature] for op in graph.ops if by_signature[op.signature]}
+    measured = {op.name: by_signature[op.signature] for op in graph.ops}
+    return Transients({name: n for name, (n, _) in measured.items() if n},
+                      {name: s for name, (_, s) in measured.items() if s is not None})
 
 
 HEADROOM_START, HEADROOM_GROWTH = 2 << 20, 8
 
 
-def _transient(signature: str, dev: torch.device, api, least: bool) -> int:
+def _transient(signature: str, dev: torch.device, api, least: bool) -> tuple[int, float | None]:
+    """(the op's transient, its seconds per call capped at its least transient where that is below the one with
+    memory to spare, else None)."""
     try:
         fn, args, kwargs = op_call(signature, dev)
         with torch.no_grad():
@@ -171,19 +207,37 @@ def _transient(signature: str, dev: torch.device, api, least: bool) -> int:
             spare, out_bytes = _measured_call(fn, args, kwargs, dev, api)
     except Exception as e:  # noqa: BLE001 - an op that cannot run alone has no measured transient
         log.info("no transient measured for %s (%s: %s)", signature[:120], type(e).__name__, str(e)[:200])
-        return 0
+        return 0, None
     if not (least and spare and hasattr(api, "set_per_process_memory_fraction")):
-        return spare
+        return spare, None
     headroom = HEADROOM_START
     with torch.no_grad():
         while headroom < spare:
             api.empty_cache()  # what the cap counts: the segments of the op's inputs
             try:
                 with capped(dev, api.memory_reserved(dev) + _footprint(out_bytes, False) + headroom, api=api):
-                    return _measured_call(fn, args, kwargs, dev, api)[0]
+                    transient = _measured_call(fn, args, kwargs, dev, api)[0]
+                    if transient >= spare:
+                        return spare, None
+                    return transient, _seconds_per_call(fn, args, kwargs, dev, api)
             except torch.OutOfMemoryError:
                 headroom *= HEADROOM_GROWTH
-    return spare
+    return spare, None
+
+
+def _seconds_per_call(fn, args, kwargs, dev: torch.device, api, warmup: int = 2, repeats: int = 5) -> float:
+    """Median wall seconds of one call, the device synchronized around each (ops that shrink their transient when
+    memory is short are cuDNN's convolutions, milliseconds long)."""
+    for _ in range(warmup):
+        fn(*args, **kwargs)
+    seconds = []
+    for _ in range(repeats):
+        api.synchronize(dev)
+        started = time.perf_counter()
+        fn(*args, **kwargs)
+        api.synchronize(dev)
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds)
 
 
 def _measured_call(fn, args, kwargs, dev: torch.device, api) -> tuple[int, int]:
