@@ -116,7 +116,7 @@ def test_a_budget_none_of_whose_candidates_fit_is_searched_again_under_the_progr
             self.canonical = lambda c: c
 
     def search(problem, ga, seed, seeds):  # at 200 above resident action 1 (programs 150 + 10); lower, action 2
-        front = [_evaluated(1, 1.0, 80)] if searched[-1] >= 100 else [_evaluated(2, 1.5, 60)]
+        front = [_evaluated(1, 1.0, 80)] if searched[-1] >= 100 else [_evaluated(2, 1.5, min(60, searched[-1]))]
         return SimpleNamespace(best=front[0], front=front, fastest=front)
 
     monkeypatch.setattr(step_model, "CompiledProblem", Problem)
@@ -128,6 +128,12 @@ def test_a_budget_none_of_whose_candidates_fit_is_searched_again_under_the_progr
     # less the margin left for the model's error on what it finds there
     assert searched == [200, 120, int(120 / (2 * (1 + compare.LOWERED_MARGIN)))] and searched[-1] < 60
     assert [(label, [e.chromosome.actions for e in es]) for label, es in out] == [("A", [(1,)]), ("B", [(2,)])]
+    lowered = searched[-1]
+    searched.clear()  # a second round: B searched under the budget its programs fitted, A's action 1 no candidate there
+    out = compare._search(exp, None, None, None, None, {}, [("A", RESIDENT + 200), ("B", RESIDENT + 120)], RESIDENT,
+                          lambda line: None, 3, made)
+    assert searched == [200, lowered] and made.lowered == {"B": RESIDENT + lowered}
+    assert [(label, [e.chromosome.actions for e in es]) for label, es in out] == [("A", [(1,), (2,)]), ("B", [(2,)])]
     searched.clear()  # C: action 2's programs (90 + 10) over 90, 100 / 60 the model's; lowered, the same again
     compare._search(exp, None, None, None, None, {}, [("C", RESIDENT + 90)], RESIDENT, lambda line: None, 3, made)
     assert searched == [90, int(90 / (100 / 60 * (1 + compare.LOWERED_MARGIN)))] and made.unreached == {"C"}

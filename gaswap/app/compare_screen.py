@@ -47,6 +47,7 @@ class ProgramPeaks:
         self._ahead: dict[tuple, object] = {}  # actions -> future of (peak, partition key) or None (`ahead`)
         self.known: dict[tuple, int | None] = {}  # actions -> programs' peak (None: inductor's program unreadable)
         self.unreached: set[str] = set()  # budgets (labels) no candidate fitted by its programs, even searched lower
+        self.lowered: dict[str, int] = {}  # label -> the budget searched lower where its candidates' programs did fit
         # actions -> the `VARIANTS` entry its programs fit a budget under (the lowest budget's, where several:
         # its peak is under the others too): the policy is compiled so, at every budget
         self.inductor: dict[tuple, dict] = {}
