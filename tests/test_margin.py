@@ -191,6 +191,18 @@ def test_validate_compares_a_cuda_peak_with_the_prediction_that_holds_the_transi
     assert validate._on_device({"peak_bytes": 1000}, torch.device("cuda", 0)) == {}  # none measured: the graph's
 
 
+def test_validate_says_when_the_host_took_the_gpu_step_to_issue_it():
+    """On an H100 gpt_bench's policies ran 6-84 % over their prediction, the host issuing each step for as long as
+    it ran (results/gpu_check/, runs 8-14): `validate` reports the host's time and whether it bound the step."""
+    import torch
+
+    from gaswap.app import validate
+
+    assert validate._host_figures([0.0098, 0.0099, 0.0120], 0.0101, torch.device("cuda", 0)) == (0.0099, True)
+    assert validate._host_figures([0.0049, 0.0050, 0.0052], 0.0080, torch.device("cuda", 0)) == (0.0050, False)
+    assert validate._host_figures([0.01], 0.01, torch.device("cpu")) is None  # a CPU runs the ops itself
+
+
 def test_a_search_for_an_absolute_budget_prices_ops_at_their_capped_times(tmp_path, monkeypatch):
     """`validate` caps a run at an absolute budget, where cuDNN's convolutions take their least workspace and
     slower plans (`workspace.capped_costs`); a fraction of keep-all's peak runs uncapped, at the times alone."""

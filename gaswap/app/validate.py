@@ -30,6 +30,10 @@ from gaswap.run.measure import device_name, load_per_cpu, resolve_device, use_cp
 from gaswap.run.runtime import CLOCK_NAMES, StepRunner, device_clock
 from gaswap.zoo import shipped
 
+# a GPU step the host takes at least this share of to issue is bound by the host: its Python dispatch, which op
+# costs timed on the device leave out (on an H100, gpt_bench's policies: results/gpu_check/, runs 8-14)
+HOST_BOUND = 0.9
+
 
 def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, experiment: str | Path | None = None,
              trust_factory: bool = False, progress=None, arena: bool = False, recalibrate: bool = False,
@@ -86,8 +90,8 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, e
     kept = sum(allocator.allocation_size(allocator.round_size(n)) for n in batch) if reserved else None
     try:
         with workspace.capped(dev, cap) if cap else nullcontext():
-            loss, peaks, times = _train(runner, captured, model, inputs, target, exp, dev, steps, progress,
-                                        [runner.buffer] if arena else [], kept)
+            loss, peaks, times, issued = _train(runner, captured, model, inputs, target, exp, dev, steps, progress,
+                                                [runner.buffer] if arena else [], kept)
     except torch.OutOfMemoryError:
         raise NoFit(f"{policy_path}: out of memory on {device_name(dev)} capped at {config.format_size(cap)} (the "
                     f"budget and the batch kept to clone each step's from): the caching allocator's reservations "
@@ -112,6 +116,9 @@ def validate(policy_path: str | Path, steps: int = 5, device: str = "auto", *, e
     if "graph_peak_bytes" in report["predicted"]:
         report["graph_peak_ratio"] = report["measured"]["peak_bytes"] / report["predicted"]["graph_peak_bytes"]
     report["time_ratio"] = report["measured"]["step_time_s"] / report["predicted"]["step_time_s"]
+    host = _host_figures(issued, report["measured"]["step_time_s"], dev)
+    if host:
+        report["measured"]["issue_time_s"], report["host_bound"] = host
     if arena:
         report["arena"] = arena_figures(runner)
     write_atomic(policy_path.with_name("validation.json"), json.dumps(report, indent=2) + "\n")
@@ -124,6 +131,16 @@ def _on_device(predicted: dict, dev: torch.device) -> dict:
     if dev.type != "cuda" or "device_peak_bytes" not in predicted:
         return {}
     return {"peak_bytes": predicted["device_peak_bytes"], "graph_peak_bytes": predicted["peak_bytes"]}
+
+
+def _host_figures(issued: list[float], step_s: float, dev: torch.device) -> tuple[float, bool] | None:
+    """On CUDA, (the median seconds the host took to issue a step, whether that is at least `HOST_BOUND` of the
+    step's `step_s`: a step bound by the host's dispatch, which the prediction leaves out); None elsewhere (on a CPU
+    the host runs the ops)."""
+    if dev.type != "cuda":
+        return None
+    issue = statistics.median(issued)
+    return issue, issue >= HOST_BOUND * step_s
 
 
 def budget_cap(exp: config.Experiment, policy: policies.Policy, dev: torch.device) -> int | None:
@@ -171,7 +188,8 @@ def _captured(policy: policies.Policy, policy_path: Path, exp: config.Experiment
 def _train(runner, captured, model, inputs, target, exp: config.Experiment, dev: torch.device, steps: int,
            progress, extra: list, reserved_less: int | None = None) -> tuple:
     """`steps` runtime steps (`training.runtime_step`) on fresh copies of the batch, the first a warm-up;
-    (the last step's loss, the peaks metered, the step times) of the later steps; with `reserved_less`, the peaks
+    (the last step's loss, the peaks metered, the step times, the times to issue them) of the later steps timed;
+    with `reserved_less`, the peaks
     are the allocator's reservations less those bytes (CUDA). The meter counts what the
     experiment counts, and `extra` (an arena's buffer)."""
     optimizer, params = training.make_optimizer(exp.optimizer, model), training.trainable(model)
@@ -186,15 +204,17 @@ def _train(runner, captured, model, inputs, target, exp: config.Experiment, dev:
         return done
 
     training.warm_up(lambda: step(0, cuda), steps=1)  # it creates the optimizer state
-    peaks, times = [], []
+    peaks, times, issued = [], [], []
     for k in range(1, steps):
         # CUDA's allocator counts for free; the CPU tracker slows a step, so it meters the last one only, untimed.
         metered = cuda or k == steps - 1
         done = step(k, metered)
-        times += [done.seconds] if cuda or not metered else []
+        if cuda or not metered:
+            times.append(done.seconds)
+            issued.append(done.issued)
         if metered:
             peaks.append(done.memory.peak if reserved_less is None else done.memory.reserved_peak - reserved_less)
-    return done.loss, peaks, times
+    return done.loss, peaks, times, issued
 
 
 def _experiment(policy: policies.Policy, policy_path: Path, named: str | Path | None, trust: bool) -> config.Experiment:

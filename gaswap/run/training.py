@@ -153,6 +153,8 @@ class RuntimeStep:
     memory: DeviceMemory | None  # the step meter's figures, if it was metered
     seconds: float  # the forward and backward, by the clock given, the device synchronized
     optimizer_peak: int  # CUDA: the allocator's allocated bytes at most during the optimizer step; else 0
+    issued: float = 0.0  # the same clock until the runner returned, before the device is synchronized: on a GPU
+    # the host's time to issue the step (a step the host issues for as long as it runs is bound by the host)
 
 
 def resident(captured, args: list, optimizer: torch.optim.Optimizer, counts, extra=()) -> list[torch.Tensor]:
@@ -179,9 +181,10 @@ def runtime_step(runner, args: list, held: list, optimizer: torch.optim.Optimize
         sync(device)
         started = clock()
         loss, *grads = runner(args)
+        issued = clock() - started
         sync(device)
         seconds = clock() - started
-    return RuntimeStep(loss, memory, seconds, optimizer_step(optimizer, params, grads, device))
+    return RuntimeStep(loss, memory, seconds, optimizer_step(optimizer, params, grads, device), issued)
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, params, grads: list, device) -> int:
