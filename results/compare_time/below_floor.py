@@ -1,7 +1,8 @@
 """Why no 0.8x point (issue 34, item 2) on five models: at 0.8 x torch's lowest measured peak, the smallest peak a
 compare search reaches in the compiled model (`compare.SEARCH`, torch's partitions as seeds, the run's own peak
 calibration), and for the candidates that fit the model there, the peak of the programs inductor writes for the
-four smallest peaks the model gives (one candidate each; dry compiles: `dry_compile.policy_peak_and_partition`). Run from the repository root:
+four smallest peaks the model gives (one candidate each; dry compiles: `dry_compile.policy_peak_and_partition`), and
+the smallest's under every order inductor can be told (`order.ORDERS`, and as partitioned), buffer reuse on and off. Run from the repository root:
     PYTHONPATH=. python results/compare_time/below_floor.py > results/compare_time/below_floor.txt
 """
 import csv
@@ -13,6 +14,7 @@ import yaml
 from gaswap.app import compare
 from gaswap.base import config
 from gaswap.compiled import dry_compile, partition, step_model
+from gaswap.compiled import order as orders
 from gaswap.compiled import methods as compiled_methods
 from gaswap.plan.search import search
 from gaswap.run import measure
@@ -55,3 +57,14 @@ for name, run in RUNS:
               f"({peak / (e.peak_bytes - resident):.2f}x; {'fits' if peak <= 0.8 * lowest else 'over'})", flush=True)
         if len(programs) == CHECKED:
             break
+    if found:  # the smallest under each order inductor can be told (`order.ORDERS`), and with buffer reuse off
+        smallest = min(found.values(), key=lambda e: e.peak_bytes)
+        actions = unbounded.actions_of(problem.canonical(smallest.chromosome))
+        varied = []
+        for order in (None, *orders.ORDERS):
+            for reuse in (True, False):
+                inductor = ({} if order is None else {"order": order}) | ({} if reuse else {"buffer_reuse": False})
+                policy = partition.make_policy(graph, actions, provenance=provenance | {"inductor": inductor})
+                varied.append(dry_compile.policy_peak(model, policy, inputs, graph.tensors[graph.loss].size, exp.loss))
+        print(f"  the smallest under {len(varied)} orders and buffer reuse settings: programs "
+              f"{min(varied) / 1e6:.2f} to {max(varied) / 1e6:.2f} MB", flush=True)
