@@ -387,6 +387,24 @@ def test_pruning_reads_the_step_times_by_the_devices_clock_as_the_rows_do(monkey
     assert seen == [[0.5, 0.5]] and [r["step_s"] for r in rows] == [0.5, 0.5]
 
 
+def test_a_method_whose_round_is_short_takes_enough_steps_from_its_second_round_to_fill_one(monkeypatch):
+    """Three steps of a few milliseconds a round leave a median to the noise (on an H100 the same program read 2.96 to
+    3.75 ms in one compare): from its second round on, a method takes as many steps as last `round_s`."""
+    from gaswap import zoo
+    from gaswap.compiled import methods
+    from gaswap.run import training
+
+    model, x, y = zoo.mlp(sizes=(12, 32, 5)), torch.randn(8, 12), torch.randint(0, 5, (8,))
+    ms = [methods.Method("eager", k, *(lambda m, o: (m, m, o))(*training.fresh_copy(model, "sgd"))) for k in "ab"]
+    seconds = {"a": 0.01, "b": 0.2}  # CPU seconds a step
+    monkeypatch.setattr(methods.Method, "step", lambda self, *args: (1.0, seconds[self.knob]))
+    rows = methods.measure(ms, (x,), y, "cross_entropy", torch.device("cpu"), 3, 2, lambda line: None, metered=1,
+                           round_s=0.25)
+    assert [r["steps_timed"] for r in rows] == [2 + 25 + 25, 2 + 2 + 2]  # b's two steps fill a round already
+    assert methods.steps_for([0.01, 0.03], 3, 0.25) == 13 and methods.steps_for([], 3, 0.25) == 3
+    assert methods.steps_for([0.001], 3, 0.0) == 3  # no round length asked: the steps given
+
+
 def test_a_budget_no_finalist_fits_is_searched_again_under_the_model_error():
     budget_of, resident = {"A": 110, "B": 60, "C": 40}, 10
     # A's finalists measured up to 1.25x their predictions: search A under 100 / 1.25; C erred low: no search

@@ -97,6 +97,7 @@ TIE = 0.01  # predicted times this close to the fastest count as its equal: the 
 # measured 0.5 % over the budget, at two budgets)
 LOWERED_MARGIN = 0.05
 TUNING_ROUNDS, TUNING_STEPS = 3, 2
+ROUND_S = 0.25  # the head to head: a method's round lasts at least this long from its second on (`methods.steps_for`)
 MIN_GAIN = 0.03  # a second-round finalist is compiled only where the refit model predicts it this much faster
 SEPARATED = 0.10  # a finalist whose fastest step is this much slower than the slowest of the fastest is not timed on
 COLUMNS = ("method", "knob", "predicted_peak_bytes", "predicted_step_s", "peak_bytes", "peak_min", "peak_max",
@@ -243,7 +244,7 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     pool.Programs(compile_pool).compile(list(untimed.values()), "pick")  # with finalists 0: each policy once
     compile_pool.close()  # its workers idle and hold memory: gone before the head to head
     methods += [m for m, _ in picked]
-    rows = measure_methods(methods, rounds, steps)
+    rows = measure_methods(methods, rounds, steps, round_s=ROUND_S)
     for row in rows:
         row["budget"] = row["knob"] if row["method"] == "gaswap" else budget_of_torch.get(row["knob"])
     # written once all is measured: a run that fails midway leaves the earlier run's results whole

@@ -6,6 +6,7 @@ step, the optimizers and the meter are `gaswap.run.training`'s.
 """
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 from functools import partial
@@ -93,12 +94,14 @@ def warm_up(m: Method, inputs, target, loss: str, device, progress) -> None:
 
 
 def measure(methods: list[Method], inputs, target, loss: str, device, rounds: int, steps: int, progress, *,
-            metered: int | None = None, prune=None) -> list[dict]:
+            metered: int | None = None, prune=None, round_s: float = 0.0) -> list[dict]:
     """Warm up (compile) each method, then `rounds` rounds in rotated order of `training.metered_round` with
     `steps` timed steps each: a row per method (`gaswap compare`'s columns but the program peak). With
     `metered`, only the first `metered` rounds meter the peak (the allocator's is the same bytes every run),
     the others run an untimed step in its place; with `prune`, after each round `prune(rows so far)` gives
-    the indices of the methods still worth timing (the others keep the rounds they ran)."""
+    the indices of the methods still worth timing (the others keep the rounds they ran). With `round_s`, a
+    method whose first round's steps ran faster than that in all takes as many steps a round from its second on
+    as last that long (`steps_for`)."""
     allow_recompiles(len(methods))
     clock = training.step_clock(device)  # what the rows' step times, and the pruning, read
     runs = [{"wall": [], "cpu": [], "peak": [], "rss": []} for _ in methods]
@@ -109,18 +112,21 @@ def measure(methods: list[Method], inputs, target, loss: str, device, rounds: in
             progress(f"  {doing} {m.name} {m.knob} ({k + 1} of {len(cold)}; {len(cold) - k - 1} after it)")
         warm_up(m, inputs, target, loss, device, progress)
     alive = list(range(len(methods)))
+    count = [steps] * len(methods)  # timed steps a round, each method's
     for r in range(rounds):
         for i in alive[r % len(alive):] + alive[:r % len(alive)]:
             step = partial(methods[i].step, inputs, target, loss, device)
             if metered is None or r < metered:
-                peak, rss_peak, timed = training.metered_round(step, device, steps)
+                peak, rss_peak, timed = training.metered_round(step, device, count[i])
                 runs[i]["peak"].append(peak)
                 runs[i]["rss"].append(rss_peak)
             else:
                 step()
-                timed = [step() for _ in range(steps)]
+                timed = [step() for _ in range(count[i])]
             runs[i]["wall"] += [wall for wall, _ in timed]
             runs[i]["cpu"] += [cpu for _, cpu in timed]
+            if r == 0:
+                count[i] = steps_for(runs[i][clock], steps, round_s)
         if prune is not None and r + 1 < rounds:
             kept = prune(_rows(methods, runs, clock))
             if len(kept) < len(alive):
@@ -128,6 +134,15 @@ def measure(methods: list[Method], inputs, target, loss: str, device, rounds: in
                          f"at the same budget")
             alive = [i for i in alive if i in kept]
     return _rows(methods, runs, clock)
+
+
+def steps_for(seconds: list[float], steps: int, round_s: float) -> int:
+    """Timed steps a round for a method whose steps took `seconds`: `steps`, or as many as last `round_s` by their
+    median where that is more (a step of a few milliseconds, on a GPU or a small model, timed three times a round
+    leaves its median to the noise: on an H100 the same program read 2.96 to 3.75 ms in one compare)."""
+    if not seconds or round_s <= 0:
+        return steps
+    return max(steps, math.ceil(round_s / max(statistics.median(seconds), 1e-9)))
 
 
 def _rows(methods: list[Method], runs: list[dict], clock: str) -> list[dict]:
