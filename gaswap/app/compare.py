@@ -97,7 +97,8 @@ TIE = 0.01  # predicted times this close to the fastest count as its equal: the 
 # measured 0.5 % over the budget, at two budgets)
 LOWERED_MARGIN = 0.05
 TUNING_ROUNDS, TUNING_STEPS = 3, 2
-ROUND_S = 0.25  # the head to head: a method's round lasts at least this long from its second on (`methods.steps_for`)
+# a method's round, the finalists' or the head to head's, lasts at least this long from its second on (`methods.steps_for`)
+ROUND_S = 0.25
 MIN_GAIN = 0.03  # a second-round finalist is compiled only where the refit model predicts it this much faster
 SEPARATED = 0.10  # a finalist whose fastest step is this much slower than the slowest of the fastest is not timed on
 COLUMNS = ("method", "knob", "predicted_peak_bytes", "predicted_step_s", "peak_bytes", "peak_min", "peak_max",
@@ -440,7 +441,7 @@ def _finalists_round(finalists, number: int, problem, made: dict, method, budget
              + (f"; {theirs} of torch's partitions in torch.compile's programs of them" if theirs else "") + ")")
     contenders = partial(_contenders, index, finalists, budget_of, resident)
     measured = [row | {"round": number} for row in
-                measure_methods(methods, TUNING_ROUNDS, TUNING_STEPS, metered=1, prune=contenders)]
+                measure_methods(methods, TUNING_ROUNDS, TUNING_STEPS, metered=1, prune=contenders, round_s=ROUND_S)]
     rows = {a: measured[index[a]] for a in timed}
     chosen, unfit = {}, {}
     number_of = lambda e: made[e.chromosome.actions][0].knob.rsplit(" ", 1)[-1]
