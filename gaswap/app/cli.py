@@ -485,9 +485,9 @@ def validate(args) -> int:
     print(f"  step time  predicted {_ms(p['step_time_s'])}, measured {_ms(m['step_time_s'])} ({r['time_ratio'] - 1:+.1%})"
           + (" (planned for another device)" if elsewhere else ""))
     if r.get("host_bound"):
-        print(f"             the host took {_ms(m['issue_time_s'])} of it to issue the step: bound by Python's dispatch "
-              f"of its ops, which the prediction (the ops' time on the device) leaves out, and which follows the "
-              f"host's speed of the moment")
+        print(f"             the host took {_ms(m['issue_time_s'])} of it to issue the step: bound by Python's "
+              f"dispatch of its ops, which the prediction (the ops' time on the device) leaves out, and which "
+              f"follows the host's speed of the moment")
     if "recalibrated" in r:
         c = r["recalibrated"]
         print(f"             recalibrated here: predicted {_ms(c['step_time_s'])}, measured beside the "

@@ -97,7 +97,8 @@ TIE = 0.01  # predicted times this close to the fastest count as its equal: the 
 # measured 0.5 % over the budget, at two budgets)
 LOWERED_MARGIN = 0.05
 TUNING_ROUNDS, TUNING_STEPS = 3, 2
-# a method's round, the finalists' or the head to head's, lasts at least this long from its second on (`methods.steps_for`)
+# a method's round, the finalists' or the head to head's, lasts at least this long from its second on
+# (`methods.steps_for`)
 ROUND_S = 0.25
 MIN_GAIN = 0.03  # a second-round finalist is compiled only where the refit model predicts it this much faster
 SEPARATED = 0.10  # a finalist whose fastest step is this much slower than the slowest of the fastest is not timed on

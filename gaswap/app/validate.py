@@ -189,9 +189,8 @@ def _train(runner, captured, model, inputs, target, exp: config.Experiment, dev:
            progress, extra: list, reserved_less: int | None = None) -> tuple:
     """`steps` runtime steps (`training.runtime_step`) on fresh copies of the batch, the first a warm-up;
     (the last step's loss, the peaks metered, the step times, the times to issue them) of the later steps timed;
-    with `reserved_less`, the peaks
-    are the allocator's reservations less those bytes (CUDA). The meter counts what the
-    experiment counts, and `extra` (an arena's buffer)."""
+    with `reserved_less`, the peaks are the allocator's reservations less those bytes (CUDA). The meter counts
+    what the experiment counts, and `extra` (an arena's buffer)."""
     optimizer, params = training.make_optimizer(exp.optimizer, model), training.trainable(model)
     clock, cuda = device_clock(dev), dev.type == "cuda"  # CPU: the process's CPU time
 
