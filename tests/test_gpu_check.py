@@ -247,3 +247,21 @@ def test_an_out_of_memory_is_reported_with_torchs_message_and_the_program_line_i
         detail = gpu_check.out_of_memory(e, "cpu")
     assert "Tried to allocate 2.00 GiB" in detail["message"]
     assert detail["raised_in"] == ["<gaswap program test>:2:step"] and "allocator" not in detail  # no CUDA here
+
+
+def test_the_check_says_which_experiments_step_the_host_bound(monkeypatch, capsys, tmp_path):
+    """On an H100 gpt_bench's step missed its predicted time by 6-84 %, issued by the host for as long as it ran
+    (results/gpu_check/, runs 8-14): the check's summary says so beside its goals."""
+    from gaswap.app import cli
+
+    def report(out, steps):
+        bound = {"host_bound": True, "measured": {"step_time_s": 0.0137, "issue_time_s": 0.0135}}
+        return {"errors": [], "seconds": 1.0, "experiments": {
+            "gpt_bench": {"goals": {"step_time_within_10pct": False}, "validation": bound},
+            "alexnet_4gb": {"goals": {"step_time_within_10pct": True}, "validation": {"host_bound": False}}}}
+
+    monkeypatch.setattr(gpu_check, "run", report)
+    assert cli.main(["check-gpu", "--out", str(tmp_path / "r.json")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "  its step (13.7 ms) was bound by the host, which took 13.5 ms to issue it (docs/running_policies.md)"
+    assert lines[2].startswith("alexnet_4gb: ") and len(lines) == 4  # no such line for a step the GPU bound

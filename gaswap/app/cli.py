@@ -434,6 +434,10 @@ def check_gpu(args) -> int:
         return 0
     for name, figures in report.get("experiments", {}).items():
         print(f"{name}: {figures.get('goals', figures.get('error'))}")
+        validation = figures.get("validation") or {}
+        if validation.get("host_bound"):
+            print(f"  its step ({_ms(validation['measured']['step_time_s'])}) was bound by the host, which took "
+                  f"{_ms(validation['measured']['issue_time_s'])} to issue it (docs/running_policies.md)")
     print(f"{len(report['errors'])} error(s); wrote {args.out} in {report['seconds']} s")
     return 0 if not report["errors"] else 1
 
