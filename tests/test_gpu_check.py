@@ -263,5 +263,6 @@ def test_the_check_says_which_experiments_step_the_host_bound(monkeypatch, capsy
     monkeypatch.setattr(gpu_check, "run", report)
     assert cli.main(["check-gpu", "--out", str(tmp_path / "r.json")]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1] == "  its step (13.7 ms) was bound by the host, which took 13.5 ms to issue it (docs/running_policies.md)"
+    assert lines[1] == ("  its step (13.7 ms) was bound by the host, which took 13.5 ms to issue it "
+                        "(docs/running_policies.md)")
     assert lines[2].startswith("alexnet_4gb: ") and len(lines) == 4  # no such line for a step the GPU bound
