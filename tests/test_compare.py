@@ -26,6 +26,17 @@ def test_cpu_peak_meter_sees_what_a_block_holds_at_once():
     del keep
 
 
+def test_cpu_peak_meter_can_read_the_resident_set_alone_without_the_profiler():
+    with PeakMeter("cpu", allocator=False) as meter:
+        assert not torch.autograd.profiler._is_profiler_enabled  # the allocator's count is the profiler's
+        a = torch.ones(16 << 20)  # 64 MiB
+        del a
+    assert meter.peak is None and 60 << 20 <= meter.rss_peak < 76 << 20
+    with PeakMeter("cpu") as meter:
+        assert torch.autograd.profiler._is_profiler_enabled
+    assert meter.peak is not None
+
+
 def test_cpu_peak_meter_ignores_frees_of_what_was_allocated_before():
     before = torch.ones(16 << 20)
     with PeakMeter("cpu") as meter:
@@ -270,6 +281,33 @@ def test_a_finalist_of_a_torch_partitions_partition_is_timed_in_torchs_program_a
     assert actions_of[id(m)] == (2,) and m.run is not torch_run  # torch 0.5's partition read back, compiled
 
 
+def test_a_settled_pick_of_a_torch_partition_compiles_beside_the_next_finalists_and_is_not_made_again():
+    evaluated, method, _, actions_of, _, _ = _finalist_harness({})
+    torch_m = compare.Method("torch.compile", "0.5", "its model", object(), "its optimizer", compile_s=12.0)
+    stand_ins = {(2,): torch_m}
+
+    class Recording:  # stands for `pool.Programs`: each policy its own partition; the compiles asked for
+        def __init__(self):
+            self.calls = []
+
+        def same(self, made, what):
+            return [None] * len(made)
+
+        def compile(self, fresh, what):
+            self.calls.append(([m.knob for m, _ in fresh], what))
+
+    made, own, programs = {}, {}, Recording()
+    compare._make([("A", [evaluated(2)])], "p", made, method, programs, stand_ins)  # timed in torch's program
+    assert made[(2,)][0].run is torch_m.run and programs.calls == [([], [])]
+    pick = compare._own_program("A", evaluated(2), made, method, "p", stand_ins, own)
+    assert pick[2] and actions_of[id(pick[0])] == (2,)
+    assert compare._own_program("A", evaluated(2), made, method, "p", stand_ins, own) == (*pick[:2], False)
+    compare._make([("B", [evaluated(3)])], "p", made, method, programs, stand_ins, [pick])  # round 2
+    assert programs.calls[-1] == (["B #2", "A"], ["finalist", "pick"])  # in one batch: the workers both busy
+    ((m, _),) = compare._picked({"A": evaluated(2)}, made, method, {"A": 110}, "p", stand_ins, own)
+    assert m is pick[0]  # compiled already, not made again
+
+
 def test_two_rounds_refit_the_time_model_on_round_one_and_time_round_twos_new_finalists_beside_its_choice():
     from test_compiled_costs import _masked
 
@@ -358,7 +396,7 @@ def test_measure_meters_the_first_rounds_only_and_stops_timing_what_prune_drops(
         ms.append(methods.Method("eager", knob, m, m, optimizer))
     metered, pruned = [], []
     real = training.metered_round
-    monkeypatch.setattr(training, "metered_round", lambda *a: metered.append(a) or real(*a))
+    monkeypatch.setattr(training, "metered_round", lambda *a, **k: metered.append(a) or real(*a, **k))
 
     def prune(rows):
         pruned.append([r["steps_timed"] for r in rows])

@@ -231,6 +231,7 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
         return rows_
 
     made = {}  # actions -> (Method, Policy, the problem that predicted it): every gaswap policy compiled
+    own = {}  # actions -> (Method, Policy): torch's partitions picked, compiled as gaswap's own (`_own_program`)
     tuning = []  # the finalists' measured rows, both rounds
     if finalists == 0:  # the model's choice, untimed
         chosen = {label: evaluated[0] for label, evaluated in shortlist}
@@ -239,10 +240,11 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
             shortlist, unbounded, budgets, resident, made, method, measure_methods, progress,
             lambda refit, again, settled: _search(exp, graph, costs, refit, space, seeds, again, resident, progress,
                                                   finalists, peaks, settled),
-            pool.Programs(compile_pool, partition_keys), stand_ins)
+            pool.Programs(compile_pool, partition_keys), stand_ins, own)
         progress(peaks.summary())
-    picked = _picked(chosen, made, method, budget_of, unbounded, stand_ins)
-    untimed = {tuple(sorted(policy.actions.items())): (m, policy) for m, policy in picked if not m.compile_s}
+    picked = _picked(chosen, made, method, budget_of, unbounded, stand_ins, own)
+    untimed = {tuple(sorted(policy.actions.items())): (m, policy) for m, policy in picked
+               if not m.compile_s and m.precompiled_s is None}  # the others compiled in a worker already
     pool.Programs(compile_pool).compile(list(untimed.values()), "pick")  # with finalists 0: each policy once
     compile_pool.close()  # its workers idle and hold memory: gone before the head to head
     methods += [m for m, _ in picked]
@@ -383,14 +385,16 @@ def _with_partitions(finalists, partitions: dict, budgets) -> list[tuple[str, li
 
 
 def _two_rounds(shortlist, problem, budgets, resident, made: dict, method, measure_methods, progress,
-                search_again, programs=None, stand_ins=None) -> tuple[dict, list[dict]]:
+                search_again, programs=None, stand_ins=None, own: dict | None = None) -> tuple[dict, list[dict]]:
     """The policy compared at each budget ({label: Evaluated}) and the finalists' measured rows: `shortlist`'s
     finalists timed (round 1); the time model of `problem` (calibrated) refit on their times; the search
     run again with it (`search_again(calibration, budgets, settled)`: (label, [Evaluated]) pairs; `settled(label,
     evaluated)`: made already or not to be compiled, so not worth checking by its programs), under a budget
     lowered by the model's peak error where no finalist fit (`_refit_budgets`); its new finalists timed
     beside round 1's choice (round 2). `programs` (`pool.Programs`): finalists of one partition compiled and
-    timed once, in worker processes first; `stand_ins`: torch's partitions' compiled methods (`_make`)."""
+    timed once, in worker processes first; `stand_ins`: torch's partitions' compiled methods (`_make`). A budget
+    with no new finalist in round 2 keeps round 1's choice: where that is a torch partition read back, its own
+    program (`_own_program`, kept in `own`) compiles beside round 2's finalists, in a worker that would wait."""
     budget_of, labels = dict(budgets), [label for label, _ in budgets]
     chosen, first, unfit = _finalists_round(shortlist, 1, problem, made, method, budget_of, resident,
                                             measure_methods, progress, programs, stand_ins)
@@ -412,15 +416,19 @@ def _two_rounds(shortlist, problem, budgets, resident, made: dict, method, measu
         return e.chromosome.actions in made or e.step_time > _time_limit(standing, label)
 
     retry = search_again(refit, again + _refit_budgets(unfit, budget_of, resident), settled)
-    chosen2, second, _ = _finalists_round(_second_round(retry, made, chosen, standing, progress),
-                                          2, refitted, made, method, budget_of, resident, measure_methods, progress,
-                                          programs, stand_ins)
+    round2 = _second_round(retry, made, chosen, standing, progress)
+    again_at = {label for label, _ in round2}
+    picks = [] if own is None else [
+        _own_program(label, e, made, method, problem, stand_ins, own) for label, e in chosen.items()
+        if label not in again_at and _stands_in(made[e.chromosome.actions][0], stand_ins)]
+    chosen2, second, _ = _finalists_round(round2, 2, refitted, made, method, budget_of, resident, measure_methods,
+                                          progress, programs, stand_ins, [p for p in picks if p[2]])
     tuning = {id(row): row for row in [*first.values(), *second.values()]}  # a row per program and round
     return _final_choice(labels, chosen, chosen2, progress), list(tuning.values())
 
 
 def _finalists_round(finalists, number: int, problem, made: dict, method, budget_of, resident, measure_methods,
-                     progress, programs=None, stand_ins=None) -> tuple[dict, dict, dict]:
+                     progress, programs=None, stand_ins=None, picks=()) -> tuple[dict, dict, dict]:
     """Round `number` of the finalists ((label, [Evaluated]) pairs): each distinct one not in `made` made
     (`method(label, evaluated, problem)`, added to `made` as (Method, Policy, problem)); with `programs`
     (`pool.Programs`), one whose partition saves what one made before saves stands for that one (its entry in
@@ -430,8 +438,8 @@ def _finalists_round(finalists, number: int, problem, made: dict, method, budget
     of several noisy timings does not flatter the figures compared. Returns per budget the finalist measured
     fastest among those whose measured peak is at or under the budget ({label: Evaluated}), the measured rows
     ({actions: row}, with their `round`; one row per program), and the budgets where none is, each with the
-    largest measured / predicted peak of its finalists (`_refit_budgets`). `stand_ins`: see `_make`."""
-    _make(finalists, problem, made, method, programs, stand_ins)
+    largest measured / predicted peak of its finalists (`_refit_budgets`). `stand_ins`, `picks`: see `_make`."""
+    _make(finalists, problem, made, method, programs, stand_ins, picks)
     timed = list(dict.fromkeys(e.chromosome.actions for _, evaluated in finalists for e in evaluated))
     if not timed:
         return {}, {}, {}
@@ -458,12 +466,13 @@ def _finalists_round(finalists, number: int, problem, made: dict, method, budget
     return chosen, rows, unfit
 
 
-def _make(finalists, problem, made: dict, method, programs=None, stand_ins=None) -> None:
+def _make(finalists, problem, made: dict, method, programs=None, stand_ins=None, picks=()) -> None:
     """Add to `made` the finalists not in it (`_finalists_round`): made by `method`, those of a partition
     made before standing for that one (`programs.same`; a torch partition's origin passed on to it), each
     other numbered after the programs made so far, and compiled by `programs`. A torch partition read back
     (`stand_ins`: its actions -> torch.compile's Method at that budget, compiled already) is timed in
-    torch.compile's program, the same as its own would be (`_standing_in`): not compiled again."""
+    torch.compile's program, the same as its own would be (`_standing_in`): not compiled again. `picks`
+    ([(Method, Policy, ...)]: picks settled already) are compiled with them, not timed."""
     new = {}
     for label, evaluated in finalists:
         for e in evaluated:
@@ -488,7 +497,7 @@ def _make(finalists, problem, made: dict, method, programs=None, stand_ins=None)
                 first.origin = m.origin  # a torch partition's programs: say so
             made[a] = next(v for v in made.values() if v[0] is first)
     if programs:
-        programs.compile(fresh, "finalist")
+        programs.compile(fresh + [p[:2] for p in picks], ["finalist"] * len(fresh) + ["pick"] * len(picks))
 
 
 def _standing_in(m: Method, compiled: Method) -> Method:
@@ -559,28 +568,39 @@ def _final_choice(labels, first: dict, second: dict, progress) -> dict:
     return out
 
 
-def _picked(chosen: dict, made: dict, method, budget_of, problem, stand_ins=None
+def _picked(chosen: dict, made: dict, method, budget_of, problem, stand_ins=None, own: dict | None = None
             ) -> list[tuple[Method, policies.Policy]]:
     """[(Method, Policy)] of the `chosen` ({label: Evaluated}) at each budget, knobbed by it: the one `made`
     (actions -> (Method, Policy, problem)), and where it was picked already (the same programs picked at two
     budgets) a Method of its own running the same compiled step; a policy not made is compiled as `problem`
     predicts it (untimed finalists), and one timed in torch.compile's program (`_standing_in`, its own or one of
-    the same partition) is that torch partition read back, compiled (the policy file's own program)."""
-    out, used, own = [], set(), {}
+    the same partition) is that torch partition read back, compiled (`_own_program`; `own`: those made already)."""
+    out, used, own = [], set(), {} if own is None else own
     for label, e in chosen.items():
         a = e.chromosome.actions
         if a in made and not _stands_in(made[a][0], stand_ins):
             m, policy, _ = made[a]
-        else:  # timed in a torch program: that partition read back is picked (compiled once, however often)
-            if a in made:
-                a = next(k for k, compiled in stand_ins.items() if compiled.run is made[a][0].run)
-                e = replace(e, chromosome=replace(e.chromosome, actions=a))
-            m, policy = own[a] if a in own else own.setdefault(a, method(label, e, problem))
+        else:
+            m, policy, _ = _own_program(label, e, made, method, problem, stand_ins, own)
         m = replace(m, knob=label) if id(m) in used else m
         used.add(id(m))
         m.knob = label
         out.append((m, _with_budget(policy, label, budget_of[label])))
     return out
+
+
+def _own_program(label: str, e, made: dict, method, problem, stand_ins, own: dict) -> tuple:
+    """(Method, Policy, whether made now) of the policy `e` picked at `label` as it runs on its own: a torch
+    partition timed in torch.compile's program (`_standing_in`) read back as that partition, or a policy not
+    timed; made by `method` once per partition (`own`: actions -> (Method, Policy))."""
+    a = e.chromosome.actions
+    if a in made:  # timed in a torch program: that partition read back (compiled once, however often picked)
+        a = next(k for k, compiled in stand_ins.items() if compiled.run is made[a][0].run)
+        e = replace(e, chromosome=replace(e.chromosome, actions=a))
+    if a in own:
+        return *own[a], False
+    own[a] = method(label, e, problem)
+    return *own[a], True
 
 
 def _refit_budgets(unfit: dict[str, float], budget_of: dict[str, int], resident: int) -> list[tuple[str, int]]:

@@ -96,9 +96,11 @@ def warm_up(m: Method, inputs, target, loss: str, device, progress) -> None:
 def measure(methods: list[Method], inputs, target, loss: str, device, rounds: int, steps: int, progress, *,
             metered: int | None = None, prune=None, round_s: float = 0.0) -> list[dict]:
     """Warm up (compile) each method, then `rounds` rounds in rotated order of `training.metered_round` with
-    `steps` timed steps each: a row per method (`gaswap compare`'s columns but the program peak). With
-    `metered`, only the first `metered` rounds meter the peak (the allocator's is the same bytes every run),
-    the others run an untimed step in its place; with `prune`, after each round `prune(rows so far)` gives
+    `steps` timed steps each: a row per method (`gaswap compare`'s columns but the program peak). The allocator's
+    peak is metered in the first round alone, in a step of its own before the round's: it is the same bytes every
+    run (542 of 542 rows in results/compare_time read the same in every round), and on a CPU its meter runs the
+    profiler, slowing the step several-fold; each round's metered step meters the resident set. With
+    `metered`, only the first `metered` rounds meter, the others run an untimed step in its place; with `prune`, after each round `prune(rows so far)` gives
     the indices of the methods still worth timing (the others keep the rounds they ran). With `round_s`, a
     method whose first round's steps ran faster than that in all takes as many steps a round from its second on
     as last that long (`steps_for`)."""
@@ -116,9 +118,10 @@ def measure(methods: list[Method], inputs, target, loss: str, device, rounds: in
     for r in range(rounds):
         for i in alive[r % len(alive):] + alive[:r % len(alive)]:
             step = partial(methods[i].step, inputs, target, loss, device)
+            if r == 0:
+                runs[i]["peak"].append(training.metered_peak(step, device)[0])
             if metered is None or r < metered:
-                peak, rss_peak, timed = training.metered_round(step, device, count[i])
-                runs[i]["peak"].append(peak)
+                _, rss_peak, timed = training.metered_round(step, device, count[i], allocator=False)
                 runs[i]["rss"].append(rss_peak)
             else:
                 step()

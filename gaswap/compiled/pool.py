@@ -224,11 +224,12 @@ class Programs:
                                f"(the same programs): compiled and timed once")
         return out
 
-    def compile(self, made: list, what: str) -> None:
-        """Compile `made` ([(Method, its Policy)]) in the pool, each named `what` and its knob in progress;
-        each Method's `precompiled_s` set (None: left to this process)."""
-        jobs = [Job(f"{what} {m.knob}" + ("" if m.recomputed is None else f" ({m.recomputed} recomputed)"), policy)
-                for m, policy in made]
+    def compile(self, made: list, what: str | list[str]) -> None:
+        """Compile `made` ([(Method, its Policy)]) in the pool, each named `what` (or its own of a list of them)
+        and its knob in progress; each Method's `precompiled_s` set (None: left to this process)."""
+        whats = [what] * len(made) if isinstance(what, str) else what
+        jobs = [Job(f"{w} {m.knob}" + ("" if m.recomputed is None else f" ({m.recomputed} recomputed)"), policy)
+                for (m, policy), w in zip(made, whats)]
         for (m, _), seconds in zip(made, self.pool.compile(jobs)):
             m.precompiled_s = seconds
 

@@ -115,11 +115,13 @@ def warm_up(step, first=None, steps: int = WARM_UP_STEPS) -> float:
     return time.perf_counter() - started
 
 
-def metered_round(step, device, timed: int) -> tuple[int, int | None, list[tuple[float, float]]]:
-    """One round of `step()` (a module step, returning (wall s, CPU s)): a step under the independent meter, an
-    untimed step (the meter handed memory back to the OS, and slows the steps right after it), then `timed`
-    timed steps: (peak bytes above resident, resident-set peak or None, [(wall s, CPU s)] of the timed steps)."""
-    peak, rss_peak = metered_peak(step, device)
+def metered_round(step, device, timed: int, allocator: bool = True
+                  ) -> tuple[int | None, int | None, list[tuple[float, float]]]:
+    """One round of `step()` (a module step, returning (wall s, CPU s)): a step under the independent meter (with
+    `allocator` False, on a CPU its resident set's alone: `PeakMeter`), an untimed step (the meter handed memory
+    back to the OS, and slows the steps right after it), then `timed` timed steps: (peak bytes above resident or
+    None, resident-set peak or None, [(wall s, CPU s)] of the timed steps)."""
+    peak, rss_peak = metered_peak(step, device, allocator)
     step()
     return peak, rss_peak, [step() for _ in range(timed)]
 
@@ -136,9 +138,10 @@ def device_seconds(timed: list[tuple[float, float]], device) -> list[float]:
     return [cpu if on_cpu else wall for wall, cpu in timed]
 
 
-def metered_peak(step, device) -> tuple[int, int | None]:
-    """`step()` under the independent meter: (peak bytes above resident, resident-set peak (CPU) or None)."""
-    with PeakMeter(device) as meter:
+def metered_peak(step, device, allocator: bool = True) -> tuple[int | None, int | None]:
+    """`step()` under the independent meter: (peak bytes above resident (None: not `allocator`, on a CPU),
+    resident-set peak (CPU) or None)."""
+    with PeakMeter(device, allocator) as meter:
         step()
     return meter.peak, meter.rss_peak
 
