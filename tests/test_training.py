@@ -190,3 +190,22 @@ def test_a_step_is_timed_by_the_cpu_clock_on_a_cpu_and_by_the_wall_clock_on_a_gp
     timed = [(0.5, 0.2), (0.7, 0.3)]  # (wall s, CPU s), as train_step gives them
     assert training.device_seconds(timed, "cpu") == [0.2, 0.3]
     assert training.device_seconds(timed, torch.device("cuda", 0)) == [0.5, 0.7]
+
+
+def test_a_frozen_heap_leaves_what_lived_before_to_no_collection_and_still_collects_what_the_block_makes():
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    before = Node()
+    with training.frozen_heap():
+        assert gc.get_freeze_count() > 0
+        made = Node()
+        made.cycle = made  # garbage only a collection frees
+        gone = weakref.ref(made)
+        del made
+        gc.collect()
+        assert gone() is None
+    assert gc.get_freeze_count() == 0 and before is not None

@@ -99,11 +99,12 @@ def measure(methods: list[Method], inputs, target, loss: str, device, rounds: in
     `steps` timed steps each: a row per method (`gaswap compare`'s columns but the program peak). The allocator's
     peak is metered in the first round alone, in a step of its own before the round's: it is the same bytes every
     run (542 of 542 rows in results/compare_time read the same in every round), and on a CPU its meter runs the
-    profiler, slowing the step several-fold; each round's metered step meters the resident set. With
-    `metered`, only the first `metered` rounds meter, the others run an untimed step in its place; with `prune`, after each round `prune(rows so far)` gives
-    the indices of the methods still worth timing (the others keep the rounds they ran). With `round_s`, a
-    method whose first round's steps ran faster than that in all takes as many steps a round from its second on
-    as last that long (`steps_for`)."""
+    profiler, slowing the step several-fold; each round's metered step meters the resident set. The rounds run
+    with the heap frozen (`training.frozen_heap`). With `metered`, only the first `metered` rounds meter, the
+    others run an untimed step in its place; with `prune`, after each round `prune(rows so far)` gives the indices
+    of the methods still worth timing (the others keep the rounds they ran). With `round_s`, a method whose first
+    round's steps ran faster than that in all takes as many steps a round from its second on as last that long
+    (`steps_for`)."""
     allow_recompiles(len(methods))
     clock = training.step_clock(device)  # what the rows' step times, and the pruning, read
     runs = [{"wall": [], "cpu": [], "peak": [], "rss": []} for _ in methods]
@@ -115,27 +116,28 @@ def measure(methods: list[Method], inputs, target, loss: str, device, rounds: in
         warm_up(m, inputs, target, loss, device, progress)
     alive = list(range(len(methods)))
     count = [steps] * len(methods)  # timed steps a round, each method's
-    for r in range(rounds):
-        for i in alive[r % len(alive):] + alive[:r % len(alive)]:
-            step = partial(methods[i].step, inputs, target, loss, device)
-            if r == 0:
-                runs[i]["peak"].append(training.metered_peak(step, device)[0])
-            if metered is None or r < metered:
-                _, rss_peak, timed = training.metered_round(step, device, count[i], allocator=False)
-                runs[i]["rss"].append(rss_peak)
-            else:
-                step()
-                timed = [step() for _ in range(count[i])]
-            runs[i]["wall"] += [wall for wall, _ in timed]
-            runs[i]["cpu"] += [cpu for _, cpu in timed]
-            if r == 0:
-                count[i] = steps_for(runs[i][clock], steps, round_s)
-        if prune is not None and r + 1 < rounds:
-            kept = prune(_rows(methods, runs, clock))
-            if len(kept) < len(alive):
-                progress(f"  {len(alive) - len(kept)} of {len(alive)} no longer timed: clearly slower than another "
-                         f"at the same budget")
-            alive = [i for i in alive if i in kept]
+    with training.frozen_heap():  # the compiled models' objects walked by no collection in the rounds
+        for r in range(rounds):
+            for i in alive[r % len(alive):] + alive[:r % len(alive)]:
+                step = partial(methods[i].step, inputs, target, loss, device)
+                if r == 0:
+                    runs[i]["peak"].append(training.metered_peak(step, device)[0])
+                if metered is None or r < metered:
+                    _, rss_peak, timed = training.metered_round(step, device, count[i], allocator=False)
+                    runs[i]["rss"].append(rss_peak)
+                else:
+                    step()
+                    timed = [step() for _ in range(count[i])]
+                runs[i]["wall"] += [wall for wall, _ in timed]
+                runs[i]["cpu"] += [cpu for _, cpu in timed]
+                if r == 0:
+                    count[i] = steps_for(runs[i][clock], steps, round_s)
+            if prune is not None and r + 1 < rounds:
+                kept = prune(_rows(methods, runs, clock))
+                if len(kept) < len(alive):
+                    progress(f"  {len(alive) - len(kept)} of {len(alive)} no longer timed: clearly slower than another "
+                             f"at the same budget")
+                alive = [i for i in alive if i in kept]
     return _rows(methods, runs, clock)
 
 

@@ -22,8 +22,9 @@ The meter. Two exist, for two questions, and this module is the one place that p
 from __future__ import annotations
 
 import copy
+import gc
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -136,6 +137,20 @@ def device_seconds(timed: list[tuple[float, float]], device) -> list[float]:
     """The seconds of `timed` steps ((wall s, CPU s) pairs, as `train_step` gives them) by `step_clock`."""
     on_cpu = step_clock(device) == "cpu"
     return [cpu if on_cpu else wall for wall, cpu in timed]
+
+
+@contextmanager
+def frozen_heap():
+    """For the block, the objects alive at its start left out of the cycle collector's passes (`gc.freeze`, after
+    a collection): the meter's collection before each metered step (`PeakMeter`) and the collector's own full
+    passes walk only what the block makes. In a process holding compiled models such a pass is long: 0.22 s with
+    densenet's eager model alone (446,523 objects), against a 0.10 s step; frozen, nothing."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def metered_peak(step, device, allocator: bool = True) -> tuple[int | None, int | None]:
