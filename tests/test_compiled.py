@@ -52,6 +52,10 @@ def test_capture_is_the_joint_graph_torch_partitions():
     graph, actions = partition.torch_partition(model, x, budget=1.0)
     assert graph.fingerprint() == g.fingerprint() and actions["convolution"] == "keep"
     assert set(actions) == set(cands)
+    # from one trace, each budget partitions a copy of the joint graph: as a trace of its own would
+    _, each = partition.torch_partitions(model, x, budgets=(1.0, 0.5, 0.05))
+    assert each == {b: partition.torch_partition(model, x, budget=b)[1] for b in (1.0, 0.5, 0.05)}
+    assert each[1.0] != each[0.05]
 
 
 def test_a_kept_mask_is_saved_instead_of_the_activation_it_reads():

@@ -137,8 +137,8 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     compile_pool = pool.CompilePool(exp.path, pool.default_workers(device) if workers is None else workers, progress,
                                     local=(model, inputs))
     compile_pool.submit([pool.Job(f"torch.compile {b:g}", budget=b) for b in TORCH_BUDGETS])  # after the costs
-    torch_actions = {b: partition.torch_partition(model, *inputs, budget=b, optimizer=exp.optimizer,
-                                                  counted=exp.counts)[1] for b in TORCH_BUDGETS}
+    torch_actions = partition.torch_partitions(model, *inputs, budgets=TORCH_BUDGETS, optimizer=exp.optimizer,
+                                               counted=exp.counts)[1]
     if compile_pool.workers > 0:  # the calibration's compiles queued behind torch's: no worker waits between
         compile_pool.submit(calibration_run.compile_jobs(
             exp, graph, costs, {f"torch {b:g}": a for b, a in torch_actions.items()}))

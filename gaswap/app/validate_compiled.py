@@ -66,13 +66,14 @@ def validate_compiled(policy: policies.Policy, policy_path: Path, exp: config.Ex
     training.warm_up(step)
     peaks, rss_peaks, times = [], [], []
     load = load_per_cpu()
-    for k in range(steps):
-        peak, rss_peak, timed = training.metered_round(step, dev, TIMED)
-        peaks.append(peak)
-        rss_peaks.append(rss_peak)
-        times += training.device_seconds(timed, dev)
-        if progress:
-            progress(k + 1, steps)
+    with training.frozen_heap():  # as compare's rounds that timed the calibration run (`methods.measure`)
+        for k in range(steps):
+            peak, rss_peak, timed = training.metered_round(step, dev, TIMED)
+            peaks.append(peak)
+            rss_peaks.append(rss_peak)
+            times += training.device_seconds(timed, dev)
+            if progress:
+                progress(k + 1, steps)
     load = max(load, load_per_cpu())
     return report(policy, policy_path, exp.name, device_name(dev), steps, peaks, times, rss_peaks, load, again)
 
