@@ -20,18 +20,22 @@ def _evaluated(action: int, seconds: float, model_peak: int) -> Evaluated:
 @pytest.fixture
 def peaks(monkeypatch):
     """ProgramPeaks whose 'dry compile' reads a table: action -> programs' peak (None: unreadable); offset 10."""
-    program = {0: 100, 1: 150, 2: 90, 3: None, 4: 400, 5: 104,  # 5: under other settings (`VARIANTS`) below
-               (5, "demand_first", True): 104, (5, None, False): 100, (5, "demand_first", False): 90}
+    program = {0: 100, 1: 150, 2: 90, 3: None, 4: 400, 5: 104, 6: 125,  # 5, 6: under other settings (`VARIANTS`)
+               (5, "demand_first", True): 104, (5, None, False): 100, (5, "demand_first", False): 90,
+               (6, "realize_reads", 1): 100}
     written = []
 
     def policy_peak_and_partition(model, policy, inputs, output_bytes, loss):
         written.append(policy)
-        if program[policy] is None:
+        peak = program.get(policy, program[policy[0] if isinstance(policy, tuple) else policy])  # else: no change
+        if peak is None:
             raise ProgramError("a size that is not a number")
-        return program[policy], None
+        return peak, None
 
     def policy_of(chromosome, inductor=None):
         action = chromosome.actions[0]
+        if inductor is not None and "realize_reads" in inductor:
+            return action, "realize_reads", inductor["realize_reads"]
         return action if inductor is None else (action, inductor.get("order"), inductor.get("buffer_reuse", True))
 
     monkeypatch.setattr(dry_compile, "policy_peak_and_partition", policy_peak_and_partition)
@@ -291,8 +295,7 @@ def test_a_candidate_just_over_its_budget_is_kept_where_other_inductor_settings_
     assert [e.peak_bytes for e in kept] == [RESIDENT + 110]
     assert made.inductor == {(5,): {"buffer_reuse": False}}
     assert written == [5, (5, "demand_first", True), (5, None, False)]  # the first that fits ends the tries
-    assert "1 of 1 candidates checked fit by inductor's programs (1 in another order or with no buffer reused)" \
-        in lines[-1]
+    assert "1 of 1 candidates checked fit by inductor's programs (1 under other inductor settings)" in lines[-1]
     # lower still (109, 114 within 5 % over it): the third settings fit; the two written before are not again
     kept, _ = made.screen("B", RESIDENT + 109, RESIDENT, [_evaluated(5, 1.0, 100)], 1)
     assert [e.peak_bytes for e in kept] == [RESIDENT + 100] and made.inductor[(5,)] == {
@@ -313,18 +316,27 @@ def test_with_workers_the_other_settings_are_written_at_once_there(peaks):
             self.batches.append(policies)
             answers = [Future() for _ in policies]
             for answer, policy in zip(answers, policies):
-                answer.set_result((program[policy], None) if policy != (5, None, False) else None)  # one fails
+                answer.set_result((program.get(policy, 104), None) if policy != (5, None, False) else None)  # one fails
             return answers
 
     made.workers = Workers()
     kept, _ = made.screen("A", RESIDENT + 110, RESIDENT, [_evaluated(5, 1.0, 100)], 1)
     assert [e.peak_bytes for e in kept] == [RESIDENT + 110] and made.inductor == {(5,): {"buffer_reuse": False}}
-    assert Workers.batches == [[(5, "demand_first", True), (5, None, False), (5, "demand_first", False)]]
+    assert Workers.batches == [[(5, "demand_first", True), (5, None, False), (5, "demand_first", False),
+                                (5, "realize_reads", 1)]]
     assert written == [5, (5, None, False)]  # 5 itself (not asked `ahead`) and the setting its worker failed on
     kept, _ = made.screen("B", RESIDENT + 109, RESIDENT, [_evaluated(5, 1.0, 100)], 1)  # the third settings fit
     assert [e.peak_bytes for e in kept] == [RESIDENT + 100] and made.inductor[(5,)] == {
         "order": "demand_first", "buffer_reuse": False}
     assert len(Workers.batches) == 1 and len(written) == 2  # every setting written already: nothing again
+
+
+def test_a_candidate_further_over_is_tried_only_under_the_settings_that_reach_that_far(peaks):
+    made, written, _ = peaks
+    # 6's programs hold 125 + 10 against 120 (12.5 % over): past order and buffer reuse (5 %), not realize_reads
+    kept, _ = made.screen("A", RESIDENT + 120, RESIDENT, [_evaluated(6, 1.0, 100)], 1)
+    assert [e.peak_bytes for e in kept] == [RESIDENT + 110] and made.inductor == {(6,): {"realize_reads": 1}}
+    assert written == [6, (6, "realize_reads", 1)]
 
 
 def test_a_candidate_far_over_its_budget_is_not_tried_under_other_settings(peaks):

@@ -133,8 +133,11 @@ def test_a_policy_asks_for_inductor_settings_in_its_provenance_and_bad_ones_are_
     assert isinstance(asked["post_grad_custom_post_pass"], order.OrderPass)
     assert asked["post_grad_custom_post_pass"].name == "demand_first" and asked["allow_buffer_reuse"] is False
     assert partition.inductor_settings(Policy("f", (), {}, provenance={"form": "compiled"})) == {}
+    assert partition.inductor_settings(policy({"realize_reads": 1})) == {"realize_reads_threshold": 1}
     for bad, said in (({"order": "backwards"}, "provenance.inductor.order: 'backwards' is not one of greedy"),
                       ({"buffer_reuse": "no"}, "provenance.inductor.buffer_reuse: 'no' is not true or false"),
+                      ({"realize_reads": 0}, "provenance.inductor.realize_reads: 0 is not a whole number of at least 1"),
+                      ({"realize_reads": True}, "provenance.inductor.realize_reads: True is not a whole number"),
                       ({"fuse": 1}, "provenance.inductor: {'fuse': 1} is not a mapping"),
                       ("demand_first", "provenance.inductor: 'demand_first' is not a mapping")):
         with pytest.raises(PolicyError, match=re.escape(said)):

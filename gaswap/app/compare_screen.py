@@ -8,12 +8,13 @@ reads their peak (`programs.step_peak`, equal to the compiled programs' peak), p
 beyond the programs on torch's partitions (what runs outside them: the optimizer's view of gradients, the
 loss). `screen` keeps a budget's fastest candidates (by the model) whose programs fit it.
 
-A candidate whose programs hold at most `NEAR` over the budget is written again under inductor's other
-settings (`VARIANTS`: its graphs lowered in demand-first order, `gaswap.compiled.order`, or with no freed
-buffer handed on; with workers, all at once in them), and kept where one of them fits; the settings are
-recorded for the policy (`ProgramPeaks.inductor`; `provenance.inductor` of the policy compiled, which
-`partition.backend` applies). Measured on window, the only experiment where they moved a gaswap policy's peak:
-demand-first, 4.9 % lower.
+A candidate whose programs hold over the budget is written again under those of inductor's other settings
+(`VARIANTS`) that reach that far (each has been seen to lower a policy's peak about that much: its graphs lowered
+in demand-first order, `gaswap.compiled.order`, 4.9 % on window; no freed buffer handed on, 4.3 %; a value read
+by two or more kernels written once rather than recomputed in each, 15.3 % on separable,
+results/compare_time/realize_reads.txt), with workers all at once in them, and kept where one of them fits; the
+settings are recorded for the policy (`ProgramPeaks.inductor`; `provenance.inductor` of the policy compiled,
+which `partition.backend` applies).
 """
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ from gaswap.compiled.programs import ProgramError
 from gaswap.plan.policy import PolicyError
 from gaswap.plan.problem import Evaluated
 
-NEAR = 0.05  # a candidate whose programs hold at most this share over a budget is tried under `VARIANTS`
-VARIANTS = ({"order": "demand_first"}, {"buffer_reuse": False}, {"order": "demand_first", "buffer_reuse": False})
+# (inductor settings, reach): a candidate whose programs hold at most `reach` over a budget is written again so
+VARIANTS = (({"order": "demand_first"}, 0.05), ({"buffer_reuse": False}, 0.05),
+            ({"order": "demand_first", "buffer_reuse": False}, 0.05), ({"realize_reads": 1}, 0.20))
 
 
 class ProgramPeaks:
@@ -51,7 +53,7 @@ class ProgramPeaks:
         # actions -> the `VARIANTS` entry its programs fit a budget under (the lowest budget's, where several:
         # its peak is under the others too): the policy is compiled so, at every budget
         self.inductor: dict[tuple, dict] = {}
-        self._varied: dict[tuple, list] = {}  # actions -> [(variant, peak or None)] written so far
+        self._varied: dict[tuple, dict] = {}  # actions -> {index in `VARIANTS`: peak or None} written so far
 
     def ahead(self, chromosomes: list) -> None:
         """Start writing the programs of `chromosomes` in the workers (with `workers`), several at once, for
@@ -84,24 +86,25 @@ class ProgramPeaks:
         peak = self.known[chromosome.actions]
         return None if peak is None else peak + self.offset
 
-    def varied_peak(self, chromosome, room: int) -> int | None:
-        """The meter's peak above resident under the first of `VARIANTS` whose programs fit `room` (bytes above
-        resident), the variant recorded in `inductor`; None where none does. Each variant written once; with
-        `workers`, all those not written yet at once, in the workers."""
-        tried = self._varied.setdefault(chromosome.actions, [])
-        if self.workers is not None and len(tried) < len(VARIANTS):
-            rest = VARIANTS[len(tried):]
-            for variant, future in zip(rest, self.workers.program_peaks(
-                    [self.policy_of(chromosome, v) for v in rest], self.output_bytes)):
+    def varied_peak(self, chromosome, room: int, peak: int) -> int | None:
+        """The meter's peak above resident under the first of `VARIANTS` that reach how far `peak` (the meter's,
+        under inductor's defaults) is over `room` (bytes above resident) and whose programs fit `room`, the
+        variant recorded in `inductor`; None where none does. Each variant written once; with `workers`, all
+        those not written yet at once, in the workers."""
+        reaching = [k for k, (_, reach) in enumerate(VARIANTS) if peak <= room * (1 + reach)]
+        tried = self._varied.setdefault(chromosome.actions, {})
+        rest = [k for k in reaching if k not in tried]
+        if self.workers is not None and rest:
+            for k, future in zip(rest, self.workers.program_peaks(
+                    [self.policy_of(chromosome, VARIANTS[k][0]) for k in rest], self.output_bytes)):
                 written = _answer(future)
-                tried.append((variant, self._written_here(chromosome, variant) if written is None else written[0]))
-        for k, variant in enumerate(VARIANTS):
-            if k == len(tried):
-                tried.append((variant, self._written_here(chromosome, variant)))
-            peak = tried[k][1]
-            if peak is not None and peak + self.offset <= room:
-                self.inductor[chromosome.actions] = variant
-                return peak + self.offset
+                tried[k] = self._written_here(chromosome, VARIANTS[k][0]) if written is None else written[0]
+        for k in reaching:
+            if k not in tried:
+                tried[k] = self._written_here(chromosome, VARIANTS[k][0])
+            if tried[k] is not None and tried[k] + self.offset <= room:
+                self.inductor[chromosome.actions] = VARIANTS[k][0]
+                return tried[k] + self.offset
         return None
 
     def _written_here(self, chromosome, variant: dict) -> int | None:
@@ -120,8 +123,8 @@ class ProgramPeaks:
     def screen(self, label: str, budget: int, resident: int, evaluated: list[Evaluated], n: int, skip=None
                ) -> tuple[list[Evaluated], float]:
         """Up to `n` of `evaluated` (fastest first), in order, whose programs fit `budget` (bytes, resident
-        included; the first `n` checked all over it end the check; one at most `NEAR` over it tried under
-        `VARIANTS`), each with its programs' peak as its `peak_bytes`, and those `skip(evaluated)` says need no
+        included; the first `n` checked all over it end the check; one over it tried under the `VARIANTS` that
+        reach that far), each with its programs' peak as its `peak_bytes`, and those `skip(evaluated)` says need no
         check (compiled already, or not to be), as they are; and, where none fits, the smallest ratio of a
         candidate's programs' peak to the model's (the least the budget must be lowered by for another search to
         find policies that would fit were the model to err as little; 1.0 where one fits)."""
@@ -139,15 +142,14 @@ class ProgramPeaks:
                 kept.append(e)
             elif resident + peak <= budget:
                 kept.append(replace(e, peak_bytes=resident + peak))
-            elif resident + peak <= budget + NEAR * (budget - resident) and (
-                    varied := self.varied_peak(e.chromosome, budget - resident)) is not None:
+            elif (varied := self.varied_peak(e.chromosome, budget - resident, peak)) is not None:
                 kept.append(replace(e, peak_bytes=resident + varied))
                 other += 1
             else:
                 ratios.append(peak / max(e.peak_bytes - resident, 1))
         excess = "" if kept or not ratios else f" ({min(ratios):.2f}x to {max(ratios):.2f}x the model's peak)"
         settled = f"; {passed} passed on unchecked (compiled already, or not to be)" if passed else ""
-        varied = f" ({other} in another order or with no buffer reused)" if other else ""
+        varied = f" ({other} under other inductor settings)" if other else ""
         self.progress(f"  at {label}: {len(kept) - passed} of {checked} candidates checked fit by inductor's "
                       f"programs{varied}{excess}{settled}")
         return kept, (1.0 if kept or not ratios else min(ratios))

@@ -171,8 +171,11 @@ class OrderPass(CustomGraphPass):
         return f"{self.name}:{get_hash_for_files((__file__,)).hex()}"
 
 
-def options(order: str | None = None, *, buffer_reuse: bool = True) -> dict:
+def options(order: str | None = None, *, buffer_reuse: bool = True, realize_reads: int | None = None) -> dict:
     """Inductor options (`partition.backend(policy, **options(...))`, or compile_fx's `config_patches`) that
-    compile the graphs in `order` (None: as partitioned), with or without inductor's reuse of freed buffers."""
+    compile the graphs in `order` (None: as partitioned), with or without inductor's reuse of freed buffers, and
+    with a pointwise value read by more than `realize_reads` kernels written to memory rather than recomputed in
+    each (inductor's `realize_reads_threshold`; None: its default, 4)."""
     out = {} if order is None else {"post_grad_custom_post_pass": OrderPass(order)}
+    out |= {} if realize_reads is None else {"realize_reads_threshold": realize_reads}
     return out if buffer_reuse else out | {"allow_buffer_reuse": False}

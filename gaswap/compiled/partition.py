@@ -203,18 +203,21 @@ def backend(policy: Policy | str, **inductor_options) -> Callable:
 
 def inductor_settings(policy: Policy) -> dict:
     """The inductor options a compiled policy's `provenance.inductor` asks for (`gaswap.compiled.order.options`):
-    `order`, the order its graphs are lowered in (one of `order.ORDERS`; none: as partitioned), and
-    `buffer_reuse` (false: inductor hands no freed buffer to a later one). `gaswap compare` records them where a
+    `order`, the order its graphs are lowered in (one of `order.ORDERS`; none: as partitioned), `buffer_reuse`
+    (false: inductor hands no freed buffer to a later one) and `realize_reads` (a value read by more kernels than
+    this is written once, not recomputed in each; inductor's default 4). `gaswap compare` records them where a
     policy's programs fit its budget only so."""
     asked = policy.provenance.get("inductor") or {}
-    if not isinstance(asked, dict) or set(asked) - {"order", "buffer_reuse"}:
-        raise PolicyError(f"provenance.inductor: {asked!r} is not a mapping of order and buffer_reuse")
-    order, reuse = asked.get("order"), asked.get("buffer_reuse", True)
+    if not isinstance(asked, dict) or set(asked) - {"order", "buffer_reuse", "realize_reads"}:
+        raise PolicyError(f"provenance.inductor: {asked!r} is not a mapping of order, buffer_reuse and realize_reads")
+    order, reuse, reads = asked.get("order"), asked.get("buffer_reuse", True), asked.get("realize_reads")
     if order is not None and order not in orders.ORDERS:
         raise PolicyError(f"provenance.inductor.order: {order!r} is not one of {', '.join(orders.ORDERS)}")
     if not isinstance(reuse, bool):
         raise PolicyError(f"provenance.inductor.buffer_reuse: {reuse!r} is not true or false")
-    return orders.options(order, buffer_reuse=reuse)
+    if reads is not None and (isinstance(reads, bool) or not isinstance(reads, int) or reads < 1):
+        raise PolicyError(f"provenance.inductor.realize_reads: {reads!r} is not a whole number of at least 1")
+    return orders.options(order, buffer_reuse=reuse, realize_reads=reads)
 
 
 def compile(model: Callable, policy: Policy | str, **inductor_options) -> Callable:  # noqa: A001 - torch's name
