@@ -281,6 +281,18 @@ def test_a_finalist_of_a_torch_partitions_partition_is_timed_in_torchs_program_a
     assert actions_of[id(m)] == (2,) and m.run is not torch_run  # torch 0.5's partition read back, compiled
 
 
+def test_of_finalists_timed_within_a_tie_of_the_fastest_the_one_of_least_memory_is_chosen():
+    from gaswap.plan.encoding import Chromosome
+    from gaswap.plan.problem import Evaluated
+
+    fits = [Evaluated(Chromosome((0.0,), (k,)), 1.0, 0) for k in range(3)]
+    rows = {(0,): {"step_s": 9.93e-3, "peak_bytes": 5_510_000}, (1,): {"step_s": 9.98e-3, "peak_bytes": 4_600_000},
+            (2,): {"step_s": 10.5e-3, "peak_bytes": 4_100_000}}  # 1 within 1 % of 0, 2 not
+    assert compare._least_memory_of_the_fastest(fits, rows).chromosome.actions == (1,)
+    rows[(1,)]["step_s"] = 10.1e-3  # 1.7 % slower: the fastest stands
+    assert compare._least_memory_of_the_fastest(fits, rows).chromosome.actions == (0,)
+
+
 def test_a_settled_pick_of_a_torch_partition_compiles_beside_the_next_finalists_and_is_not_made_again():
     evaluated, method, _, actions_of, _, _ = _finalist_harness({})
     torch_m = compare.Method("torch.compile", "0.5", "its model", object(), "its optimizer", compile_s=12.0)

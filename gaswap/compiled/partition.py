@@ -209,7 +209,8 @@ def inductor_settings(policy: Policy) -> dict:
     policy's programs fit its budget only so."""
     asked = policy.provenance.get("inductor") or {}
     if not isinstance(asked, dict) or set(asked) - {"order", "buffer_reuse", "realize_reads"}:
-        raise PolicyError(f"provenance.inductor: {asked!r} is not a mapping of order, buffer_reuse and realize_reads")
+        raise PolicyError(f"provenance.inductor: {asked!r} is not a mapping of order, buffer_reuse and "
+                          f"realize_reads")
     order, reuse, reads = asked.get("order"), asked.get("buffer_reuse", True), asked.get("realize_reads")
     if order is not None and order not in orders.ORDERS:
         raise PolicyError(f"provenance.inductor.order: {order!r} is not one of {', '.join(orders.ORDERS)}")
