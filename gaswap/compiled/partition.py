@@ -147,8 +147,8 @@ def torch_partition(fn: Callable, *example_args, budget: float = 1.0, optimizer:
 
 def torch_partitions(fn: Callable, *example_args, budgets=(1.0,), optimizer: str = "sgd_momentum",
                      counted=graphs.COUNTABLE) -> tuple[Graph, dict[float, dict[str, str]]]:
-    """`torch_partition` at each of `budgets` from one trace: {budget: actions} (tracing is most of the work:
-    2.7 s of densenet's 2.8 s a budget)."""
+    """`torch_partition` at each of `budgets` from one trace: {budget: actions} (densenet: 4.8-5.0 CPU s for
+    three budgets, 2.1-2.3 for one)."""
     recorder = _record(_Recorder(optimizer, counted, tuple(budgets)), fn, example_args)
     return recorder.joint.graph, {b: policy_of_partition(recorder.joint, saved) for b, saved in recorder.saved.items()}
 
