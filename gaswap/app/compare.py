@@ -97,9 +97,6 @@ TIE = 0.01  # times (predicted, or finalists' measured) this close to the fastes
 # measured 0.5 % over the budget, at two budgets)
 LOWERED_MARGIN = 0.05
 TUNING_ROUNDS, TUNING_STEPS = 3, 2
-# a method's round, the finalists' or the head to head's, lasts at least this long from its second on
-# (`methods.steps_for`)
-ROUND_S = 0.25
 MIN_GAIN = 0.03  # a second-round finalist is compiled only where the refit model predicts it this much faster
 SEPARATED = 0.10  # a finalist whose fastest step is this much slower than the slowest of the fastest is not timed on
 COLUMNS = ("method", "knob", "predicted_peak_bytes", "predicted_step_s", "peak_bytes", "peak_min", "peak_max",
@@ -248,7 +245,7 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     pool.Programs(compile_pool).compile(list(untimed.values()), "pick")  # with finalists 0: each policy once
     compile_pool.close()  # its workers idle and hold memory: gone before the head to head
     methods += [m for m, _ in picked]
-    rows = measure_methods(methods, rounds, steps, round_s=ROUND_S)
+    rows = measure_methods(methods, rounds, steps, round_s=compiled_methods.ROUND_S)
     for row in rows:
         row["budget"] = row["knob"] if row["method"] == "gaswap" else budget_of_torch.get(row["knob"])
     # written once all is measured: a run that fails midway leaves the earlier run's results whole
@@ -451,7 +448,8 @@ def _finalists_round(finalists, number: int, problem, made: dict, method, budget
              + (f"; {theirs} of torch's partitions in torch.compile's programs of them" if theirs else "") + ")")
     contenders = partial(_contenders, index, finalists, budget_of, resident)
     measured = [row | {"round": number} for row in
-                measure_methods(methods, TUNING_ROUNDS, TUNING_STEPS, metered=1, prune=contenders, round_s=ROUND_S)]
+                measure_methods(methods, TUNING_ROUNDS, TUNING_STEPS, metered=1, prune=contenders,
+                                round_s=compiled_methods.ROUND_S)]
     rows = {a: measured[index[a]] for a in timed}
     chosen, unfit = {}, {}
     number_of = lambda e: made[e.chromosome.actions][0].knob.rsplit(" ", 1)[-1]

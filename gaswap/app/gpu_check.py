@@ -42,7 +42,7 @@ SHORT_GA = {"population": 32, "generations": 15, "workers": 1}  # a search that 
 OVERRIDES = {"alexnet_4gb": {"budget": "6.5GB", "memory": {"target": "reserved"}}}
 COMPARE = "experiments/compare_cnn_cpu.yaml"  # the head-to-head's smallest experiment (it runs on CUDA when present)
 # what fits its limit: no finalists; three rounds, the later ones of a quarter of a second each method
-# (`compare.ROUND_S`: its steps take milliseconds on a GPU; one round of two read one program 2.96 to 3.75 ms in run 9)
+# (`methods.ROUND_S`: its steps take milliseconds on a GPU; one round of two read one program 2.96 to 3.75 ms in run 9)
 COMPARE_ARGS = ("--rounds", "3", "--steps", "2", "--finalists", "0", "--below", "0.8")
 PEAK_TOLERANCE, TIME_TOLERANCE = 0.05, 0.10
 # validation steps: a warm-up, then ten timed (their median). On an H100 gpt_bench's steps (~10 ms, issued by the host

@@ -9,7 +9,7 @@ policy planned on one device is run on another (`gaswap.app.validate_compiled`).
 from __future__ import annotations
 
 from gaswap.compiled import partition, pool, step_model
-from gaswap.compiled.methods import Method, measure
+from gaswap.compiled.methods import ROUND_S, Method, measure
 from gaswap.plan.costs import Costs
 from gaswap.plan.graph import Graph
 from gaswap.run import training
@@ -70,5 +70,5 @@ def cpu_times_of(policies, model, inputs, target, exp, device, progress, program
     if programs:
         programs.compile(made, "calibration policy")
     timed = [*(m for m, _ in made), *methods]
-    rows = measure(timed, inputs, target, exp.loss, device, rounds, steps, progress, metered=1)
+    rows = measure(timed, inputs, target, exp.loss, device, rounds, steps, progress, metered=1, round_s=ROUND_S)
     return [(row["step_s"], row["peak_bytes"]) for row in rows]

@@ -141,6 +141,11 @@ def measure(methods: list[Method], inputs, target, loss: str, device, rounds: in
     return _rows(methods, runs, clock)
 
 
+# a method's round (the calibration's, the finalists', the head to head's) lasts at least this long from its second
+# on (`steps_for`): the GRU's calibration had timed its 9 ms steps three a round, 2.4 s for seven methods in all
+ROUND_S = 0.25
+
+
 def steps_for(seconds: list[float], steps: int, round_s: float) -> int:
     """Timed steps a round for a method whose steps took `seconds`: `steps`, or as many as last `round_s` by their
     median where that is more (a step of a few milliseconds, on a GPU or a small model, timed three times a round
