@@ -98,8 +98,8 @@ def measure(methods: list[Method], inputs, target, loss: str, device, rounds: in
     """Warm up (compile) each method, then `rounds` rounds in rotated order of `training.metered_round` with
     `steps` timed steps each: a row per method (`gaswap compare`'s columns but the program peak). The allocator's
     peak is metered in the first round alone, in a step of its own before the round's: it is the same bytes every
-    run (542 of 542 rows in results/compare_time read the same in every round), and on a CPU its meter runs the
-    profiler, slowing the step several-fold; each round's metered step meters the resident set. The rounds run
+    run (542 of 542 rows in results/compare_time read the same in every round); each round's metered step meters
+    the resident set, on a CPU without the profiler the allocator's count runs (`PeakMeter`). The rounds run
     with the heap frozen (`training.frozen_heap`). With `metered`, only the first `metered` rounds meter, the
     others run an untimed step in its place; with `prune`, after each round `prune(rows so far)` gives the indices
     of the methods still worth timing (the others keep the rounds they ran). With `round_s`, a method whose first

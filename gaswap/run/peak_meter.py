@@ -35,8 +35,10 @@ from gaswap.run.measure import sync
 class PeakMeter:
     """`with PeakMeter(device) as m: ...`, then `m.peak` (allocator bytes) and `m.rss_peak` (CPU: resident
     bytes; CUDA: None), both above what the block started with. `allocator=False` on a CPU meters the resident
-    set alone (`peak` None): the allocator's count runs the profiler, which slows a step several-fold
-    (densenet's eager step: 0.12 s plain, 0.43 to 0.47 s metered)."""
+    set alone (`peak` None), without the profiler the allocator's count runs (which also keeps its own records in
+    the resident set). A metered step costs more than a plain one either way (the collection, malloc's trim and
+    the pages faulted back): densenet's eager step, the heap frozen, 0.11-0.14 s plain, 0.21-0.24 metered with the
+    allocator's count, 0.20-0.21 without."""
 
     def __init__(self, device, allocator: bool = True):
         self.device = torch.device(device)
