@@ -2,12 +2,14 @@
 compare search reaches in the compiled model (`compare.SEARCH`, torch's partitions as seeds, the run's own peak
 calibration), and for the candidates that fit the model there, the peak of the programs inductor writes for the
 four smallest peaks the model gives (one candidate each; dry compiles: `dry_compile.policy_peak_and_partition`), and
-the smallest's under every order inductor can be told (`order.ORDERS`, and as partitioned), buffer reuse on and off. Run from the repository root:
+the smallest's under every order inductor can be told (`order.ORDERS`, and as partitioned), buffer reuse on and off.
+Run from the repository root:
     PYTHONPATH=. python results/compare_time/below_floor.py > results/compare_time/below_floor.txt
 """
 import csv
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import yaml
 
@@ -23,10 +25,14 @@ RUNS = (("separable", "separable_3fa5542"), ("mixture", "mixture_6996492"), ("no
         ("gpt2_hf", "gpt2_hf_6996492"), ("gru", "gru_137499e"))
 CHECKED = 4
 
-for name, run in RUNS:
+def searched_at_0_8x(name: str, run: str) -> SimpleNamespace:
+    """The compare search of `experiments/compare_<name>_cpu.yaml` at 0.8 x torch's lowest peak in stored `run`
+    (its cost cache, its calibration's peak modelling, torch's partitions as seeds): exp, device, model, inputs,
+    target, graph, unbounded (the problem without a budget), problem, resident, lowest, budget, result and found
+    (the candidates that fit the model there, by actions)."""
     folder = Path("results/compare_time") / run
     exp = config.load_experiment(f"experiments/compare_{name}_cpu.yaml")
-    device, model, inputs, _, graph = compiled_methods.setup(exp)
+    device, model, inputs, target, graph = compiled_methods.setup(exp)
     costs = measure.measure(graph, device, folder / "costs", threads=exp.costs.threads)
     recorded = yaml.safe_load((folder / "p00.yaml").read_text())["provenance"]["calibration"]
     calibration = replace(step_model.Calibration(0.0, 1.0), peak_offset=recorded["peak_offset_bytes"],
@@ -36,12 +42,22 @@ for name, run in RUNS:
     resident = unbounded.fused.resident_bytes()
     lowest = min(int(r["peak_bytes"]) for r in csv.DictReader((folder / "compare.csv").open())
                  if r["method"] == "torch.compile")
-    seeds = {f"torch_{b:g}": unbounded.canonical(unbounded.encoding.read_back(partition.torch_partition(
-        model, *inputs, budget=b, optimizer=exp.optimizer, counted=exp.counts)[1])) for b in (1.0, 0.5, 0.2)}
+    partitions = partition.torch_partitions(model, *inputs, budgets=(1.0, 0.5, 0.2), optimizer=exp.optimizer,
+                                            counted=exp.counts)[1]
+    seeds = {f"torch_{b:g}": unbounded.canonical(unbounded.encoding.read_back(a)) for b, a in partitions.items()}
     budget = resident + int(0.8 * lowest)
     problem = step_model.CompiledProblem(graph, costs, budget, space, loss=exp.loss, calibration=calibration)
     result = search(problem, compare.SEARCH, exp.seed, seeds=seeds)
     found = {e.chromosome.actions: e for e in (*result.front, *result.fastest) if e.peak_bytes <= budget}
+    return SimpleNamespace(exp=exp, device=device, model=model, inputs=inputs, target=target, graph=graph,
+                           unbounded=unbounded, problem=problem, resident=resident, lowest=lowest, budget=budget,
+                           result=result, found=found)
+
+
+def _report(name: str, run: str, s: SimpleNamespace) -> None:
+    """Print what `searched_at_0_8x` found for `name` and how inductor's programs hold its smallest candidates."""
+    exp, model, inputs, graph, unbounded, problem = s.exp, s.model, s.inputs, s.graph, s.unbounded, s.problem
+    resident, lowest, result, found = s.resident, s.lowest, s.result, s.found
     print(f"{name} ({run}): 0.8x = {0.8 * lowest / 1e6:.2f} MB; the model's smallest peak reached "
           f"{(result.smallest_peak - resident) / 1e6:.2f} MB; {len(found)} candidates fit the model", flush=True)
     provenance = {"optimizer": exp.optimizer, "counts": sorted(exp.counts)}  # as compare writes them
@@ -68,3 +84,12 @@ for name, run in RUNS:
                 varied.append(dry_compile.policy_peak(model, policy, inputs, graph.tensors[graph.loss].size, exp.loss))
         print(f"  the smallest under {len(varied)} orders and buffer reuse settings: programs "
               f"{min(varied) / 1e6:.2f} to {max(varied) / 1e6:.2f} MB", flush=True)
+
+
+def main() -> None:
+    for name, run in RUNS:
+        _report(name, run, searched_at_0_8x(name, run))
+
+
+if __name__ == "__main__":
+    main()

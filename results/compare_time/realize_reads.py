@@ -6,55 +6,32 @@ then separable's candidate compiled at the default and at 1 and timed in the sam
 (`methods.measure`, five rounds of five steps, CPU s). Run from the repository root:
     PYTHONPATH=. python results/compare_time/realize_reads.py > results/compare_time/realize_reads.txt
 """
-import csv
-from dataclasses import replace
-from pathlib import Path
-
 import torch
-import yaml
+from below_floor import searched_at_0_8x  # this folder's: the script's own, first on the path
 
-from gaswap.app import compare
-from gaswap.base import config
-from gaswap.compiled import dry_compile, partition, step_model
+from gaswap.compiled import dry_compile, partition
 from gaswap.compiled import methods as compiled_methods
 from gaswap.compiled.programs import step_peak
-from gaswap.plan.search import search
-from gaswap.run import measure, training
+from gaswap.run import training
 
 RUNS = (("separable", "separable_3fa5542"), ("gpt2_hf", "gpt2_hf_6996492"), ("gru", "gru_137499e"))
 THRESHOLDS = (None, 1, 2, 3)
 
 
 def smallest(name: str, run: str):
-    """(experiment, model, inputs, target, graph, the smallest candidate's policy, its model peak, 0.8x budget)."""
-    folder = Path("results/compare_time") / run
-    exp = config.load_experiment(f"experiments/compare_{name}_cpu.yaml")
-    device, model, inputs, target, graph = compiled_methods.setup(exp)
-    costs = measure.measure(graph, device, folder / "costs", threads=exp.costs.threads)
-    recorded = yaml.safe_load((folder / "p00.yaml").read_text())["provenance"]["calibration"]
-    calibration = replace(step_model.Calibration(0.0, 1.0), peak_offset=recorded["peak_offset_bytes"],
-                          inline_recomputed=recorded["inline_recomputed"])
-    space = config.load_search_space(partition.SPACE)
-    unbounded = step_model.CompiledProblem(graph, costs, None, space, loss=exp.loss, calibration=calibration)
-    resident = unbounded.fused.resident_bytes()
-    lowest = min(int(r["peak_bytes"]) for r in csv.DictReader((folder / "compare.csv").open())
-                 if r["method"] == "torch.compile")
-    seeds = {f"torch_{b:g}": unbounded.canonical(unbounded.encoding.read_back(a)) for b, a in partition.torch_partitions(
-        model, *inputs, budgets=(1.0, 0.5, 0.2), optimizer=exp.optimizer, counted=exp.counts)[1].items()}
-    problem = step_model.CompiledProblem(graph, costs, resident + int(0.8 * lowest), space, loss=exp.loss,
-                                         calibration=calibration)
-    result = search(problem, compare.SEARCH, exp.seed, seeds=seeds)
-    fits = [e for e in (*result.front, *result.fastest) if e.peak_bytes <= problem.budget]
-    e = min(fits, key=lambda e: e.peak_bytes)
-    policy = partition.make_policy(graph, unbounded.actions_of(problem.canonical(e.chromosome)),
-                                   provenance={"optimizer": exp.optimizer, "counts": sorted(exp.counts)})
-    return exp, model, inputs, target, graph, device, policy, e.peak_bytes - resident, 0.8 * lowest
+    """(experiment, model, inputs, target, graph, device, the smallest candidate's policy, its model peak, 0.8x
+    budget), searched as `below_floor.py` does."""
+    s = searched_at_0_8x(name, run)
+    e = min(s.found.values(), key=lambda e: e.peak_bytes)
+    policy = partition.make_policy(s.graph, s.unbounded.actions_of(s.problem.canonical(e.chromosome)),
+                                   provenance={"optimizer": s.exp.optimizer, "counts": sorted(s.exp.counts)})
+    return s.exp, s.model, s.inputs, s.target, s.graph, s.device, policy, e.peak_bytes - s.resident, 0.8 * s.lowest
 
 
 for name, run in RUNS:
     exp, model, inputs, target, graph, device, policy, model_peak, budget = smallest(name, run)
-    print(f"{name} ({run}): 0.8x = {budget / 1e6:.2f} MB; the smallest candidate's model peak {model_peak / 1e6:.2f} MB",
-          flush=True)
+    print(f"{name} ({run}): 0.8x = {budget / 1e6:.2f} MB; the smallest candidate's model peak "
+          f"{model_peak / 1e6:.2f} MB", flush=True)
     for threshold in THRESHOLDS:
         patch = {} if threshold is None else {"realize_reads_threshold": threshold}
         peak = step_peak(dry_compile.programs_of(model, partition.backend(policy, **patch), *inputs),
