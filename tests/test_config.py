@@ -71,6 +71,8 @@ def test_example_loads(tmp_path):
         search_space=load_search_space("hybrid"),
         ga=GASettings(64, 60, 1),
         seed=0,
+        given=frozenset({"model", "inputs", "target", "loss", "batch_size", "optimizer", "budget", "counts", "costs",
+                         "search_space", "ga", "seed"}),
     )
 
 

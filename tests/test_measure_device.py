@@ -132,3 +132,18 @@ def test_off_the_cpu_a_cpu_kernel_is_timed_as_the_runtime_runs_it():
     out, _ = fn(*args, **kwargs)  # the CPU kernel
     ours, _ = capture.sdpa_forward(*args, **kwargs)  # what the runtime runs off the CPU
     torch.testing.assert_close(ours, out, rtol=1e-4, atol=1e-5)
+
+
+def test_an_experiment_without_threads_runs_on_torchs_default_not_on_the_last_experiments(monkeypatch):
+    """A compare's pool test failed after a recalibration test in the same process: the second experiment (no
+    `costs.threads`) kept the first's one thread, and inductor's cache keys, which count threads, differed from
+    its worker's."""
+    monkeypatch.setattr(measure, "STARTING_THREADS", 3)
+    before = torch.get_num_threads()
+    try:
+        measure.use_cpu(1)
+        assert torch.get_num_threads() == 1
+        measure.use_cpu(None)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from gaswap.app.gpu_check import STEPS as GPU_CHECK_STEPS
 from gaswap.base import config, errors, units
 from gaswap.base.config import format_size
 from gaswap.base.signals import from_code, named_interrupts
@@ -139,8 +140,8 @@ def main(argv=None) -> int:
     p = add_parser("check-gpu", help="on a CUDA machine: CUDA tests, search + validate two experiments, "
                                            "allocator model vs measured memory, one JSON report")
     p.add_argument("--out", default="gpu_check.json", help="the JSON report (default: gpu_check.json)")
-    p.add_argument("--steps", type=_at_least(3, int), default=11,
-                   help="validation steps per experiment (default 11: a warm-up, then ten timed)")
+    p.add_argument("--steps", type=_at_least(3, int), default=GPU_CHECK_STEPS,
+                   help=f"validation steps per experiment (default {GPU_CHECK_STEPS}: a warm-up, then {GPU_CHECK_STEPS - 1} timed)")
     p.set_defaults(run=check_gpu)
     try:
         args = parser.parse_args(argv)

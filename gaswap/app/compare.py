@@ -267,7 +267,7 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
 
 def search_settings(exp: config.Experiment) -> config.Experiment:
     """`exp`, searching with `SEARCH` where its file names no `ga` (else as it says)."""
-    return exp if "ga" in config.keys_given(exp.path) else replace(exp, ga=SEARCH)
+    return exp if "ga" in exp.given else replace(exp, ga=SEARCH)
 
 
 def _search(exp, graph, costs, calibration, space, seeds, budgets, resident, progress,

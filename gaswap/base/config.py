@@ -487,6 +487,7 @@ class Experiment:
 
     name: str = key(_NAME, "names the results folder", shown="the file's stem")
     path: str  # the file it was loaded from
+    given: frozenset[str] = frozenset()  # the top-level keys the file names itself (the others took their defaults)
     model: ModelSpec = key(_record(ModelSpec), "the model to train", record=ModelSpec)
     inputs: tuple[TensorSpec, ...] = key(_list(_tensor, nonempty=True), "positional inputs of model.forward: a "
                                                                         "list of tensors", record=TensorSpec)
@@ -564,20 +565,17 @@ def load_search_space(name_or_path: str | Path, *, root: str | Path | None = Non
     return _load_space_file(_find_space(str(name_or_path), Path(root or SEARCH_SPACES_DIR), base=None))
 
 
-def keys_given(path: str | Path) -> set[str]:
-    """The top-level keys an experiment file names itself (the others take their defaults)."""
-    return set(_read_yaml(Path(path)))
-
-
 def load_experiment(path: str | Path) -> Experiment:
     """Load and validate an experiment file; a relative search-space path is relative to this file."""
     path = Path(path)
     where = _Where(str(path))
     raw = _read_yaml(path)
+    given = frozenset(raw)
     if "name" not in raw:  # the defaults `shown` in the schema
         raw["name"] = _name_from(path, where)
     raw.setdefault("search_space", DEFAULT_SEARCH_SPACE)
-    experiment = _build(where, raw, Experiment, {"search_space": _space_check(path.parent)}, path=str(path))
+    experiment = _build(where, raw, Experiment, {"search_space": _space_check(path.parent)}, path=str(path),
+                        given=given)
     if experiment.loss in NO_TARGET and experiment.target is not None:
         where["target"].fail(f"not used by loss {experiment.loss!r}; remove it or choose another loss")
     if experiment.loss not in NO_TARGET and experiment.target is None:

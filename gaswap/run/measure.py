@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 MIN_REPEAT_SECONDS = 1e-3  # a timed repeat runs an op enough times to last at least this long
 MAX_CALLS_PER_REPEAT = 1000
 LINK_BYTES = 128 << 20
+STARTING_THREADS = torch.get_num_threads()  # torch's intra-op threads for this machine, before anyone set them
 BUSY = 1.0  # load per CPU above which wall-clock figures are timed again when it is quieter
 
 
@@ -77,10 +78,11 @@ def keep_freed_host_memory() -> bool:
 
 def use_cpu(threads: int | None = None) -> None:
     """Set up this process's CPU as a device the same way for measuring and for running steps: glibc keeps
-    freed memory (`keep_freed_host_memory`) and, if given, `threads` intra-op threads."""
+    freed memory (`keep_freed_host_memory`) and `threads` intra-op threads, torch's own default where not given
+    (`STARTING_THREADS`: an experiment without `costs.threads` does not inherit the threads of one run before it
+    in the same process, which also changes inductor's cache keys)."""
     keep_freed_host_memory()
-    if threads:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(threads or STARTING_THREADS)
 
 
 def device_name(device: str | torch.device) -> str:
