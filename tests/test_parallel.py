@@ -1,5 +1,6 @@
 """The search's maps: in order, the same results as one process, errors raised in the parent (no torch)."""
 import dataclasses
+import os
 
 import pytest
 
@@ -47,5 +48,9 @@ def _outcome(r):
 @pytest.mark.slow
 def test_a_local_dask_cluster_finds_the_front_of_the_in_process_search(problem):
     pytest.importorskip("distributed")
+    environment = dict(os.environ)
     on_dask = search(problem, dataclasses.replace(GA, executor="dask", workers=2), seed=3)
     assert _outcome(on_dask) == _outcome(search(problem, GA, seed=3))
+    # dask's local cluster wrote OMP_NUM_THREADS=1 and others into this process's environment: the compile pool's
+    # workers started after it ran on one thread, and missed the caches of a measuring process on two
+    assert dict(os.environ) == environment

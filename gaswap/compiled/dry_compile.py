@@ -59,7 +59,7 @@ def programs_of(model, backend: Callable, *example_args) -> list[Program]:
 
     compiled = torch.compile(model, backend=stop_after, fullgraph=True, dynamic=False)
     with Recorder() as recorder, mock.patch.object(GraphLowering, "compile_to_module", _write_unloaded), \
-            functorch_config.patch(force_non_lazy_backward_lowering=True):
+            functorch_config.patch(force_non_lazy_backward_lowering=True), partition.retraced():
         try:
             compiled(*example_args)
         except Exception as e:  # dynamo wraps the stop (and any failure) in its own errors

@@ -90,6 +90,7 @@ from gaswap.run.values import ancestors
 SPACE = "compiled"  # the search space of compiled policies: keep / recompute, captured order
 SWAP_SPACE = "compiled_swap"  # the same with swaps, where they lower the device's memory (`space_for`)
 OFFLOADED_PREFIX = "cpu_offload_"  # torch's activation offloading names a saved value's host copy so
+RETRACES = 1 << 10  # dynamo's recompile limit while gaswap traces a function compiled before (`retraced`)
 
 
 class CompiledCaptureError(GaswapError, RuntimeError):
@@ -174,10 +175,19 @@ def partitioned_by(fn: Callable, policy: Policy, *example_args) -> PolicyPartiti
     return partitioner
 
 
+def retraced():
+    """A context in which dynamo traces a function it has compiled before however often: gaswap's traces that stop
+    at the partitioner or the written programs (`capture`, `dry_compile`) keep no compiled code, but dynamo counts
+    the function's earlier compiles against its `recompile_limit` (8): a ninth capture of a model compiled eight
+    times failed as "could not trace"."""
+    return torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, RETRACES))
+
+
 def _record(recorder: "_Recorder", fn: Callable, example_args) -> "_Recorder":
     compiled = torch.compile(fn, backend=_inductor_with(recorder), fullgraph=True, dynamic=False)
     try:
-        compiled(*example_args)
+        with retraced():
+            compiled(*example_args)
     except Exception as e:  # noqa: BLE001 - dynamo wraps what the backend raises
         if recorder.dynamic is not None:
             raise Uncompilable(recorder.dynamic) from None

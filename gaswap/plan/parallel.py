@@ -11,6 +11,7 @@ group (the parent decides when a search stops, and ends its workers itself); `cl
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -157,8 +158,9 @@ class DaskMap:
         if address:
             self.client = Client(address)
         else:
-            self._cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                                         dashboard_address=None)
+            with _environment_kept():  # dask sets its workers' variables in this process's environment
+                self._cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                                             dashboard_address=None)
             self.client = Client(self._cluster)
         self._remote: dict = {}  # function -> its future on every worker
 
@@ -176,13 +178,29 @@ class DaskMap:
     def close(self) -> None:
         self.client.close()
         if self._cluster is not None:
-            self._cluster.close()
+            with _environment_kept():
+                self._cluster.close()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+@contextlib.contextmanager
+def _environment_kept():
+    """This process's environment as it was before the block. Dask's local cluster writes its workers' variables
+    (OMP_NUM_THREADS=1, MKL_NUM_THREADS=1, MALLOC_TRIM_THRESHOLD_, PYTHONHASHSEED, ...) into the environment of the
+    process that starts it: every process started there afterwards (inductor's compile workers, a compare's) ran
+    with one thread, and its compiles missed the caches the measuring process, on two, looked in."""
+    before = dict(os.environ)
+    try:
+        yield
+    finally:
+        for name in set(os.environ) - set(before):
+            del os.environ[name]
+        os.environ.update({name: value for name, value in before.items() if os.environ.get(name) != value})
 
 
 def _apply(func, batch: list) -> list:
