@@ -293,6 +293,27 @@ def test_of_finalists_timed_within_a_tie_of_the_fastest_the_one_of_least_memory_
     assert compare._least_memory_of_the_fastest(fits, rows).chromosome.actions == (0,)
 
 
+def test_the_head_to_head_times_a_step_picked_at_several_budgets_once():
+    from dataclasses import replace
+
+    from gaswap.compiled.methods import Method
+
+    eager = Method("eager", "-", "model", "model", None)
+    pick = Method("gaswap", "40 MB", "copy", "compiled step", None, predicted=(1, 2.0, 3, 4.0), recomputed=5)
+    again = replace(pick, knob="30 MB")  # the same policy at another budget (`_picked`): the same step
+    other = Method("gaswap", "20 MB", "copy 2", "another step", None)
+    timed = []
+
+    def measure(ms):
+        timed.append([m.knob for m in ms])
+        return [{"knob": m.knob, "step_s": 0.01 * k, "recomputed": m.recomputed} for k, m in enumerate(ms)]
+
+    rows = compare._timed_once([eager, pick, again, other], measure)
+    assert timed == [["-", "40 MB", "20 MB"]]
+    assert [r["knob"] for r in rows] == ["-", "40 MB", "30 MB", "20 MB"]
+    assert rows[2] == rows[1] | {"knob": "30 MB"} and rows[3]["step_s"] == 0.02
+
+
 def test_a_settled_pick_of_a_torch_partition_compiles_beside_the_next_finalists_and_is_not_made_again():
     evaluated, method, _, actions_of, _, _ = _finalist_harness({})
     torch_m = compare.Method("torch.compile", "0.5", "its model", object(), "its optimizer", compile_s=12.0)
