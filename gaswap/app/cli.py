@@ -141,7 +141,8 @@ def main(argv=None) -> int:
                                            "allocator model vs measured memory, one JSON report")
     p.add_argument("--out", default="gpu_check.json", help="the JSON report (default: gpu_check.json)")
     p.add_argument("--steps", type=_at_least(3, int), default=GPU_CHECK_STEPS,
-                   help=f"validation steps per experiment (default {GPU_CHECK_STEPS}: a warm-up, then {GPU_CHECK_STEPS - 1} timed)")
+                   help=f"validation steps per experiment (default {GPU_CHECK_STEPS}: a warm-up, then "
+                        f"{GPU_CHECK_STEPS - 1} timed)")
     p.set_defaults(run=check_gpu)
     try:
         args = parser.parse_args(argv)

@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 MIN_REPEAT_SECONDS = 1e-3  # a timed repeat runs an op enough times to last at least this long
 MAX_CALLS_PER_REPEAT = 1000
 LINK_BYTES = 128 << 20
-STARTING_THREADS = torch.get_num_threads()  # torch's intra-op threads for this machine, before anyone set them
+STARTING_THREADS = torch.get_num_threads()  # torch's intra-op threads when gaswap was imported: its default here
 BUSY = 1.0  # load per CPU above which wall-clock figures are timed again when it is quieter
 
 
