@@ -1,6 +1,7 @@
 """The README is the front door: it stays short, its AlexNet figures are those of the committed
-results/alexnet_4gb/summary.json (a search run again into that folder changes its timings alone), and every relative link in it and in docs/ leads to a file that exists
-(and, for a link to a heading, to that heading). Reads text files only: no torch."""
+results/alexnet_4gb/summary.json (a search run again into that folder changes its timings alone), and every
+relative link in it and in docs/ leads to a file that exists (and, for a link to a heading, to that heading). Reads
+text files only: no torch."""
 from __future__ import annotations
 
 import csv

@@ -470,13 +470,11 @@ def _timed_once(methods: list[Method], measure_methods) -> list[dict]:
     picked at several budgets runs one step (`_picked`), whose row each of its budgets gets under its own knob. (Timed
     apart, densenet's one pick at three budgets read 83.07, 80.45 and 82.65 ms in one head to head, and its verdicts
     compared torch's partitions with three readings of one program.)"""
-    first = {}
+    first = {}  # id of a compiled step -> the first method running it
     for m in methods:
         first.setdefault(id(m.run), m)
-    distinct = list(first.values())
-    row_of = dict(zip(map(id, distinct), measure_methods(distinct)))
-    return [row_of[id(m)] if first[id(m.run)] is m else row_of[id(first[id(m.run)])] | {"knob": m.knob}
-            for m in methods]
+    row_of = dict(zip(first, measure_methods(list(first.values()))))
+    return [row_of[id(m.run)] | {"knob": m.knob} for m in methods]
 
 
 def _least_memory_of_the_fastest(fits: list, rows: dict):
