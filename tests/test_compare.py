@@ -686,3 +686,47 @@ def test_an_experiment_naming_no_ga_is_searched_with_compares_own_settings(tmp_p
     own = compare.search_settings(config.load_experiment(tmp_path / "own.yaml"))
     assert plain.ga is compare.SEARCH and plain.ga.generations < config.GASettings().generations
     assert (own.ga.population, own.ga.generations) == (8, 3)
+
+
+def test_next_to_a_torch_partition_chosen_in_round_one_a_policy_that_fits_is_timed_in_round_two():
+    from gaswap.plan.encoding import Chromosome
+    from gaswap.plan.problem import Evaluated
+
+    def evaluated(k, seconds=1.0, peak=0):
+        return Evaluated(Chromosome((0.0,), (k,)), seconds, peak)
+
+    torch_05, torch_02, own_run = object(), object(), object()
+    stand_ins = {(1,): compare.Method("torch.compile", "0.5", None, torch_05, None),
+                 (3,): compare.Method("torch.compile", "0.2", None, torch_02, None)}
+    made = {(1,): (compare.Method("gaswap", "A #1", None, torch_05, None, origin="torch 0.5"), None, None),
+            (2,): (compare.Method("gaswap", "C #2", None, own_run, None), None, None),
+            (3,): (compare.Method("gaswap", "D #3", None, torch_02, None, origin="torch 0.2"), None, None)}
+    rows = {(1,): {"peak_bytes": 100}, (2,): {"peak_bytes": 90}, (3,): {"peak_bytes": 92}}
+    chosen = {"A": evaluated(1), "B": evaluated(1), "C": evaluated(2), "D": evaluated(3)}
+    budget_of = {"A": 130, "B": 120, "C": 300, "D": 105}
+    standing = dict.fromkeys(chosen, 2.0)
+    found = {(1,): evaluated(5, 1.99, 10 + 95), (3,): None}  # next to torch 0.5's: less memory, no gain predicted
+    asked, said = [], []
+
+    def near(label, start, problem, deadline):
+        asked.append((label, start.actions))
+        return found.get(label, found[start.actions])
+
+    def near_torch(round2):
+        asked.clear(), said.clear()
+        out = compare._near_torch(round2, chosen, rows, made, stand_ins, "refit", standing, near, 10, budget_of,
+                                  said.append)
+        return [(label, [e.chromosome.actions[0] for e in es]) for label, es in out]
+
+    # the smallest budget first; C's choice is gaswap's own; A reuses what B found next to the same partition
+    assert near_torch([("A", [evaluated(4), chosen["A"]])]) == [("A", [4, 1, 5]), ("B", [5, 1])]
+    assert asked == [("D", (3,)), ("B", (1,))]
+    assert said == ["  at D: no value torch 0.2's partition recomputes fits kept instead, by inductor's programs",
+                    "  at B: torch 0.5's partition with 1 of the values it recomputes kept instead: its programs "
+                    "95 B against 100 B measured, predicted -0.5%: a finalist",
+                    "  at A: torch 0.5's partition with 1 of the values it recomputes kept instead: its programs "
+                    "95 B against 100 B measured, predicted -0.5%: a finalist"]
+    found[(1,)] = evaluated(6, 1.99, 10 + 100)  # as much memory, no gain: not worth a compile
+    assert near_torch([]) == [] and said[1].endswith("not compiled (no less memory, nor 3 % faster predicted)")
+    found |= {"B": None, "A": evaluated(7, 1.9, 10 + 125)}  # none at B; at A, one predicted 5 % faster
+    assert near_torch([]) == [("A", [7, 1])] and asked == [("D", (3,)), ("B", (1,)), ("A", (1,))]

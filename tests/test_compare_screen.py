@@ -343,3 +343,58 @@ def test_a_candidate_far_over_its_budget_is_not_tried_under_other_settings(peaks
     made, written, _ = peaks
     kept, _ = made.screen("A", RESIDENT + 100, RESIDENT, [_evaluated(1, 1.0, 80)], 1)  # 160 against 100
     assert kept == [] and written == [1] and made.inductor == {}
+
+
+def _next_to(monkeypatch, program: dict):
+    """(problem, start, ProgramPeaks) for `kept_near`: four values the start recomputes, whose keeping the model
+    prices 3, 2, 1 and 0 s faster; `program`: actions -> programs' peak (offset 10); the dry compiles in `written`."""
+    from types import SimpleNamespace
+
+    from gaswap.plan.encoding import Action
+
+    r, k = int(Action.RECOMPUTE), int(Action.KEEP)
+    gains = (3.0, 2.0, 1.0, 0.0)
+    written = []
+
+    def simulate(c):
+        return SimpleNamespace(step_time=10.0 - sum(g for g, a in zip(gains, c.actions) if a == k))
+
+    def policy_peak_and_partition(model, policy, inputs, output_bytes, loss):
+        written.append(policy)
+        return program[policy], None
+
+    monkeypatch.setattr(dry_compile, "policy_peak_and_partition", policy_peak_and_partition)
+    problem = SimpleNamespace(simulate=simulate, canonical=lambda c: c,
+                              encoding=SimpleNamespace(allowed=[(Action.KEEP, Action.RECOMPUTE)] * 4))
+    peaks = compare_screen.ProgramPeaks(None, (), 0, "sum", lambda c, inductor=None: c.actions, 10)
+    return problem, Chromosome((0.0,) * 4, (r,) * 4), peaks, written, (r, k)
+
+
+def test_next_to_a_torch_partition_values_it_recomputes_are_kept_where_the_programs_still_fit(monkeypatch):
+    program = {}
+    problem, start, peaks, written, (r, k) = _next_to(monkeypatch, program)
+    # kept alone: the first (3 s) goes over 110; the second and third fit, the second even lowers the peak
+    program |= {(k, r, r, r): 130, (r, k, r, r): 85, (r, r, k, r): 95, (r, k, k, r): 100}
+    found = compare_screen.kept_near(problem, start, RESIDENT + 110, RESIDENT, peaks, float("inf"))
+    assert found.chromosome.actions == (r, k, k, r) and found.step_time == 7.0
+    assert found.peak_bytes == RESIDENT + 100 + 10  # its programs' peak, the offset added
+    assert written == [(k, r, r, r), (r, k, r, r), (r, r, k, r), (r, k, k, r)]  # no gain in the fourth: not tried
+    program[(r, k, k, r)] = 120  # together over the budget: added one by one while they fit, the best first
+    peaks.known.clear()
+    found = compare_screen.kept_near(problem, start, RESIDENT + 110, RESIDENT, peaks, float("inf"))
+    assert found.chromosome.actions == (r, k, r, r) and found.peak_bytes == RESIDENT + 85 + 10
+
+
+def test_next_to_a_torch_partition_the_singles_stop_at_the_deadline_and_none_fitting_gives_none(monkeypatch):
+    program = {}
+    problem, start, peaks, written, (r, k) = _next_to(monkeypatch, program)
+    program |= {(k, r, r, r): 130, (r, k, r, r): 85, (r, r, k, r): 95}
+    ticks = iter(range(1, 100))
+    assert compare_screen.kept_near(problem, start, RESIDENT + 110, RESIDENT, peaks, 0.5,
+                                    clock=lambda: next(ticks)) is None
+    assert written == [(k, r, r, r)]  # one batch at least (one without workers), then the deadline had passed
+    program |= {(k, r, r, r): 100}  # the first fits now, and the second: time is up before they are tried together
+    peaks.known.clear(), written.clear()
+    ticks = iter([0, 1, 2])
+    found = compare_screen.kept_near(problem, start, RESIDENT + 110, RESIDENT, peaks, 0.5, clock=lambda: next(ticks))
+    assert found.chromosome.actions == (k, r, r, r) and written == [(k, r, r, r), (r, k, r, r)]

@@ -20,7 +20,9 @@ times (`step_model.refit`), the search runs again with it, and the new finalists
 are timed beside the first round's choice at their budget (`_second_round`; one the refit predicts less
 than 3 % faster than that choice, `MIN_GAIN`, is not compiled). Where no first-round
 finalist measured under its budget (the model erred low), the second search runs under the budget divided
-by how far over their predictions those finalists measured (`_refit_budgets`). The policy compared at a
+by how far over their predictions those finalists measured (`_refit_budgets`). Where round 1 chose one of torch's
+partitions, round 2 also times the policy found next to it: values it recomputes kept instead, judged by their
+programs (`_near_torch`, `compare_screen.kept_near`). The policy compared at a
 budget is the fastest whose measured peak fits it, of the last round that timed any there; a budget none
 fits is left out (`_final_choice`). A policy's predictions are those of the model that picked it, before
 it was timed. The verdicts of compare.md are `gaswap.app.compare_report`'s.
@@ -62,6 +64,7 @@ Writes `results/<experiment>/compare.csv`, `compare.md`, `finalists.csv` and the
 """
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
@@ -69,7 +72,7 @@ from pathlib import Path
 import torch
 
 from gaswap.app.compare_report import budget_labels, to_markdown
-from gaswap.app.compare_screen import ProgramPeaks, offset
+from gaswap.app.compare_screen import KEPT_NEAR_S, ProgramPeaks, kept_near, offset
 from gaswap.base import config
 from gaswap.base.config import format_size
 from gaswap.base.files import csv_text, write_atomic
@@ -237,7 +240,9 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
             shortlist, unbounded, budgets, resident, made, method, measure_methods, progress,
             lambda refit, again, settled: _search(exp, graph, costs, refit, space, seeds, again, resident, progress,
                                                   finalists, peaks, settled),
-            pool.Programs(compile_pool, partition_keys), stand_ins, own)
+            pool.Programs(compile_pool, partition_keys), stand_ins, own,
+            lambda label, start, problem, deadline: kept_near(problem, start, budget_of[label], resident, peaks,
+                                                              deadline))
         progress(peaks.summary())
     picked = _picked(chosen, made, method, budget_of, unbounded, stand_ins, own)
     untimed = {tuple(sorted(policy.actions.items())): (m, policy) for m, policy in picked
@@ -382,7 +387,8 @@ def _with_partitions(finalists, partitions: dict, budgets) -> list[tuple[str, li
 
 
 def _two_rounds(shortlist, problem, budgets, resident, made: dict, method, measure_methods, progress,
-                search_again, programs=None, stand_ins=None, own: dict | None = None) -> tuple[dict, list[dict]]:
+                search_again, programs=None, stand_ins=None, own: dict | None = None, near=None
+                ) -> tuple[dict, list[dict]]:
     """The policy compared at each budget ({label: Evaluated}) and the finalists' measured rows: `shortlist`'s
     finalists timed (round 1); the time model of `problem` (calibrated) refit on their times; the search
     run again with it (`search_again(calibration, budgets, settled)`: (label, [Evaluated]) pairs; `settled(label,
@@ -391,7 +397,9 @@ def _two_rounds(shortlist, problem, budgets, resident, made: dict, method, measu
     beside round 1's choice (round 2). `programs` (`pool.Programs`): finalists of one partition compiled and
     timed once, in worker processes first; `stand_ins`: torch's partitions' compiled methods (`_make`). A budget
     with no new finalist in round 2 keeps round 1's choice: where that is a torch partition read back, its own
-    program (`_own_program`, kept in `own`) compiles beside round 2's finalists, in a worker that would wait."""
+    program (`_own_program`, kept in `own`) compiles beside round 2's finalists, in a worker that would wait.
+    `near(label, chromosome, problem, deadline)`: a policy next to a torch partition round 1 chose
+    (`compare_screen.kept_near`), timed in round 2 too (`_near_torch`)."""
     budget_of, labels = dict(budgets), [label for label, _ in budgets]
     chosen, first, unfit = _finalists_round(shortlist, 1, problem, made, method, budget_of, resident,
                                             measure_methods, progress, programs, stand_ins)
@@ -414,6 +422,9 @@ def _two_rounds(shortlist, problem, budgets, resident, made: dict, method, measu
 
     retry = search_again(refit, again + _refit_budgets(unfit, budget_of, resident), settled)
     round2 = _second_round(retry, made, chosen, standing, progress)
+    if near is not None:
+        round2 = _near_torch(round2, chosen, first, made, stand_ins, refitted, standing, near, resident,
+                             budget_of, progress)
     again_at = {label for label, _ in round2}
     picks = [] if own is None else [
         _own_program(label, e, made, method, problem, stand_ins, own) for label, e in chosen.items()
@@ -567,6 +578,42 @@ def _second_round(finalists, made: dict, chosen: dict, standing: dict | None = N
         if hopeful:
             out.append((label, hopeful + ([chosen[label]] if label in chosen else [])))
     return out
+
+
+def _near_torch(round2, chosen: dict, rows: dict, made: dict, stand_ins, problem, standing: dict, near, resident: int,
+                budget_of: dict, progress) -> list[tuple[str, list]]:
+    """`round2` ((label, [Evaluated]) pairs) with, at each budget whose first-round choice (`chosen`) is a torch
+    partition timed in torch.compile's program, the policy `near` finds next to it (`compare_screen.kept_near`,
+    within `KEPT_NEAR_S` a partition: at its smallest budget first, then at a larger one only where that policy
+    does not fit it), beside that choice: where it is new and its programs hold less than the choice measured
+    (`rows`: actions -> round 1's row), or `problem` (refit) predicts it `MIN_GAIN` faster (`standing`). The model
+    cannot tell which of torch's recomputations cost memory in inductor's programs; the programs can."""
+    added, deadline, found_at = {}, {}, {}  # label -> policy; start actions -> its deadline, the policies found
+    for label, e in sorted(chosen.items(), key=lambda item: budget_of[item[0]]):
+        a = e.chromosome.actions
+        if a not in made or not _stands_in(made[a][0], stand_ins):
+            continue
+        partition_name = f"{made[a][0].origin}'s partition"
+        found = next((f for f in found_at.get(a, ()) if f.peak_bytes <= budget_of[label]), None)
+        if found is None:
+            found = near(label, e.chromosome, problem, deadline.setdefault(a, time.monotonic() + KEPT_NEAR_S))
+        if found is None:
+            progress(f"  at {label}: no value {partition_name} recomputes fits kept instead, by inductor's programs")
+            continue
+        found_at.setdefault(a, []).append(found)
+        kept = sum(x != y for x, y in zip(found.chromosome.actions, a))
+        fresh = found.chromosome.actions not in made
+        smaller = found.peak_bytes - resident < rows[a]["peak_bytes"]
+        worth = fresh and (smaller or found.step_time <= _time_limit(standing, label))
+        progress(f"  at {label}: {partition_name} with {kept} of the values it recomputes kept instead: its programs "
+                 f"{format_size(found.peak_bytes - resident)} against {format_size(rows[a]['peak_bytes'])} measured, "
+                 f"predicted {found.step_time / standing[label] - 1:+.1%}: "
+                 + ("a finalist" if worth else "made already" if not fresh else
+                    f"not compiled (no less memory, nor {MIN_GAIN * 100:g} % faster predicted)"))
+        if worth:
+            added[label] = found
+    out = [(label, [*evaluated, added.pop(label)] if label in added else evaluated) for label, evaluated in round2]
+    return out + [(label, [found, chosen[label]]) for label, found in added.items()]
 
 
 def _time_limit(standing: dict, label: str) -> float:
