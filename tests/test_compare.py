@@ -689,6 +689,7 @@ def test_an_experiment_naming_no_ga_is_searched_with_compares_own_settings(tmp_p
 
 
 def test_next_to_a_torch_partition_chosen_in_round_one_a_policy_that_fits_is_timed_in_round_two():
+    from gaswap.app import compare_screen
     from gaswap.plan.encoding import Chromosome
     from gaswap.plan.problem import Evaluated
 
@@ -710,7 +711,8 @@ def test_next_to_a_torch_partition_chosen_in_round_one_a_policy_that_fits_is_tim
 
     def near(label, start, problem, deadline):
         asked.append((label, start.actions))
-        return found.get(label, found[start.actions])
+        policy = found.get(label, found[start.actions])
+        return compare_screen.Nearby(policy, 4, 0 if policy is None else 2, 0 if policy is None else 1)
 
     def near_torch(round2):
         asked.clear(), said.clear()
@@ -721,11 +723,12 @@ def test_next_to_a_torch_partition_chosen_in_round_one_a_policy_that_fits_is_tim
     # the smallest budget first; C's choice is gaswap's own; A reuses what B found next to the same partition
     assert near_torch([("A", [evaluated(4), chosen["A"]])]) == [("A", [4, 1, 5]), ("B", [5, 1])]
     assert asked == [("D", (3,)), ("B", (1,))]
-    assert said == ["  at D: no value torch 0.2's partition recomputes fits kept instead, by inductor's programs",
-                    "  at B: torch 0.5's partition with 1 of the values it recomputes kept instead: its programs "
-                    "95 B against 100 B measured, predicted -0.5%: a finalist",
-                    "  at A: torch 0.5's partition with 1 of the values it recomputes kept instead: its programs "
-                    "95 B against 100 B measured, predicted -0.5%: a finalist"]
+    assert said == ["  at D: of the values torch 0.2's partition recomputes, 4 tried kept alone, 0 fit by inductor's "
+                    "programs",
+                    "  at B: of the values torch 0.5's partition recomputes, 4 tried kept alone, 2 fit; 1 kept: its "
+                    "programs 95 B against 100 B measured, predicted -0.5%: a finalist",
+                    "  at A: of the values torch 0.5's partition recomputes, 4 tried kept alone, 2 fit; 1 kept: its "
+                    "programs 95 B against 100 B measured, predicted -0.5%: a finalist"]
     found[(1,)] = evaluated(6, 1.99, 10 + 100)  # as much memory, no gain: not worth a compile
     assert near_torch([]) == [] and said[1].endswith("not compiled (no less memory, nor 3 % faster predicted)")
     found |= {"B": None, "A": evaluated(7, 1.9, 10 + 125)}  # none at B; at A, one predicted 5 % faster

@@ -375,13 +375,15 @@ def test_next_to_a_torch_partition_values_it_recomputes_are_kept_where_the_progr
     problem, start, peaks, written, (r, k) = _next_to(monkeypatch, program)
     # kept alone: the first (3 s) goes over 110; the second and third fit, the second even lowers the peak
     program |= {(k, r, r, r): 130, (r, k, r, r): 85, (r, r, k, r): 95, (r, k, k, r): 100}
-    found = compare_screen.kept_near(problem, start, RESIDENT + 110, RESIDENT, peaks, float("inf"))
+    nearby = compare_screen.kept_near(problem, start, RESIDENT + 110, RESIDENT, peaks, float("inf"))
+    found = nearby.policy
     assert found.chromosome.actions == (r, k, k, r) and found.step_time == 7.0
     assert found.peak_bytes == RESIDENT + 100 + 10  # its programs' peak, the offset added
+    assert nearby[1:] == (3, 2, 2)  # tried alone, fit alone, kept
     assert written == [(k, r, r, r), (r, k, r, r), (r, r, k, r), (r, k, k, r)]  # no gain in the fourth: not tried
     program[(r, k, k, r)] = 120  # together over the budget: added one by one while they fit, the best first
     peaks.known.clear()
-    found = compare_screen.kept_near(problem, start, RESIDENT + 110, RESIDENT, peaks, float("inf"))
+    found = compare_screen.kept_near(problem, start, RESIDENT + 110, RESIDENT, peaks, float("inf")).policy
     assert found.chromosome.actions == (r, k, r, r) and found.peak_bytes == RESIDENT + 85 + 10
 
 
@@ -391,10 +393,11 @@ def test_next_to_a_torch_partition_the_singles_stop_at_the_deadline_and_none_fit
     program |= {(k, r, r, r): 130, (r, k, r, r): 85, (r, r, k, r): 95}
     ticks = iter(range(1, 100))
     assert compare_screen.kept_near(problem, start, RESIDENT + 110, RESIDENT, peaks, 0.5,
-                                    clock=lambda: next(ticks)) is None
+                                    clock=lambda: next(ticks)) == (None, 1, 0, 0)
     assert written == [(k, r, r, r)]  # one batch at least (one without workers), then the deadline had passed
-    program |= {(k, r, r, r): 100}  # the first fits now, and the second: time is up before they are tried together
+    program |= {(k, r, r, r): 100, (k, k, r, r): 120}  # the first two fit alone, not together; then time is up
     peaks.known.clear(), written.clear()
     ticks = iter([0, 1, 2])
-    found = compare_screen.kept_near(problem, start, RESIDENT + 110, RESIDENT, peaks, 0.5, clock=lambda: next(ticks))
-    assert found.chromosome.actions == (k, r, r, r) and written == [(k, r, r, r), (r, k, r, r)]
+    nearby = compare_screen.kept_near(problem, start, RESIDENT + 110, RESIDENT, peaks, 0.5, clock=lambda: next(ticks))
+    assert nearby.policy.chromosome.actions == (k, r, r, r) and nearby[1:] == (2, 2, 1)
+    assert written == [(k, r, r, r), (r, k, r, r), (k, k, r, r)]  # together once, however late

@@ -399,7 +399,7 @@ def _two_rounds(shortlist, problem, budgets, resident, made: dict, method, measu
     with no new finalist in round 2 keeps round 1's choice: where that is a torch partition read back, its own
     program (`_own_program`, kept in `own`) compiles beside round 2's finalists, in a worker that would wait.
     `near(label, chromosome, problem, deadline)`: a policy next to a torch partition round 1 chose
-    (`compare_screen.kept_near`), timed in round 2 too (`_near_torch`)."""
+    (`compare_screen.kept_near`'s `Nearby`), timed in round 2 too (`_near_torch`)."""
     budget_of, labels = dict(budgets), [label for label, _ in budgets]
     chosen, first, unfit = _finalists_round(shortlist, 1, problem, made, method, budget_of, resident,
                                             measure_methods, progress, programs, stand_ins)
@@ -588,26 +588,27 @@ def _near_torch(round2, chosen: dict, rows: dict, made: dict, stand_ins, problem
     does not fit it), beside that choice: where it is new and its programs hold less than the choice measured
     (`rows`: actions -> round 1's row), or `problem` (refit) predicts it `MIN_GAIN` faster (`standing`). The model
     cannot tell which of torch's recomputations cost memory in inductor's programs; the programs can."""
-    added, deadline, found_at = {}, {}, {}  # label -> policy; start actions -> its deadline, the policies found
+    added, deadline, found_at = {}, {}, {}  # label -> policy; start actions -> its deadline, what was found
     for label, e in sorted(chosen.items(), key=lambda item: budget_of[item[0]]):
         a = e.chromosome.actions
         if a not in made or not _stands_in(made[a][0], stand_ins):
             continue
         partition_name = f"{made[a][0].origin}'s partition"
-        found = next((f for f in found_at.get(a, ()) if f.peak_bytes <= budget_of[label]), None)
-        if found is None:
-            found = near(label, e.chromosome, problem, deadline.setdefault(a, time.monotonic() + KEPT_NEAR_S))
-        if found is None:
-            progress(f"  at {label}: no value {partition_name} recomputes fits kept instead, by inductor's programs")
+        nearby = next((n for n in found_at.get(a, ()) if n.policy.peak_bytes <= budget_of[label]), None)
+        if nearby is None:
+            nearby = near(label, e.chromosome, problem, deadline.setdefault(a, time.monotonic() + KEPT_NEAR_S))
+        tried = f"of the values {partition_name} recomputes, {nearby.tried} tried kept alone, {nearby.fitted} fit"
+        if nearby.policy is None:
+            progress(f"  at {label}: {tried} by inductor's programs")
             continue
-        found_at.setdefault(a, []).append(found)
-        kept = sum(x != y for x, y in zip(found.chromosome.actions, a))
+        found_at.setdefault(a, []).append(nearby)
+        found = nearby.policy
         fresh = found.chromosome.actions not in made
         smaller = found.peak_bytes - resident < rows[a]["peak_bytes"]
         worth = fresh and (smaller or found.step_time <= _time_limit(standing, label))
-        progress(f"  at {label}: {partition_name} with {kept} of the values it recomputes kept instead: its programs "
-                 f"{format_size(found.peak_bytes - resident)} against {format_size(rows[a]['peak_bytes'])} measured, "
-                 f"predicted {found.step_time / standing[label] - 1:+.1%}: "
+        progress(f"  at {label}: {tried}; {nearby.kept} kept: its programs {format_size(found.peak_bytes - resident)} "
+                 f"against {format_size(rows[a]['peak_bytes'])} measured, predicted "
+                 f"{found.step_time / standing[label] - 1:+.1%}: "
                  + ("a finalist" if worth else "made already" if not fresh else
                     f"not compiled (no less memory, nor {MIN_GAIN * 100:g} % faster predicted)"))
         if worth:

@@ -18,15 +18,16 @@ which `partition.backend` applies).
 
 Where a budget's choice is torch's own partition read back (no policy of the search's fitted, or none was faster),
 `kept_near` looks next to it: the values that partition recomputes kept instead, one at a time, each judged by its
-programs. The model cannot see that inductor's backward holds a recomputed library call's output longer than a saved
-one (on normmix, keeping the `addmm` torch's 0.2 partition recomputes lowered its programs' peak from 15.31 to
-14.16 MB): results/compiled_model/next_to_torch.txt.
+programs. The model cannot tell which of torch's recomputations cost memory in inductor's programs (on normmix,
+keeping the `addmm` torch's 0.2 partition recomputes lowered its programs' peak from 15.31 to 14.16 MB):
+results/compiled_model/next_to_torch.txt.
 """
 from __future__ import annotations
 
 import statistics
 import time
 from dataclasses import replace
+from typing import NamedTuple
 
 from gaswap.base.config import format_size
 from gaswap.compiled import dry_compile
@@ -163,24 +164,33 @@ class ProgramPeaks:
         return kept, (1.0 if kept or not ratios else min(ratios))
 
 
-# wall seconds of dry compiles a compare spends next to torch's partition at a budget (`kept_near`'s deadline; those
-# under way finish): values a partition recomputes, tried kept one at a time, those the model predicts save the most first, as
-# many as the workers write at once, until this is spent; then together. On normmix's torch 0.2, 5 of the 12 the
-# model ranked first fit, and together ran 7.1 % faster in 7.1 % less memory; on the GRU's, gpt's and gpt2_hf's torch
-# 0.5 the 8 ranked first gained 1.7 % or less (results/compiled_model/next_to_torch.txt). A dry compile took 2 to 8
-# CPU s there.
+# wall seconds of dry compiles a compare spends next to one of torch's partitions (`kept_near`'s deadline; those under
+# way finish): values the partition recomputes, tried kept one at a time, those the model predicts save the most
+# first, as many as the workers write at once, until this is spent; then together. On normmix's torch 0.2, 5 of the
+# 12 the model ranked first fit, and together ran 7.1 % faster in 7.1 % less memory; on the GRU's, gpt's and
+# gpt2_hf's torch 0.5 the 8 ranked first gained 1.7 % or less (results/compiled_model/next_to_torch.txt). A dry
+# compile took 2 to 8 CPU s there.
 KEPT_NEAR_S = 20.0
 
 
+class Nearby(NamedTuple):
+    """What `kept_near` found: the policy (None where no value fitted kept), how many values it tried kept alone,
+    how many of them fitted, and how many of those the policy keeps."""
+    policy: Evaluated | None
+    tried: int
+    fitted: int
+    kept: int
+
+
 def kept_near(problem, start: Chromosome, budget: int, resident: int, peaks: ProgramPeaks, deadline: float,
-              clock=time.monotonic) -> Evaluated | None:
+              clock=time.monotonic) -> Nearby:
     """A policy next to `start` (torch's partition read back) that recomputes less and whose programs fit `budget`
     (bytes, resident included): values `start` recomputes, those whose keeping `problem` (a calibrated
     `CompiledProblem`) predicts saves the most time first, each kept alone and checked by its programs (as many at
-    once as `peaks`' workers write) until `clock()` passes `deadline` (one batch at least); then, while time is
-    left, those that fit kept together, or, where together they do not fit, added one by one while the programs
-    still fit (where time is up, the one of them priced fastest alone). Evaluated with its programs' peak (the meter's, resident included) and `problem`'s time; None where none
-    fits."""
+    once as `peaks`' workers write) until `clock()` passes `deadline` (one batch at least); then those that fit
+    kept together, or, where together they do not fit, added one by one (the most promising first) while the
+    programs still fit and time is left. The policy is Evaluated with its programs'
+    peak (the meter's, resident included) and `problem`'s time."""
 
     def kept(indices) -> Chromosome:
         actions = list(start.actions)
@@ -198,27 +208,26 @@ def kept_near(problem, start: Chromosome, budget: int, resident: int, peaks: Pro
     gains = sorted(((base - problem.simulate(kept([k])).step_time, k) for k in recomputed), reverse=True)
     ranked = [k for gain, k in gains if gain > 0]
     at_once = max(1, peaks.workers.workers if peaks.workers is not None else 1)
-    alone = []
+    alone, tried = [], 0
     for i in range(0, len(ranked), at_once):
         if i and clock() > deadline:
             break
         batch = ranked[i:i + at_once]
         peaks.ahead([kept([k]) for k in batch])
         alone += [k for k in batch if fits(kept([k]))]
+        tried += len(batch)
     if not alone:
-        return None
-    chosen = alone[:1]  # where time is up, the one the model prices fastest
-    if len(alone) > 1 and clock() <= deadline:
-        if fits(kept(alone)):
-            chosen = alone
-        else:
-            for k in alone[1:]:
-                if clock() > deadline:
-                    break
-                if fits(kept([*chosen, k])):
-                    chosen.append(k)
+        return Nearby(None, tried, 0, 0)
+    chosen = alone
+    if len(alone) > 1 and not fits(kept(alone)):
+        chosen = alone[:1]
+        for k in alone[1:]:
+            if clock() > deadline:
+                break
+            if fits(kept([*chosen, k])):
+                chosen.append(k)
     c = kept(chosen)
-    return Evaluated(c, problem.simulate(c).step_time, resident + peaks.peak(c))
+    return Nearby(Evaluated(c, problem.simulate(c).step_time, resident + peaks.peak(c)), tried, len(alone), len(chosen))
 
 
 def _answer(future) -> tuple | None:

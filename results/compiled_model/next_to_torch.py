@@ -1,9 +1,10 @@
 """Is there a faster policy next to torch's partition, at its peak? (issue 34, item 2: normmix's torch 0.5 and 0.2, where
 no policy of gaswap's own search fits.) From torch.compile's partition at a budget, each recomputed value kept instead
-(one at a time), ranked by the compiled model's predicted gain (the stored run's calibration, `p00.yaml`), its peak read
-from inductor's programs (`dry_compile`, no kernels compiled) against the partition's own; those that fit are combined
-greedily (each added while the programs still fit); the combination and the first two singles that fit are then
-compiled and timed beside the partition (CPU seconds a step, median of 9 rotated rounds of 3 steps; allocator peak).
+(one at a time), ranked by the compiled model's predicted gain (the stored run's calibration, `p00.yaml`), its peak
+read from inductor's programs (`dry_compile`, no kernels compiled) against the partition's own; those that fit are
+combined greedily (each added while the programs still fit); the combination and the first two singles that fit are
+then compiled and timed beside the partition (CPU seconds a step, median of 9 rotated rounds of 3 steps; allocator
+peak).
 Run from the repository root (the costs are the stored run's):
     PYTHONPATH=. python results/compiled_model/next_to_torch.py normmix normmix_5cf0f96 0.5 20 --time
 """
@@ -55,7 +56,8 @@ def main(name: str, run: str, knob: float, ranked: int, timed: bool) -> None:
     base = problem.canonical(problem.encoding.read_back(torch_actions))
     budget = program_peak(base)
     base_time = problem.simulate(base).step_time
-    recomputed = [k for k, a in enumerate(base.actions) if a == Action.RECOMPUTE and Action.KEEP in problem.encoding.allowed[k]]
+    recomputed = [k for k, a in enumerate(base.actions)
+                  if a == Action.RECOMPUTE and Action.KEEP in problem.encoding.allowed[k]]
     gains = sorted(((base_time - problem.simulate(kept(base, [k])).step_time, k) for k in recomputed), reverse=True)
     print(f"torch {knob:g}: its programs' peak {budget / 1e6:.3f} MB; {len(recomputed)} values recomputed")
     fits = []
