@@ -733,3 +733,6 @@ def test_next_to_a_torch_partition_chosen_in_round_one_a_policy_that_fits_is_tim
     assert near_torch([]) == [] and said[1].endswith("not compiled (no less memory, nor 3 % faster predicted)")
     found |= {"B": None, "A": evaluated(7, 1.9, 10 + 125)}  # none at B; at A, one predicted 5 % faster
     assert near_torch([]) == [("A", [7, 1])] and asked == [("D", (3,)), ("B", (1,)), ("A", (1,))]
+    tried_none = compare._near_torch([], {"D": chosen["D"]}, rows, made, stand_ins, "refit", standing,
+                                     lambda *_: compare_screen.Nearby(None, 0, 0, 0), 10, budget_of, said.append)
+    assert tried_none == [] and said[-1] == "  at D: none torch 0.2's partition recomputes is predicted faster kept"

@@ -599,7 +599,8 @@ def _near_torch(round2, chosen: dict, rows: dict, made: dict, stand_ins, problem
             nearby = near(label, e.chromosome, problem, deadline.setdefault(a, time.monotonic() + KEPT_NEAR_S))
         tried = f"of the values {partition_name} recomputes, {nearby.tried} tried kept alone, {nearby.fitted} fit"
         if nearby.policy is None:
-            progress(f"  at {label}: {tried} by inductor's programs")
+            progress(f"  at {label}: " + (f"{tried} by inductor's programs" if nearby.tried else
+                                          f"none {partition_name} recomputes is predicted faster kept"))
             continue
         found_at.setdefault(a, []).append(nearby)
         found = nearby.policy
