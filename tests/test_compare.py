@@ -736,3 +736,21 @@ def test_next_to_a_torch_partition_chosen_in_round_one_a_policy_that_fits_is_tim
     tried_none = compare._near_torch([], {"D": chosen["D"]}, rows, made, stand_ins, "refit", standing,
                                      lambda *_: compare_screen.Nearby(None, 0, 0, 0), 10, budget_of, said.append)
     assert tried_none == [] and said[-1] == "  at D: none torch 0.2's partition recomputes is predicted faster kept"
+
+
+def test_next_to_torch_is_looked_at_only_where_no_finalist_of_the_searchs_own_fit():
+    from gaswap.plan.encoding import Chromosome
+    from gaswap.plan.problem import Evaluated
+
+    def evaluated(k):
+        return Evaluated(Chromosome((0.0,), (k,)), 1.0, 0)
+
+    torch_run = object()
+    stand_ins = {(1,): compare.Method("torch.compile", "0.5", None, torch_run, None)}
+    made = {(1,): (compare.Method("gaswap", "#1", None, torch_run, None), None, None),
+            (2,): (compare.Method("gaswap", "#2", None, object(), None), None, None),
+            (3,): (compare.Method("gaswap", "#3", None, object(), None), None, None)}
+    rows = {(1,): {"peak_bytes": 80}, (2,): {"peak_bytes": 95}, (3,): {"peak_bytes": 120}}
+    finalists = [("A", [evaluated(2), evaluated(1)]), ("B", [evaluated(3), evaluated(1)]), ("C", [evaluated(1)])]
+    # A: its own finalist #2 measured 95, under 100; B: #3 over 100; C: torch's partition alone
+    assert compare._own_fitting(finalists, made, rows, stand_ins, {"A": 110, "B": 110, "C": 110}, 10) == {"A"}

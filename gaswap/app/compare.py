@@ -21,8 +21,8 @@ are timed beside the first round's choice at their budget (`_second_round`; one 
 than 3 % faster than that choice, `MIN_GAIN`, is not compiled). Where no first-round
 finalist measured under its budget (the model erred low), the second search runs under the budget divided
 by how far over their predictions those finalists measured (`_refit_budgets`). Where round 1 chose one of torch's
-partitions, round 2 also times the policy found next to it: values it recomputes kept instead, judged by their
-programs (`_near_torch`, `compare_screen.kept_near`). The policy compared at a
+partitions and none of the search's own finalists fit, round 2 also times the policy found next to it: values it
+recomputes kept instead, judged by their programs (`_near_torch`, `compare_screen.kept_near`). The policy compared at a
 budget is the fastest whose measured peak fits it, of the last round that timed any there; a budget none
 fits is left out (`_final_choice`). A policy's predictions are those of the model that picked it, before
 it was timed. The verdicts of compare.md are `gaswap.app.compare_report`'s.
@@ -398,8 +398,9 @@ def _two_rounds(shortlist, problem, budgets, resident, made: dict, method, measu
     timed once, in worker processes first; `stand_ins`: torch's partitions' compiled methods (`_make`). A budget
     with no new finalist in round 2 keeps round 1's choice: where that is a torch partition read back, its own
     program (`_own_program`, kept in `own`) compiles beside round 2's finalists, in a worker that would wait.
-    `near(label, chromosome, problem, deadline)`: a policy next to a torch partition round 1 chose
-    (`compare_screen.kept_near`'s `Nearby`), timed in round 2 too (`_near_torch`)."""
+    `near(label, chromosome, problem, deadline)`: a policy next to a torch partition round 1 chose where none of
+    its finalists of the search's own fit (`compare_screen.kept_near`'s `Nearby`), timed in round 2 too
+    (`_near_torch`)."""
     budget_of, labels = dict(budgets), [label for label, _ in budgets]
     chosen, first, unfit = _finalists_round(shortlist, 1, problem, made, method, budget_of, resident,
                                             measure_methods, progress, programs, stand_ins)
@@ -423,8 +424,9 @@ def _two_rounds(shortlist, problem, budgets, resident, made: dict, method, measu
     retry = search_again(refit, again + _refit_budgets(unfit, budget_of, resident), settled)
     round2 = _second_round(retry, made, chosen, standing, progress)
     if near is not None:
-        round2 = _near_torch(round2, chosen, first, made, stand_ins, refitted, standing, near, resident,
-                             budget_of, progress)
+        own_fit = _own_fitting(shortlist, made, first, stand_ins, budget_of, resident)
+        round2 = _near_torch(round2, {label: e for label, e in chosen.items() if label not in own_fit}, first, made,
+                             stand_ins, refitted, standing, near, resident, budget_of, progress)
     again_at = {label for label, _ in round2}
     picks = [] if own is None else [
         _own_program(label, e, made, method, problem, stand_ins, own) for label, e in chosen.items()
@@ -578,6 +580,14 @@ def _second_round(finalists, made: dict, chosen: dict, standing: dict | None = N
         if hopeful:
             out.append((label, hopeful + ([chosen[label]] if label in chosen else [])))
     return out
+
+
+def _own_fitting(finalists, made: dict, rows: dict, stand_ins, budget_of: dict, resident: int) -> set[str]:
+    """The budgets (labels) where a finalist of the search's own (not timed in torch.compile's program) measured at
+    or under the budget (`finalists`: (label, [Evaluated]) pairs; `rows`: actions -> its measured row)."""
+    return {label for label, evaluated in finalists for e in evaluated
+            if not _stands_in(made[e.chromosome.actions][0], stand_ins)
+            and rows[e.chromosome.actions]["peak_bytes"] <= budget_of[label] - resident}
 
 
 def _near_torch(round2, chosen: dict, rows: dict, made: dict, stand_ins, problem, standing: dict, near, resident: int,
