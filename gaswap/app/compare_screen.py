@@ -190,8 +190,8 @@ def kept_near(problem, start: Chromosome, budget: int, resident: int, peaks: Pro
     `CompiledProblem`) predicts saves the most time first, each kept alone and checked by its programs (as many at
     once as `peaks`' workers write) until `clock()` passes `deadline` (one batch at least); then those that fit
     kept together, or, where together they do not fit, added one by one (the most promising first) while the
-    programs still fit and time is left. The policy is Evaluated with its programs'
-    peak (the meter's, resident included) and `problem`'s time."""
+    programs still fit and time is left. The policy is Evaluated with its programs' peak (the meter's, resident
+    included) and `problem`'s time."""
 
     def kept(indices) -> Chromosome:
         actions = list(start.actions)
