@@ -601,7 +601,7 @@ def _near_torch(round2, chosen: dict, rows: dict, made: dict, stand_ins, problem
     added, deadline, found_at = {}, {}, {}  # label -> policy; start actions -> its deadline, what was found
     for label, e in sorted(chosen.items(), key=lambda item: budget_of[item[0]]):
         a = e.chromosome.actions
-        if a not in made or not _stands_in(made[a][0], stand_ins):
+        if not _stands_in(made[a][0], stand_ins):  # round 1's choices are all made
             continue
         partition_name = f"{made[a][0].origin}'s partition"
         nearby = next((n for n in found_at.get(a, ()) if n.policy.peak_bytes <= budget_of[label]), None)
