@@ -144,6 +144,11 @@ def test_a_budget_none_of_whose_candidates_fit_is_searched_again_under_the_progr
     searched.clear()
     assert compare._search(exp, None, None, None, None, {}, [("C", RESIDENT + 90)], RESIDENT, lambda line: None, 3,
                            made) == [] and searched == []
+    made.unreached.clear()  # where none fits even searched lower, `below` is asked (torch's partitions, descended)
+    asked, found = [], _evaluated(7, 2.0, 80)
+    out = compare._search(exp, None, None, None, None, {}, [("C", RESIDENT + 90)], RESIDENT, lambda line: None, 3,
+                          made, below=lambda label, budget: asked.append((label, budget)) or [found])
+    assert asked == [("C", RESIDENT + 90)] and out == [("C", [found])] and made.unreached == {"C"}
 
 
 def test_a_policy_one_budgets_search_found_is_a_candidate_wherever_it_fits(monkeypatch):
@@ -401,3 +406,69 @@ def test_next_to_a_torch_partition_the_singles_stop_at_the_deadline_and_none_fit
     nearby = compare_screen.kept_near(problem, start, RESIDENT + 110, RESIDENT, peaks, 0.5, clock=lambda: next(ticks))
     assert nearby.policy.chromosome.actions == (k, r, r, r) and nearby[1:] == (2, 2, 1)
     assert written == [(k, r, r, r), (r, k, r, r), (k, k, r, r)]  # together once, however late
+
+
+def _below(monkeypatch, program: dict):
+    """(problem, start, ProgramPeaks) for `descended`: four values the start keeps, of 40, 30, 20 and 10 bytes by the
+    model (its peak their sum), each 1 s to recompute; `program`: actions -> programs' peak (offset 10); the dry
+    compiles in `written`."""
+    from types import SimpleNamespace
+
+    from gaswap.plan.encoding import Action
+
+    r, k = int(Action.RECOMPUTE), int(Action.KEEP)
+    sizes = (40, 30, 20, 10)
+    written = []
+
+    def simulate(c):
+        return SimpleNamespace(peak_bytes=RESIDENT + sum(b for b, a in zip(sizes, c.actions) if a == k),
+                               step_time=10.0 + sum(a == r for a in c.actions))
+
+    def policy_peak_and_partition(model, policy, inputs, output_bytes, loss):
+        written.append(policy)
+        return program[policy], None
+
+    monkeypatch.setattr(dry_compile, "policy_peak_and_partition", policy_peak_and_partition)
+    problem = SimpleNamespace(simulate=simulate, canonical=lambda c: c,
+                              encoding=SimpleNamespace(allowed=[(Action.KEEP, Action.RECOMPUTE)] * 4))
+    peaks = compare_screen.ProgramPeaks(None, (), 0, "sum", lambda c, inductor=None: c.actions, 10)
+    return problem, Chromosome((0.0,) * 4, (k,) * 4), peaks, written, (r, k)
+
+
+def test_below_torchs_partition_each_step_takes_the_lowest_flip_its_programs_confirm(monkeypatch):
+    program = {}
+    problem, start, peaks, written, (r, k) = _below(monkeypatch, program)
+    # step 1: the model's lowest flip (recompute the 40) does not lower the programs, its next (the 30) does;
+    # step 2: from there the 40 recomputed too fits the budget (55 + 10 <= 70)
+    program |= {(k, k, k, k): 100, (r, k, k, k): 105, (k, r, k, k): 80, (r, r, k, k): 55}
+    found = compare_screen.descended(problem, start, RESIDENT + 70, RESIDENT, peaks, float("inf"))
+    assert found.policy.chromosome.actions == (r, r, k, k) and found.policy.step_time == 12.0
+    assert found.policy.peak_bytes == RESIDENT + 55 + 10 and found[1:] == (2, 3, 65)  # steps, checked, reached
+    assert written == [(k, k, k, k), (r, k, k, k), (k, r, k, k), (r, r, k, k)]
+
+
+def test_below_torchs_partition_the_descent_stops_where_no_flip_checked_lowers_the_programs(monkeypatch):
+    program = {}
+    problem, start, peaks, written, (r, k) = _below(monkeypatch, program)
+    # step 2: the two lowest by the model (without workers, `FLIP_BATCHES` of one) lower nothing: it stops there
+    program |= {(k, k, k, k): 100, (r, k, k, k): 105, (k, r, k, k): 80, (r, r, k, k): 85, (k, r, r, k): 80}
+    assert compare_screen.descended(problem, start, RESIDENT + 70, RESIDENT, peaks, float("inf")) == (None, 1, 4, 90)
+    assert len(written) == 5  # the start, two flips a step
+    ticks = iter(range(10))  # past the deadline after the first step
+    peaks.known.clear(), written.clear()
+    assert compare_screen.descended(problem, start, RESIDENT + 70, RESIDENT, peaks, 1.5,
+                                    clock=lambda: next(ticks)) == (None, 1, 2, 90)
+
+
+def test_below_torch_is_asked_only_under_the_partitions_measured_peak(monkeypatch):
+    from gaswap.app import compare
+
+    asked, lines = [], []
+    monkeypatch.setattr(compare, "descended", lambda *args: asked.append(args) or compare_screen.Descended(
+        _evaluated(1, 0.012, 60), 2, 5, 60))
+    below = lambda budget: compare._below_torch(Chromosome((0.0,), (0,)), "torch 0.5's partition", RESIDENT + 100,
+                                                None, RESIDENT, None, lines.append, "0.8x 100 B", budget)
+    assert below(RESIDENT + 100) == [] and asked == []  # torch's partition fits it: nothing to descend for
+    assert [e.chromosome.actions for e in below(RESIDENT + 80)] == [(1,)] and len(asked) == 1
+    assert lines == ["  at 0.8x 100 B: from torch 0.5's partition, 2 actions changed (5 checked by inductor's "
+                     "programs): 60 B, fits, 12.00 ms predicted"]

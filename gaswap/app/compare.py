@@ -72,7 +72,7 @@ from pathlib import Path
 import torch
 
 from gaswap.app.compare_report import budget_labels, to_markdown
-from gaswap.app.compare_screen import KEPT_NEAR_S, ProgramPeaks, kept_near, offset
+from gaswap.app.compare_screen import BELOW_TORCH_S, KEPT_NEAR_S, ProgramPeaks, descended, kept_near, offset
 from gaswap.base import config
 from gaswap.base.config import format_size
 from gaswap.base.files import csv_text, write_atomic
@@ -195,7 +195,11 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
                              graph, unbounded.actions_of(c), provenance=provenance | _inductor(inductor)),
                          beyond_programs, progress, partition_keys, compile_pool if compile_pool.workers > 0 else None
                          ) if finalists > 0 else None
-    shortlist = _search(exp, graph, costs, calibration, space, seeds, budgets, resident, progress, finalists, peaks)
+    least = min(zip(TORCH_BUDGETS, reached), key=lambda item: item[1])  # torch's partition of least peak
+    below = partial(_below_torch, torch_points[least[0]][0], f"torch {least[0]:g}'s partition", resident + least[1],
+                    unbounded, resident, peaks, progress)
+    shortlist = _search(exp, graph, costs, calibration, space, seeds, budgets, resident, progress, finalists, peaks,
+                        below=below)
     folder = Path(results_root) / exp.name
     budget_of = dict(budgets)
     partitions = {f"torch {b:g}": (c, r, peak + resident) for (b, (c, r)), peak in zip(torch_points.items(), reached)}
@@ -276,7 +280,8 @@ def search_settings(exp: config.Experiment) -> config.Experiment:
 
 
 def _search(exp, graph, costs, calibration, space, seeds, budgets, resident, progress,
-            finalists: int = 1, peaks: ProgramPeaks | None = None, settled=None) -> list[tuple[str, list]]:
+            finalists: int = 1, peaks: ProgramPeaks | None = None, settled=None, below=None
+            ) -> list[tuple[str, list]]:
     """gaswap's `finalists` policies (`_shortlist`) at each of `budgets` ((label, bytes) pairs), the GA seeded
     with `seeds`: (label, [Evaluated, the fastest predicted first]) pairs, skipping budgets where nothing fits.
     With `peaks`, the `finalists` are the fastest of `SCREENED` times as many whose programs fit the budget
@@ -285,7 +290,8 @@ def _search(exp, graph, costs, calibration, space, seeds, budgets, resident, pro
     model's (and `LOWERED_MARGIN`); a budget where none fits then is not searched again
     (`ProgramPeaks.unreached`), and one where they fit is searched under that lowered budget from then on
     (`ProgramPeaks.lowered`: the second round's model prices peaks as the first's did; on densenet the second
-    round checked a candidate at the budget itself for 29 s, and lowered it again)."""
+    round checked a candidate at the budget itself for 29 s, and lowered it again). `below(label, budget)`: where
+    none fits even then, the policies found instead (`_below_torch`)."""
 
     size = max(finalists, 1) * (SCREENED if peaks is not None else 1)  # none timed: the model's choice
 
@@ -303,7 +309,7 @@ def _search(exp, graph, costs, calibration, space, seeds, budgets, resident, pro
     results = []
     for label, budget in budgets:
         if peaks is not None and label in peaks.unreached:
-            progress(f"  at {label}: not searched again (no policy's programs fit it, searched lower too)")
+            progress(f"  at {label}: not searched again (none of the search's policies fit it by their programs, searched lower too)")
             continue
         if peaks is not None and label in peaks.lowered:  # the peaks are modelled alike again: start lower
             lowered = peaks.lowered[label]
@@ -340,9 +346,26 @@ def _search(exp, graph, costs, calibration, space, seeds, budgets, resident, pro
                     peaks.lowered[label] = lowered
                 else:
                     peaks.unreached.add(label)  # the peaks are modelled alike in a second round: none would fit
+                    shortlist = below(label, budget) if below is not None else []
         if shortlist:
             out.append((label, shortlist))
     return out
+
+
+def _below_torch(start: Chromosome, name: str, start_peak: int, problem, resident: int, peaks: ProgramPeaks,
+                 progress, label: str, budget: int) -> list[Evaluated]:
+    """At a budget under `start`'s measured peak (`start_peak`, resident included; `start`: torch's partition of
+    least peak, read back, called `name`), the policy `compare_screen.descended` reaches from it within
+    `BELOW_TORCH_S` whose programs fit (none where the budget is not under it, or none fits): the model's peaks
+    err little next to the partitions it was calibrated on, and the programs judge each step."""
+    if budget >= start_peak:
+        return []
+    found = descended(problem, start, budget, resident, peaks, time.monotonic() + BELOW_TORCH_S)
+    reached = "unread" if found.reached is None else format_size(found.reached)
+    progress(f"  at {label}: from {name}, {found.steps} actions changed ({found.checked} checked by inductor's "
+             f"programs): {reached}, " + (f"fits, {found.policy.step_time * 1e3:.2f} ms predicted"
+                                         if found.policy is not None else "does not fit"))
+    return [] if found.policy is None else [found.policy]
 
 
 def _slack_first(fastest_first: list[Evaluated]) -> list[Evaluated]:

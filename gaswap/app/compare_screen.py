@@ -246,3 +246,73 @@ def offset(metered: list[int], program_peaks: list[int | None]) -> int:
     gaps = [m - p for m, p in zip(metered, program_peaks) if p is not None]
     return int(statistics.median(gaps)) if gaps else 0
 
+
+
+# wall seconds of dry compiles a compare spends below torch's partitions (`descended`'s deadline; those under way
+# finish) at a budget under torch's least peak where none of the search's candidates fitted by their programs.
+# Offline (results/compiled_model/below_torch.txt), from the partition of torch's least peak, the model's two to
+# four lowest flips a step: the ViT reached 0.8x its peak in 2 steps, the U-Net in 5, llama in 3; 1 to 8 CPU s a
+# dry compile.
+BELOW_TORCH_S = 40.0
+FLIP_BATCHES = 2  # batches of flips (as many as the workers write at once) a step checks before it stops
+
+
+class Descended(NamedTuple):
+    """What `descended` found: the policy (None where none fitted), the flips taken, how many were checked by their
+    programs, and the programs' peak reached (the meter's, above resident; None where the start's is unreadable)."""
+    policy: Evaluated | None
+    steps: int
+    checked: int
+    reached: int | None
+
+
+def descended(problem, start: Chromosome, budget: int, resident: int, peaks: ProgramPeaks, deadline: float,
+              clock=time.monotonic) -> Descended:
+    """A policy whose programs fit `budget` (bytes, resident included), reached from `start` (torch's partition of
+    least peak, read back, where the model's peaks are calibrated) one action at a time: at each step the single
+    keep / recompute flips `problem` (a calibrated `CompiledProblem`) predicts lower the peak, the lowest predicted
+    first (the faster among equals), are checked by their programs as many at once as `peaks`' workers write, and
+    the first batch (of at most `FLIP_BATCHES`) with one that lowers the programs' peak gives the step its lowest;
+    until the programs fit, no flip checked lowers them, or `clock()` passes `deadline`. The policy is Evaluated
+    with its programs' peak (the meter's, resident included) and `problem`'s time."""
+    current = problem.canonical(start)
+    reached = peaks.peak(current)
+    at_once = max(1, peaks.workers.workers if peaks.workers is not None else 1)
+    steps = checked = 0
+    while reached is not None and resident + reached > budget and clock() <= deadline:
+        flips = _lower_flips(problem, current)
+        lowest = None
+        for i in range(0, min(len(flips), FLIP_BATCHES * at_once), at_once):
+            if i and clock() > deadline:
+                break
+            batch = flips[i:i + at_once]
+            peaks.ahead(batch)
+            checked += len(batch)
+            lower = [(p, k) for k, c in enumerate(batch) if (p := peaks.peak(c)) is not None and p < reached]
+            if lower:
+                reached, k = min(lower)
+                lowest = batch[k]
+                break
+        if lowest is None:
+            break
+        current, steps = lowest, steps + 1
+    if reached is None or resident + reached > budget:
+        return Descended(None, steps, checked, reached)
+    return Descended(Evaluated(current, problem.simulate(current).step_time, resident + reached), steps, checked,
+                     reached)
+
+
+def _lower_flips(problem, c: Chromosome) -> list[Chromosome]:
+    """`c` with one candidate's action flipped between keep and recompute, where `problem` predicts a lower peak:
+    the lowest predicted first, the faster among equals."""
+    now = problem.simulate(c).peak_bytes
+    flips = {}
+    for k, a in enumerate(c.actions):
+        other = Action.KEEP if a == Action.RECOMPUTE else Action.RECOMPUTE
+        if a not in (Action.KEEP, Action.RECOMPUTE) or other not in problem.encoding.allowed[k]:
+            continue
+        flipped = problem.canonical(Chromosome(c.keys, (*c.actions[:k], int(other), *c.actions[k + 1:])))
+        r = problem.simulate(flipped)
+        if r.peak_bytes < now and flipped.actions != c.actions:
+            flips[flipped.actions] = (r.peak_bytes, r.step_time, flipped)
+    return [c for *_, c in sorted(flips.values(), key=lambda f: f[:2])]
