@@ -439,19 +439,19 @@ def test_below_torchs_partition_each_step_takes_the_lowest_flip_its_programs_con
     program = {}
     problem, start, peaks, written, (r, k) = _below(monkeypatch, program)
     # step 1: the model's lowest flip (recompute the 40) does not lower the programs, its next (the 30) does;
-    # step 2: from there the 40 recomputed too fits the budget (55 + 10 <= 70)
-    program |= {(k, k, k, k): 100, (r, k, k, k): 105, (k, r, k, k): 80, (r, r, k, k): 55}
+    # step 2: the 40 flipped again goes last (it lowered nothing before): the 20 does not lower them, the 10 fits
+    program |= {(k, k, k, k): 100, (r, k, k, k): 105, (k, r, k, k): 80, (k, r, r, k): 85, (k, r, k, r): 55}
     found = compare_screen.descended(problem, start, RESIDENT + 70, RESIDENT, peaks, float("inf"))
-    assert found.policy.chromosome.actions == (r, r, k, k) and found.policy.step_time == 12.0
-    assert found.policy.peak_bytes == RESIDENT + 55 + 10 and found[1:] == (2, 3, 65)  # steps, checked, reached
-    assert written == [(k, k, k, k), (r, k, k, k), (k, r, k, k), (r, r, k, k)]
+    assert found.policy.chromosome.actions == (k, r, k, r) and found.policy.step_time == 12.0
+    assert found.policy.peak_bytes == RESIDENT + 55 + 10 and found[1:] == (2, 4, 65)  # steps, checked, reached
+    assert written == [(k, k, k, k), (r, k, k, k), (k, r, k, k), (k, r, r, k), (k, r, k, r)]
 
 
 def test_below_torchs_partition_the_descent_stops_where_no_flip_checked_lowers_the_programs(monkeypatch):
     program = {}
     problem, start, peaks, written, (r, k) = _below(monkeypatch, program)
-    # step 2: the two lowest by the model (without workers, `FLIP_BATCHES` of one) lower nothing: it stops there
-    program |= {(k, k, k, k): 100, (r, k, k, k): 105, (k, r, k, k): 80, (r, r, k, k): 85, (k, r, r, k): 80}
+    # step 2: the two checked (without workers, `FLIP_BATCHES` of one) lower nothing: it stops there
+    program |= {(k, k, k, k): 100, (r, k, k, k): 105, (k, r, k, k): 80, (k, r, r, k): 85, (k, r, k, r): 80}
     assert compare_screen.descended(problem, start, RESIDENT + 70, RESIDENT, peaks, float("inf")) == (None, 1, 4, 90)
     assert len(written) == 5  # the start, two flips a step
     ticks = iter(range(10))  # past the deadline after the first step

@@ -271,27 +271,36 @@ def descended(problem, start: Chromosome, budget: int, resident: int, peaks: Pro
     """A policy whose programs fit `budget` (bytes, resident included), reached from `start` (torch's partition of
     least peak, read back, where the model's peaks are calibrated) one action at a time: at each step the single
     keep / recompute flips `problem` (a calibrated `CompiledProblem`) predicts lower the peak, the lowest predicted
-    first (the faster among equals), are checked by their programs as many at once as `peaks`' workers write, and
-    the first batch (of at most `FLIP_BATCHES`) with one that lowers the programs' peak gives the step its lowest;
-    until the programs fit, no flip checked lowers them, or `clock()` passes `deadline`. The policy is Evaluated
-    with its programs' peak (the meter's, resident included) and `problem`'s time."""
+    first (the faster among equals; a candidate whose flip was checked before and lowered nothing after the
+    others), are checked by their programs as many at once as `peaks`' workers write, and the first batch (of at
+    most `FLIP_BATCHES`) with one that lowers the programs' peak gives the step its lowest; until the programs fit,
+    no flip checked lowers them, or `clock()` passes `deadline`. The policy is Evaluated with its programs' peak (the
+    meter's, resident included) and `problem`'s time."""
     current = problem.canonical(start)
     reached = peaks.peak(current)
     at_once = max(1, peaks.workers.workers if peaks.workers is not None else 1)
     steps = checked = 0
+    failed = set()  # candidates whose flip was checked and did not lower the programs' peak
     while reached is not None and resident + reached > budget and clock() <= deadline:
         flips = _lower_flips(problem, current)
+        flips = [f for f in flips if f[0] not in failed] + [f for f in flips if f[0] in failed]
         lowest = None
         for i in range(0, min(len(flips), FLIP_BATCHES * at_once), at_once):
             if i and clock() > deadline:
                 break
             batch = flips[i:i + at_once]
-            peaks.ahead(batch)
+            peaks.ahead([c for _, c in batch])
             checked += len(batch)
-            lower = [(p, k) for k, c in enumerate(batch) if (p := peaks.peak(c)) is not None and p < reached]
+            lower = []
+            for k, c in batch:
+                peak = peaks.peak(c)
+                if peak is not None and peak < reached:
+                    lower.append((peak, k))
+                else:
+                    failed.add(k)
             if lower:
                 reached, k = min(lower)
-                lowest = batch[k]
+                lowest = dict(batch)[k]
                 break
         if lowest is None:
             break
@@ -302,9 +311,9 @@ def descended(problem, start: Chromosome, budget: int, resident: int, peaks: Pro
                      reached)
 
 
-def _lower_flips(problem, c: Chromosome) -> list[Chromosome]:
-    """`c` with one candidate's action flipped between keep and recompute, where `problem` predicts a lower peak:
-    the lowest predicted first, the faster among equals."""
+def _lower_flips(problem, c: Chromosome) -> list[tuple[int, Chromosome]]:
+    """(candidate, `c` with that candidate's action flipped between keep and recompute), where `problem` predicts a
+    lower peak: the lowest predicted first, the faster among equals."""
     now = problem.simulate(c).peak_bytes
     flips = {}
     for k, a in enumerate(c.actions):
@@ -314,5 +323,5 @@ def _lower_flips(problem, c: Chromosome) -> list[Chromosome]:
         flipped = problem.canonical(Chromosome(c.keys, (*c.actions[:k], int(other), *c.actions[k + 1:])))
         r = problem.simulate(flipped)
         if r.peak_bytes < now and flipped.actions != c.actions:
-            flips[flipped.actions] = (r.peak_bytes, r.step_time, flipped)
-    return [c for *_, c in sorted(flips.values(), key=lambda f: f[:2])]
+            flips.setdefault(flipped.actions, (r.peak_bytes, r.step_time, k, flipped))
+    return [(k, c) for *_, k, c in sorted(flips.values(), key=lambda f: f[:3])]
