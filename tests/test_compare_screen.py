@@ -454,10 +454,22 @@ def test_below_torchs_partition_the_descent_stops_where_no_flip_checked_lowers_t
     program |= {(k, k, k, k): 100, (r, k, k, k): 105, (k, r, k, k): 80, (k, r, r, k): 85, (k, r, k, r): 80}
     assert compare_screen.descended(problem, start, RESIDENT + 70, RESIDENT, peaks, float("inf")) == (None, 1, 4, 90)
     assert len(written) == 5  # the start, two flips a step
-    ticks = iter(range(10))  # past the deadline after the first step
+    ticks = iter([0, 0, 0, 0, 5])  # past the deadline after the first step
     peaks.known.clear(), written.clear()
     assert compare_screen.descended(problem, start, RESIDENT + 70, RESIDENT, peaks, 1.5,
                                     clock=lambda: next(ticks)) == (None, 1, 2, 90)
+
+
+def test_below_torchs_partition_the_descent_stops_where_its_pace_would_not_reach_the_budget_in_time(monkeypatch):
+    program = {}
+    problem, start, peaks, written, (r, k) = _below(monkeypatch, program)
+    program |= {(k, k, k, k): 100, (r, k, k, k): 105, (k, r, k, k): 80, (k, r, r, k): 85, (k, r, k, r): 80}
+    # the first step lowers 20 bytes in 3 s; 20 more at that pace take 3 s: stopped with 2 s left, not with 7
+    for deadline, checked in ((5, 2), (10, 4)):
+        ticks = iter(range(10))
+        peaks.known.clear()
+        assert compare_screen.descended(problem, start, RESIDENT + 70, RESIDENT, peaks, deadline,
+                                        clock=lambda: next(ticks)) == (None, 1, checked, 90)
 
 
 def test_below_torch_is_asked_only_under_the_partitions_measured_peak(monkeypatch):

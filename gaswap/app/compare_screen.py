@@ -250,9 +250,9 @@ def offset(metered: list[int], program_peaks: list[int | None]) -> int:
 
 # wall seconds of dry compiles a compare spends below torch's partitions (`descended`'s deadline; those under way
 # finish) at a budget under torch's least peak where none of the search's candidates fitted by their programs.
-# Offline (results/compiled_model/below_torch.txt), from the partition of torch's least peak, the model's two to
-# four lowest flips a step: the ViT reached 0.8x its peak in 2 steps, the U-Net in 5, llama in 3; 1 to 8 CPU s a
-# dry compile.
+# Offline (results/compiled_model/below_torch.txt), from the partition of torch's least peak: the ViT reached 0.8x
+# its peak in 2 steps, the U-Net in 5, llama in 3 (12 to 73 CPU s of dry compiles, cold caches); mixture, normmix,
+# gpt2_hf and the GRU stopped 4 to 19 % over it. In a compare the U-Net's took 40 s (7c8aff0).
 BELOW_TORCH_S = 40.0
 FLIP_BATCHES = 2  # batches of flips (as many as the workers write at once) a step checks before it stops
 
@@ -274,10 +274,11 @@ def descended(problem, start: Chromosome, budget: int, resident: int, peaks: Pro
     first (the faster among equals; a candidate whose flip was checked before and lowered nothing after the
     others), are checked by their programs as many at once as `peaks`' workers write, and the first batch (of at
     most `FLIP_BATCHES`) with one that lowers the programs' peak gives the step its lowest; until the programs fit,
-    no flip checked lowers them, or `clock()` passes `deadline`. The policy is Evaluated with its programs' peak (the
-    meter's, resident included) and `problem`'s time."""
-    current = problem.canonical(start)
-    reached = peaks.peak(current)
+    no flip checked lowers them, `clock()` passes `deadline`, or the steps so far, at their pace, would not reach
+    the budget before it. The policy is Evaluated with its programs' peak (the meter's, resident included) and
+    `problem`'s time."""
+    current, began = problem.canonical(start), clock()
+    reached = first = peaks.peak(current)
     at_once = max(1, peaks.workers.workers if peaks.workers is not None else 1)
     steps = checked = 0
     failed = set()  # candidates whose flip was checked and did not lower the programs' peak
@@ -305,6 +306,9 @@ def descended(problem, start: Chromosome, budget: int, resident: int, peaks: Pro
         if lowest is None:
             break
         current, steps = lowest, steps + 1
+        now = clock()
+        if (resident + reached - budget) * (now - began) > (first - reached) * (deadline - now):
+            break  # at this pace the deadline comes first
     if reached is None or resident + reached > budget:
         return Descended(None, steps, checked, reached)
     return Descended(Evaluated(current, problem.simulate(current).step_time, resident + reached), steps, checked,
