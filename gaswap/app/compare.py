@@ -309,7 +309,8 @@ def _search(exp, graph, costs, calibration, space, seeds, budgets, resident, pro
     results = []
     for label, budget in budgets:
         if peaks is not None and label in peaks.unreached:
-            progress(f"  at {label}: not searched again (none of the search's policies fit it by their programs, searched lower too)")
+            progress(f"  at {label}: not searched again (none of the search's policies fit it by their programs, "
+                     "searched lower too)")
             continue
         if peaks is not None and label in peaks.lowered:  # the peaks are modelled alike again: start lower
             lowered = peaks.lowered[label]

@@ -247,7 +247,6 @@ def offset(metered: list[int], program_peaks: list[int | None]) -> int:
     return int(statistics.median(gaps)) if gaps else 0
 
 
-
 # wall seconds of dry compiles a compare spends below torch's partitions (`descended`'s deadline; those under way
 # finish) at a budget under torch's least peak where none of the search's candidates fitted by their programs.
 # Offline (results/compiled_model/below_torch.txt), from the partition of torch's least peak: the ViT reached 0.8x
@@ -329,4 +328,4 @@ def _lower_flips(problem, c: Chromosome) -> list[tuple[int, Chromosome]]:
         r = problem.simulate(flipped)
         if r.peak_bytes < now and flipped.actions != c.actions:
             flips.setdefault(flipped.actions, (r.peak_bytes, r.step_time, k, flipped))
-    return [(k, c) for *_, k, c in sorted(flips.values(), key=lambda f: f[:3])]
+    return [(k, flipped) for *_, k, flipped in sorted(flips.values(), key=lambda f: f[:3])]

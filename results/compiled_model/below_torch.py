@@ -1,9 +1,11 @@
-"""How far below torch's least peak a policy reaches from torch's own partition, one action at a time (issue 34, item 2:
-the 0.8x point). `compare_screen.descended` as compare runs it with two workers (a step checks up to `FLIP_BATCHES` batches of two
-flips; written here one after the other), without a deadline: from the partition of torch's least measured peak in a stored run, read back, the
-flips the compiled model (the run's calibration, `p00.yaml`) predicts lower the peak, lowest first, each checked by
-inductor's programs (`dry_compile`, no kernels compiled), until they fit 0.8x that peak. The meter's offset beyond the
-programs is the run's (its torch rows). Run from the repository root (the costs are the stored runs'):
+"""How far below torch's least peak a policy reaches from torch's own partition, one action at a time (issue 34,
+item 2: the 0.8x point). `compare_screen.descended` as compare runs it with two workers (a step checks up to
+`FLIP_BATCHES` batches of two flips; written here one after the other), without a deadline: from the partition of
+torch's least measured peak in a stored run, read back, the flips the compiled model (the run's calibration,
+`p00.yaml`) predicts lower the peak, lowest first, each checked by inductor's programs (`dry_compile`, no kernels
+compiled), until they fit 0.8x that peak. The meter's offset beyond the programs is the run's (its torch rows).
+Run from the repository root (the costs are the stored runs'; the figures committed were made with a fresh
+TORCHINDUCTOR_CACHE_DIR, and at 7c8aff0, before the pace stop, which a run without a deadline never meets):
     PYTHONPATH=. python results/compiled_model/below_torch.py > results/compiled_model/below_torch.txt
 """
 import csv
