@@ -22,7 +22,10 @@ than 3 % faster than that choice, `MIN_GAIN`, is not compiled). Where no first-r
 finalist measured under its budget (the model erred low), the second search runs under the budget divided
 by how far over their predictions those finalists measured (`_refit_budgets`). Where round 1 chose one of torch's
 partitions and none of the search's own finalists fit, round 2 also times the policy found next to it: values it
-recomputes kept instead, judged by their programs (`_near_torch`, `compare_screen.kept_near`). The policy compared at a
+recomputes kept instead, judged by their programs (`_near_torch`, `compare_screen.kept_near`). Under torch's least
+peak, where none of the search's candidates fit by their programs even searched lower, round 1 descends from the
+partition of that peak one action at a time, each step judged by the programs (`_below_torch`,
+`compare_screen.descended`). The policy compared at a
 budget is the fastest whose measured peak fits it, of the last round that timed any there; a budget none
 fits is left out (`_final_choice`). A policy's predictions are those of the model that picked it, before
 it was timed. The verdicts of compare.md are `gaswap.app.compare_report`'s.

@@ -20,7 +20,9 @@ Where a budget's choice is torch's own partition read back and no policy of the 
 next to it: the values that partition recomputes kept instead, one at a time, each judged by its
 programs. The model cannot tell which of torch's recomputations cost memory in inductor's programs (on normmix,
 keeping the `addmm` torch's 0.2 partition recomputes lowered its programs' peak from 15.31 to 14.16 MB):
-results/compiled_model/next_to_torch.txt.
+results/compiled_model/next_to_torch.txt. Below torch's least peak, where none of the search's candidates fit,
+`descended` starts from torch's partition there and changes one action at a time, the model's lowest first, each
+step judged by the programs: next to torch's partitions, on which it is calibrated, the model's peaks err little.
 """
 from __future__ import annotations
 
