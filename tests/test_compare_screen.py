@@ -350,19 +350,14 @@ def test_a_candidate_far_over_its_budget_is_not_tried_under_other_settings(peaks
     assert kept == [] and written == [1] and made.inductor == {}
 
 
-def _next_to(monkeypatch, program: dict):
-    """(problem, start, ProgramPeaks) for `kept_near`: four values the start recomputes, whose keeping the model
-    prices 3, 2, 1 and 0 s faster; `program`: actions -> programs' peak (offset 10); the dry compiles in `written`."""
+def _four_values(monkeypatch, program: dict, simulate, start: int):
+    """(problem, start, ProgramPeaks, written, (recompute, keep)) over four candidates that `simulate` prices, the start
+    all `start`; `program`: actions -> programs' peak (offset 10); the dry compiles in `written`."""
     from types import SimpleNamespace
 
     from gaswap.plan.encoding import Action
 
-    r, k = int(Action.RECOMPUTE), int(Action.KEEP)
-    gains = (3.0, 2.0, 1.0, 0.0)
     written = []
-
-    def simulate(c):
-        return SimpleNamespace(step_time=10.0 - sum(g for g, a in zip(gains, c.actions) if a == k))
 
     def policy_peak_and_partition(model, policy, inputs, output_bytes, loss):
         written.append(policy)
@@ -372,7 +367,22 @@ def _next_to(monkeypatch, program: dict):
     problem = SimpleNamespace(simulate=simulate, canonical=lambda c: c,
                               encoding=SimpleNamespace(allowed=[(Action.KEEP, Action.RECOMPUTE)] * 4))
     peaks = compare_screen.ProgramPeaks(None, (), 0, "sum", lambda c, inductor=None: c.actions, 10)
-    return problem, Chromosome((0.0,) * 4, (r,) * 4), peaks, written, (r, k)
+    return problem, Chromosome((0.0,) * 4, (start,) * 4), peaks, written, (int(Action.RECOMPUTE), int(Action.KEEP))
+
+
+def _next_to(monkeypatch, program: dict):
+    """`_four_values` for `kept_near`: four values the start recomputes, whose keeping the model prices 3, 2, 1 and
+    0 s faster."""
+    from types import SimpleNamespace
+
+    from gaswap.plan.encoding import Action
+
+    k, gains = int(Action.KEEP), (3.0, 2.0, 1.0, 0.0)
+
+    def simulate(c):
+        return SimpleNamespace(step_time=10.0 - sum(g for g, a in zip(gains, c.actions) if a == k))
+
+    return _four_values(monkeypatch, program, simulate, int(Action.RECOMPUTE))
 
 
 def test_next_to_a_torch_partition_values_it_recomputes_are_kept_where_the_programs_still_fit(monkeypatch):
@@ -409,30 +419,19 @@ def test_next_to_a_torch_partition_the_singles_stop_at_the_deadline_and_none_fit
 
 
 def _below(monkeypatch, program: dict):
-    """(problem, start, ProgramPeaks) for `descended`: four values the start keeps, of 40, 30, 20 and 10 bytes by the
-    model (its peak their sum), each 1 s to recompute; `program`: actions -> programs' peak (offset 10); the dry
-    compiles in `written`."""
+    """`_four_values` for `descended`: four values the start keeps, of 40, 30, 20 and 10 bytes by the model (its peak
+    their sum), each 1 s to recompute."""
     from types import SimpleNamespace
 
     from gaswap.plan.encoding import Action
 
-    r, k = int(Action.RECOMPUTE), int(Action.KEEP)
-    sizes = (40, 30, 20, 10)
-    written = []
+    r, k, sizes = int(Action.RECOMPUTE), int(Action.KEEP), (40, 30, 20, 10)
 
     def simulate(c):
         return SimpleNamespace(peak_bytes=RESIDENT + sum(b for b, a in zip(sizes, c.actions) if a == k),
                                step_time=10.0 + sum(a == r for a in c.actions))
 
-    def policy_peak_and_partition(model, policy, inputs, output_bytes, loss):
-        written.append(policy)
-        return program[policy], None
-
-    monkeypatch.setattr(dry_compile, "policy_peak_and_partition", policy_peak_and_partition)
-    problem = SimpleNamespace(simulate=simulate, canonical=lambda c: c,
-                              encoding=SimpleNamespace(allowed=[(Action.KEEP, Action.RECOMPUTE)] * 4))
-    peaks = compare_screen.ProgramPeaks(None, (), 0, "sum", lambda c, inductor=None: c.actions, 10)
-    return problem, Chromosome((0.0,) * 4, (k,) * 4), peaks, written, (r, k)
+    return _four_values(monkeypatch, program, simulate, k)
 
 
 def test_below_torchs_partition_each_step_takes_the_lowest_flip_its_programs_confirm(monkeypatch):
