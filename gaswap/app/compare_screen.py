@@ -66,6 +66,11 @@ class ProgramPeaks:
         self.inductor: dict[tuple, dict] = {}
         self._varied: dict[tuple, dict] = {}  # actions -> {index in `VARIANTS`: peak or None} written so far
 
+    @property
+    def at_once(self) -> int:
+        """How many policies' programs are written at once: one per worker, one without workers."""
+        return max(1, self.workers.workers if self.workers is not None else 1)
+
     def ahead(self, chromosomes: list) -> None:
         """Start writing the programs of `chromosomes` in the workers (with `workers`), several at once, for
         `peak` to read later; those known or started already are left as they are."""
@@ -210,7 +215,7 @@ def kept_near(problem, start: Chromosome, budget: int, resident: int, peaks: Pro
                   if a == Action.RECOMPUTE and Action.KEEP in problem.encoding.allowed[k]]
     gains = sorted(((base - problem.simulate(kept([k])).step_time, k) for k in recomputed), reverse=True)
     ranked = [k for gain, k in gains if gain > 0]
-    at_once = max(1, peaks.workers.workers if peaks.workers is not None else 1)
+    at_once = peaks.at_once
     alone, tried = [], 0
     for i in range(0, len(ranked), at_once):
         if i and clock() > deadline:
@@ -281,7 +286,7 @@ def descended(problem, start: Chromosome, budget: int, resident: int, peaks: Pro
     `problem`'s time."""
     current, began = problem.canonical(start), clock()
     reached = first = peaks.peak(current)
-    at_once = max(1, peaks.workers.workers if peaks.workers is not None else 1)
+    at_once = peaks.at_once
     steps = checked = 0
     failed = set()  # candidates whose flip was checked and did not lower the programs' peak
     while reached is not None and resident + reached > budget and clock() <= deadline:
@@ -298,12 +303,11 @@ def descended(problem, start: Chromosome, budget: int, resident: int, peaks: Pro
             for k, c in batch:
                 peak = peaks.peak(c)
                 if peak is not None and peak < reached:
-                    lower.append((peak, k))
+                    lower.append((peak, k, c))  # candidates differ: chromosomes are never compared
                 else:
                     failed.add(k)
             if lower:
-                reached, k = min(lower)
-                lowest = dict(batch)[k]
+                reached, _, lowest = min(lower)
                 break
         if lowest is None:
             break
