@@ -132,6 +132,56 @@ def test_a_job_submitted_twice_compiles_once_and_answers_with_the_first(monkeypa
     assert lines[0] == "  compiling 3 in 2 worker processes: torch.compile 1, calibration policy 1, other"
 
 
+def test_a_rounds_searches_run_at_once_in_the_workers_where_the_ga_runs_in_one_process(monkeypatch):
+    from types import SimpleNamespace
+
+    class Workers:  # stands for a CompilePool: maps in "workers", records what it was given
+        def __init__(self, answer=True):
+            self.asked, self.answer = [], answer
+
+        def map(self, fn, args):
+            self.asked.append(len(args))
+            return [("there", a[0], fn.keywords["seeds"]) for a in args] if self.answer else None
+
+    seeds = {"torch_1": "c"}
+    one_process = SimpleNamespace(ga=SimpleNamespace(workers=1, executor="processes"), seed=0)
+    workers = Workers()
+    assert compare._searches(["p", "q"], one_process, seeds, workers) == [("there", "p", seeds), ("there", "q", seeds)]
+    assert workers.asked == [2]
+    searched_here = []
+
+    def here(problem, ga, seed, seeds):
+        searched_here.append(problem)
+        return ("here", problem)
+
+    monkeypatch.setattr(compare, "search", here)
+    assert compare._searches(["p"], one_process, seeds, workers) == [("here", "p")]  # one: no worker asked
+    many = SimpleNamespace(ga=SimpleNamespace(workers=2, executor="processes"), seed=0)
+    assert compare._searches(["p", "q"], many, seeds, workers) == [("here", "p"), ("here", "q")]  # the GA's own
+    assert compare._searches(["p", "q"], one_process, seeds, Workers(answer=False)) == [("here", "p"), ("here", "q")]
+    assert compare._searches(["p", "q"], one_process, seeds, None) == [("here", "p"), ("here", "q")]
+    assert workers.asked == [2] and searched_here == ["p", "p", "q", "p", "q", "p", "q"]
+
+
+def test_work_mapped_in_the_workers_comes_back_in_order_or_is_left_to_the_caller(monkeypatch):
+    class Executor(SyncExecutor):
+        def submit(self, fn, *args):
+            from concurrent.futures import Future
+
+            done = Future()
+            try:
+                done.set_result(fn(*args))
+            except Exception as e:  # noqa: BLE001 - as a worker's failure comes back
+                done.set_exception(e)
+            return done
+
+    monkeypatch.setattr(pool, "ProcessPoolExecutor", Executor)
+    workers = pool.CompilePool("unused.yaml", 2, lambda line: None)
+    assert workers.map(divmod, [(7, 2), (9, 4)]) == [(3, 1), (2, 1)]
+    assert workers.map(divmod, [(7, 0)]) is None and workers.workers == 2  # failed: the caller runs it (and fails)
+    assert pool.CompilePool("unused.yaml", 0).map(divmod, [(7, 2)]) is None
+
+
 def test_each_worker_compiles_kernels_on_twice_its_share_of_the_cpus(monkeypatch):
     for cpus, workers, threads in ((2, 2, 2), (4, 4, 2), (16, 4, 8), (1, 1, 1), (3, 4, 1), (8, 1, 8)):
         monkeypatch.setattr(pool, "_cpus", lambda: cpus)
@@ -198,6 +248,20 @@ def test_a_worker_compiles_into_the_caches_the_measuring_process_loads(tmp_path,
         output_bytes = graph.tensors[graph.loss].size
         written = workers.program_peaks([recompute], output_bytes)[0].result()  # no kernel compiled
         assert written[0] == dry_compile.policy_peak_and_partition(model, recompute, inputs, output_bytes, exp.loss)[0]
+        # the searches of several budgets at once in the workers find what they find here, one after another
+        from gaswap.plan.problem import Problem
+        from gaswap.plan.search import search
+        from helpers import unit_costs
+
+        space = config.load_search_space(partition.space_for(device))
+        unbounded = Problem(graph, unit_costs(graph), None, space)
+        top = unbounded.simulate(unbounded.encoding.uniform(0)).peak_bytes
+        problems = [Problem(graph, unit_costs(graph), int(top * share), space) for share in (1.0, 0.9, 0.7)]
+        searched = compare.search_settings(exp)
+        there = compare._searches(problems, searched, {}, workers)
+        here = [search(p, searched.ga, searched.seed) for p in problems]
+        assert [[(e.chromosome, e.objectives) for e in r.front] for r in there] == [
+            [(e.chromosome, e.objectives) for e in r.front] for r in here]
         workers.submit([pool.Job("torch.compile 0.5", budget=0.5)])
         seconds = workers.compile([pool.Job("keep-all", keep)])
     assert seconds[0] > 0 and set(workers.seconds) == {"keep-all", "torch.compile 0.5"}

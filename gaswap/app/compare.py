@@ -202,7 +202,7 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     below = partial(_below_torch, torch_points[least[0]][0], f"torch {least[0]:g}'s partition", resident + least[1],
                     unbounded, resident, peaks, progress)
     shortlist = _search(exp, graph, costs, calibration, space, seeds, budgets, resident, progress, finalists, peaks,
-                        below=below)
+                        below=below, workers=compile_pool)
     folder = Path(results_root) / exp.name
     budget_of = dict(budgets)
     partitions = {f"torch {b:g}": (c, r, peak + resident) for (b, (c, r)), peak in zip(torch_points.items(), reached)}
@@ -246,7 +246,7 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
         chosen, tuning = _two_rounds(
             shortlist, unbounded, budgets, resident, made, method, measure_methods, progress,
             lambda refit, again, settled: _search(exp, graph, costs, refit, space, seeds, again, resident, progress,
-                                                  finalists, peaks, settled),
+                                                  finalists, peaks, settled, workers=compile_pool),
             pool.Programs(compile_pool, partition_keys), stand_ins, own,
             lambda label, start, problem, deadline: kept_near(problem, start, budget_of[label], resident, peaks,
                                                               deadline))
@@ -283,7 +283,7 @@ def search_settings(exp: config.Experiment) -> config.Experiment:
 
 
 def _search(exp, graph, costs, calibration, space, seeds, budgets, resident, progress,
-            finalists: int = 1, peaks: ProgramPeaks | None = None, settled=None, below=None
+            finalists: int = 1, peaks: ProgramPeaks | None = None, settled=None, below=None, workers=None
             ) -> list[tuple[str, list]]:
     """gaswap's `finalists` policies (`_shortlist`) at each of `budgets` ((label, bytes) pairs), the GA seeded
     with `seeds`: (label, [Evaluated, the fastest predicted first]) pairs, skipping budgets where nothing fits.
@@ -294,33 +294,43 @@ def _search(exp, graph, costs, calibration, space, seeds, budgets, resident, pro
     (`ProgramPeaks.unreached`), and one where they fit is searched under that lowered budget from then on
     (`ProgramPeaks.lowered`: the second round's model prices peaks as the first's did; on densenet the second
     round checked a candidate at the budget itself for 29 s, and lowered it again). `below(label, budget)`: where
-    none fits even then, the policies found instead (`_below_torch`)."""
+    none fits even then, the policies found instead (`_below_torch`). `workers` (a `pool.CompilePool`): the
+budgets' first searches run at once in its processes (`_searches`)."""
 
     size = max(finalists, 1) * (SCREENED if peaks is not None else 1)  # none timed: the model's choice
 
-    def searched_at(label, budget) -> tuple:
-        problem = step_model.CompiledProblem(graph, costs, budget, space, loss=exp.loss, calibration=calibration)
-        result = search(problem, exp.ga, exp.seed, seeds=seeds)
+    def problem_at(budget: int):
+        return step_model.CompiledProblem(graph, costs, budget, space, loss=exp.loss, calibration=calibration)
+
+    def said(label, result) -> None:
         progress(f"  gaswap search at {label}: " + ("nothing fits" if result.best is None else
                  f"{format_size(result.best.peak_bytes - resident)}, {result.best.step_time * 1e3:.2f} ms predicted"))
+
+    def searched_at(label, budget) -> tuple:
+        problem = problem_at(budget)
+        result = search(problem, exp.ga, exp.seed, seeds=seeds)
+        said(label, result)
         return problem, result
 
     def shortlist_at(label, budget) -> list[Evaluated]:
         problem, result = searched_at(label, budget)
         return _shortlist(result.front, result.fastest, problem.canonical, size)
 
-    results = []
+    todo = []  # (label, budget, the budget searched under, how progress names it)
     for label, budget in budgets:
         if peaks is not None and label in peaks.unreached:
             progress(f"  at {label}: not searched again (none of the search's policies fit it by their programs, "
                      "searched lower too)")
-            continue
-        if peaks is not None and label in peaks.lowered:  # the peaks are modelled alike again: start lower
+        elif peaks is not None and label in peaks.lowered:  # the peaks are modelled alike again: start lower
             lowered = peaks.lowered[label]
-            results.append((label, budget, lowered, *searched_at(
-                f"{label}, lowered to {format_size(lowered - resident)} as before", lowered)))
+            todo.append((label, budget, lowered, f"{label}, lowered to {format_size(lowered - resident)} as before"))
         else:
-            results.append((label, budget, budget, *searched_at(label, budget)))
+            todo.append((label, budget, budget, label))
+    problems = [problem_at(under) for _, _, under, _ in todo]
+    results = []
+    for (label, budget, under, named), problem, result in zip(todo, problems, _searches(problems, exp, seeds, workers)):
+        said(named, result)
+        results.append((label, budget, under, problem, result))
     # one model prices every budget: a policy one search found is a candidate wherever it fits (a search can stop
     # short of a policy another found: on separable, 39.5 ms predicted at 59.22 MB beside 37.2 ms fitting it found
     # at 62.35 MB)
@@ -354,6 +364,16 @@ def _search(exp, graph, costs, calibration, space, seeds, budgets, resident, pro
         if shortlist:
             out.append((label, shortlist))
     return out
+
+
+def _searches(problems: list, exp, seeds, workers=None) -> list:
+    """The GA's search of each of `problems`: at once in the processes of `workers` (a `pool.CompilePool`, idle
+    between its compiles) where there are several and the GA evaluates in its own process, else one after
+    another here. Seeded alike, a search finds the same in a worker (on densenet a search takes 3 CPU s; sending
+    its problem there 0.03)."""
+    several = workers is not None and len(problems) > 1 and exp.ga.workers <= 1 and exp.ga.executor != "dask"
+    done = workers.map(partial(search, seeds=seeds), [(p, exp.ga, exp.seed) for p in problems]) if several else None
+    return done or [search(p, exp.ga, exp.seed, seeds=seeds) for p in problems]
 
 
 def _below_torch(start: Chromosome, name: str, start_peak: int, problem, resident: int, peaks: ProgramPeaks,

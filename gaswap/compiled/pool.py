@@ -155,6 +155,21 @@ class CompilePool:
             self._broken()
             return []
 
+    def map(self, fn, args: list[tuple]) -> list | None:
+        """`fn(*a)` for each of `args` in the workers, the results in order: work that compiles nothing, done while
+        they would idle (a compare's searches, one per budget). None without workers, or where a worker failed
+        (the caller runs them itself and meets the error there)."""
+        executor = self._start() if args and self.workers > 0 else None
+        if executor is None:
+            return None
+        try:
+            return [future.result() for future in [executor.submit(fn, *a) for a in args]]
+        except BrokenProcessPool:
+            self._broken()
+        except Exception:  # noqa: BLE001 - the caller runs it again and reports what fails
+            pass
+        return None
+
     def _start(self):
         if self.workers > 0 and self._executor is None:
             stable_cache_keys()  # the keys of the measuring process's compiles, as the workers hash them
