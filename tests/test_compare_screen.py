@@ -117,10 +117,10 @@ def test_a_budget_none_of_whose_candidates_fit_is_searched_again_under_the_progr
     class Problem:  # stands for CompiledProblem: records the budget searched under
         def __init__(self, graph, costs, budget, space, loss, calibration):
             searched.append(budget - RESIDENT)
-            self.canonical = lambda c: c
+            self.budget, self.canonical = budget - RESIDENT, (lambda c: c)
 
     def search(problem, ga, seed, seeds):  # at 200 above resident action 1 (programs 150 + 10); lower, action 2
-        front = [_evaluated(1, 1.0, 80)] if searched[-1] >= 100 else [_evaluated(2, 1.5, min(60, searched[-1]))]
+        front = [_evaluated(1, 1.0, 80)] if problem.budget >= 100 else [_evaluated(2, 1.5, min(60, problem.budget))]
         return SimpleNamespace(best=front[0], front=front, fastest=front)
 
     monkeypatch.setattr(step_model, "CompiledProblem", Problem)
