@@ -295,7 +295,7 @@ def _search(exp, graph, costs, calibration, space, seeds, budgets, resident, pro
     (`ProgramPeaks.lowered`: the second round's model prices peaks as the first's did; on densenet the second
     round checked a candidate at the budget itself for 29 s, and lowered it again). `below(label, budget)`: where
     none fits even then, the policies found instead (`_below_torch`). `workers` (a `pool.CompilePool`): the
-budgets' first searches run at once in its processes (`_searches`)."""
+    budgets' first searches run at once in its processes (`_searches`)."""
 
     size = max(finalists, 1) * (SCREENED if peaks is not None else 1)  # none timed: the model's choice
 
