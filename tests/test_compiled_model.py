@@ -180,9 +180,11 @@ def test_calibrate_fits_the_times_on_the_simulation_the_peaks_choose():
     assert cc.features(plain, list(policies.values())) != cc.features(held, list(policies.values()))
     resident = plain.fused.resident_bytes()
 
+    base = cc.library_seconds(g, unit_costs(g)) + 1.0  # a step runs its library calls, at least
+
     def runs(labelled):  # a step as the held simulation prices it, and its peak
         cs = [plain.encoding.read_back(a) for a in labelled.values()]
-        return [(1.0 + 0.5 * generated + 2.0 * extern, held.simulate(c).peak_bytes - resident)
+        return [(base + 0.5 * generated + 2.0 * extern, held.simulate(c).peak_bytes - resident)
                 for c, (extern, generated, _, _) in zip(cs, cc.features(held, cs))]
 
     calibration = cc.calibrate(g, unit_costs(g), runs)
