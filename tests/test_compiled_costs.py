@@ -130,7 +130,7 @@ def test_a_calibrated_step_is_the_base_plus_what_a_policy_recomputes_plus_the_ma
         c = _policy(problem, set(recomputed))
         assert problem.simulate(c).step_time == pytest.approx(step)
         assert problem.simulate(c).peak_bytes == plain.simulate(c).peak_bytes  # calibration prices time only
-    assert cc.features(plain, [_policy(plain, {"b"})]) == [(1.0, 1.0, MB, 2 * MB)]
+    assert cc.features(plain, [_policy(plain, {"b"})]) == [(1.0, 1.0, MB, 2 * MB, 0.0)]  # conv re-run
 
 
 def test_fit_recovers_the_base_the_recomputation_factors_and_the_byte_prices():
@@ -153,7 +153,7 @@ def test_a_refit_fits_the_calibrations_points_and_the_policies_measured_since():
     g = _masked()
     problem = cc.CompiledProblem(g, unit_costs(g), None, actions=(Action.KEEP, Action.RECOMPUTE))
     base = cc.library_seconds(g, unit_costs(g)) + 0.1  # a step runs its library calls, at least
-    truth = lambda e, g_, m, s: base + 0.8 * e + 0.25 * g_ + 2e-8 * m + 5e-9 * s  # noqa: E731
+    truth = lambda e, g_, m, s, plain: base + 0.8 * e + 0.25 * g_ + 2e-8 * m + 5e-9 * s  # noqa: E731
     chosen = {"keep-all": _policy(problem, set()), "mask": _policy(problem, {"m"})}
     first = cc.fit([(label, *f, truth(*f)) for label, f in zip(chosen, cc.features(problem, list(chosen.values())))])
     assert first.samples == tuple((label, *f, truth(*f)) for label, f in
@@ -390,3 +390,39 @@ def test_library_seconds_sum_the_library_calls_alone():
               tensors={t: Tensor(t, 4, "activation" if t != "x" else "input", None if t == "x" else p)
                        for t, p in (("x", None), ("y", "mm"), ("z", "relu"), ("w", "conv"))})
     assert cc.library_seconds(g, unit_costs(g, 0.5)) == 1.0
+
+
+def test_a_backward_that_recomputes_no_convolution_is_laid_out_plainly_and_priced_so():
+    g = _masked()  # b is computed from a, which no candidate holds, by the convolution `conv`
+    actions = (Action.KEEP, Action.RECOMPUTE)
+    problem = cc.CompiledProblem(g, unit_costs(g), None, actions=actions)
+    assert [problem.plain_backward(_policy(problem, r)) for r in (set(), {"m"}, {"b"}, {"b", "m"})] == [1, 1, 0, 0]
+    priced = cc.CompiledProblem(g, unit_costs(g), None, actions=actions,
+                                calibration=cc.Calibration(10.0, 0.5, plain_rate=3.0))
+    keep, mask = priced.simulate(_policy(priced, set())), priced.simulate(_policy(priced, {"m"}))
+    assert keep.step_time == pytest.approx(13.0)  # keep-all's base, laid out plainly
+    assert mask.step_time == pytest.approx(13.0 + 0.5)  # le recomputed at `scale`, still plain
+    assert cc.Calibration(10.0, 0.5, plain_rate=3.0).to_dict()["plain_backward_s"] == 3.0
+    tensors = {"x": Tensor("x", MB, "input"), "w": Tensor("w", MB, "param"), "gw": Tensor("gw", MB, "grad", "mm2")}
+    tensors |= {n: Tensor(n, MB, "activation", o) for n, o in (("a", "mm"), ("b", "relu"), ("m", "le"), ("g", "mask"))}
+    chain = Graph((Op("mm", "aten.mm.default", ("x", "w"), ("a",)), Op("relu", "aten.relu.default", ("a",), ("b",)),
+                   Op("le", "aten.le.Scalar", ("b",), ("m",)),
+                   Op("mask", "aten.where.self", ("m", "b"), ("g",), phase="bwd"),
+                   Op("mm2", "aten.mm.default", ("g", "x"), ("gw",), phase="bwd")), tensors, loss="b")
+    flat = cc.CompiledProblem(chain, unit_costs(chain), None, actions=actions)  # no convolution: the term is 0
+    assert {flat.plain_backward(_policy(flat, r)) for r in (set(), set(flat.encoding.candidates))} == {0.0}
+    points = [("a", 0.0, 0.0, 0, 0, 0.0, 1.0), ("b", 0.0, 1.0, 0, 0, 0.0, 1.5), ("c", 0.0, 2.0, 0, 0, 0.0, 2.0)]
+    assert cc.fit(points).plain_rate == 0.0 and "plain" not in cc.fit(points).terms
+
+
+def test_the_plain_term_is_fitted_where_it_tells_the_points_apart():
+    """ConvNeXt-style: recomputing a convolution makes the step faster (the backward laid out channels-last)."""
+    truth = lambda generated, plain: 0.010 + 0.3 * generated + 0.004 * plain  # noqa: E731
+    rows = [(0.0, 1.0), (0.002, 1.0), (0.004, 0.0), (0.006, 0.0), (0.003, 1.0), (0.005, 0.0), (0.001, 0.0),
+            (0.0045, 1.0)]
+    points = [(f"p{k}", 0.0, g_, 0, 0, plain, truth(g_, plain)) for k, (g_, plain) in enumerate(rows)]
+    fitted = cc.fit(points)
+    assert "plain" in fitted.terms and fitted.plain_rate == pytest.approx(0.004, rel=1e-6)
+    assert fitted.worst_error() == pytest.approx(0.0, abs=1e-9)
+    old = [(p[0], *p[1:5], p[-1]) for p in points]
+    assert cc.fit(old).plain_rate == 0.0  # points made before the term count it 0

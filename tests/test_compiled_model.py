@@ -185,7 +185,7 @@ def test_calibrate_fits_the_times_on_the_simulation_the_peaks_choose():
     def runs(labelled):  # a step as the held simulation prices it, and its peak
         cs = [plain.encoding.read_back(a) for a in labelled.values()]
         return [(base + 0.5 * generated + 2.0 * extern, held.simulate(c).peak_bytes - resident)
-                for c, (extern, generated, _, _) in zip(cs, cc.features(held, cs))]
+                for c, (extern, generated, *_) in zip(cs, cc.features(held, cs))]
 
     calibration = cc.calibrate(g, unit_costs(g), runs)
     assert calibration.inline_recomputed is False

@@ -165,7 +165,9 @@ def run(experiment_path, *, rounds: int = 5, steps: int = 3, below=(0.8,), final
     progress(f"  keep-all {calibration.base * 1e3:.2f} ms a step; recomputed generated ops cost "
              f"{calibration.scale:.2f}x their ops one by one, library calls {calibration.extern_scale:.2f}x; "
              f"a kept mask {calibration.mask_rate * 1e9:.1f} ms per MB, saved tensors "
-             f"{calibration.saved_rate * 1e9:.1f} ms per MB; fit within "
+             f"{calibration.saved_rate * 1e9:.1f} ms per MB"
+             + (f"; a backward that recomputes no convolution {calibration.plain_rate * 1e3:.2f} ms more"
+                if "plain" in calibration.terms else "") + "; fit within "
              f"{calibration.worst_error():.1%} on its points"
              + ("" if calibration.terms == step_model.TERMS else
                 f" (terms fitted: {', '.join(calibration.terms) or 'none'}; the others at their defaults)")

@@ -45,7 +45,7 @@ from gaswap.plan.op_types import is_heavy, is_library_call, is_realized
 from gaswap.plan.problem import Problem
 from gaswap.plan.simulator import SimResult, Simulator
 
-TERMS = ("extern", "generated", "mask", "saved")  # a calibration point's terms, in order after its label
+TERMS = ("extern", "generated", "mask", "saved", "plain")  # a calibration point's terms, in order after its label
 PARSIMONY = 0.1  # `fit` takes the fewest terms whose worst error left out is within this share of the least
 
 # What the eager loss between the compiled forward and backward holds besides the model's output and its
@@ -229,6 +229,7 @@ class CompiledProblem(Problem):
         joint = {t: k for k, t in enumerate(self.encoding.candidates)}
         self._action = [joint.get(t) for t in self.fused.candidates()]  # None: the output the loss reads, kept
         self._constant = constant_candidates(graph, self.encoding)  # always recomputed (`canonical`)
+        self._convolutions = convolution_candidates(graph, self.encoding)  # `plain_backward`
         self._masks = [(k, size) for k, size in mask_bytes(graph, self.encoding.candidates)
                        if Action.RECOMPUTE in self.encoding.allowed[k]]  # (candidate, bytes): masks a policy may keep
         loss_time = {LOSS_OP: 0.0} if self._loss is not None else {}  # in the calibrated base
@@ -238,9 +239,11 @@ class CompiledProblem(Problem):
                                    inlined_if_recomputed=recomputable if inline_recomputed else ())
         self._offset = 0.0
         if calibration is not None:  # the keep-all step (masks and saved bytes aside) costs `base`
-            keep_all = self.simulate(self.encoding.uniform(Action.KEEP))
-            self._offset = calibration.base - (keep_all.step_time - calibration.mask_rate * self.kept_mask_bytes(
-                self.encoding.uniform(Action.KEEP)) - calibration.saved_rate * keep_all.saved_bytes)
+            keep = self.encoding.uniform(Action.KEEP)
+            keep_all = self.simulate(keep)
+            self._offset = calibration.base - (keep_all.step_time - calibration.mask_rate * self.kept_mask_bytes(keep)
+                                               - calibration.saved_rate * keep_all.saved_bytes
+                                               - calibration.plain_rate * self.plain_backward(keep))
 
     def __getstate__(self) -> dict:
         return super().__getstate__() | {"loss": self.loss, "calibration": self.calibration}
@@ -260,7 +263,9 @@ class CompiledProblem(Problem):
         if self.calibration is None:
             return r
         return replace(r, step_time=r.step_time + self._offset + self.calibration.mask_rate * self.kept_mask_bytes(c)
-                       + self.calibration.saved_rate * r.saved_bytes, peak_bytes=r.peak_bytes + self.calibration.peak_offset)
+                       + self.calibration.saved_rate * r.saved_bytes
+                       + self.calibration.plain_rate * self.plain_backward(c),
+                       peak_bytes=r.peak_bytes + self.calibration.peak_offset)
 
     def canonical(self, c: Chromosome) -> Chromosome:
         """`c` as it runs: the candidates computed from constants alone recomputed, whatever `c` says."""
@@ -270,6 +275,13 @@ class CompiledProblem(Problem):
         for k in self._constant:
             actions[k] = int(Action.RECOMPUTE)
         return Chromosome(c.keys, tuple(actions))
+
+    def plain_backward(self, c: Chromosome) -> float:
+        """1.0 where the forward holds convolutions and `c` recomputes none of them (inductor then lays the
+        backward out plainly, not channels-last: `Calibration`'s why), else 0.0."""
+        if not self._convolutions:
+            return 0.0
+        return float(not any(c.actions[k] == Action.RECOMPUTE for k in self._convolutions))
 
     def kept_mask_bytes(self, c: Chromosome) -> int:
         """Bytes of the bool masks `c` keeps, of those it could recompute (the others are kept by every policy:
@@ -296,6 +308,30 @@ def constant_candidates(graph: Graph, encoding) -> list[int]:
             if Action.RECOMPUTE in allowed and t in constant]
 
 
+def convolution_candidates(graph: Graph, encoding) -> list[int]:
+    """Indices (in `encoding.candidates`) of the candidates whose recomputation runs a forward convolution: made
+    by one, or computed from activations no candidate holds, one of which one makes (recomputed, such a
+    candidate puts a convolution in the backward: `CompiledProblem.plain_backward`)."""
+    producer = {op.name: op for op in graph.ops}
+    candidates = set(encoding.candidates)
+
+    def runs_convolution(t: str) -> bool:
+        todo, seen = [graph.tensors[t].producer], set()
+        while todo:
+            op = producer.get(todo.pop())
+            if op is None or op.name in seen:
+                continue
+            seen.add(op.name)
+            if op.target.startswith("aten.convolution."):
+                return True
+            todo += [graph.tensors[i].producer for i in op.inputs
+                     if graph.tensors[i].kind == "activation" and i not in candidates]
+        return False
+
+    return [k for k, (t, allowed) in enumerate(zip(encoding.candidates, encoding.allowed))
+            if Action.RECOMPUTE in allowed and runs_convolution(t)]
+
+
 # Comparisons: their results are bool masks (ReLU's `le`, dropout's `gt`).
 MASKS = ("aten.le.", "aten.lt.", "aten.gt.", "aten.ge.", "aten.eq.", "aten.ne.", "aten.logical_")
 
@@ -313,8 +349,17 @@ class Calibration:
     forward and backward, the eager loss, the optimizer step), plus `scale` times the standalone time of the
     generated ops a policy recomputes and `extern_scale` times that of the library calls it recomputes, plus
     `mask_rate` seconds per byte of bool mask kept and `saved_rate` per byte the forward saves for the
-    backward. `samples` are the fit's inputs (`fit`: label, terms, measured s), which `refit` fits again with
-    more; `points` the (label, measured s, predicted s) of each.
+    backward, plus `plain_rate` seconds where the backward recomputes none of the forward's convolutions
+    (`CompiledProblem.plain_backward`). `samples` are the fit's inputs (`fit`: label, terms, measured s), which
+    `refit` fits again with more; `points` the (label, measured s, predicted s) of each.
+
+    Why `plain_rate`: inductor lays a graph out channels-last only where it holds a convolution
+    (`GraphLowering.decide_layout_opt`), so a backward that recomputes none of the forward's convolutions runs
+    laid out plainly, converting around the channels-last buffers and library calls of the forward's layout. On
+    a ConvNeXt-style net never tuned on, torch's 0.2 partition (five convolutions recomputed) ran 12.9 ms a step
+    against 16.9 and 16.3 for its 1 and 0.5 partitions (none recomputed); without the term the fit priced every
+    policy within 1 % of keep-all and erred 23.4 % on its own points, with it 4.7 %
+    (results/compiled_model/plain_backward.txt).
 
     Why saved bytes are priced: a saved tensor is written by the forward and read back by the backward,
     while inductor fuses a pointwise recomputation into the backward kernel that reads its sources (on
@@ -349,16 +394,18 @@ class Calibration:
     peak_samples: tuple = ()
     inline_recomputed: bool = True
     terms: tuple = TERMS  # the terms fitted (`fit`); the others at their defaults
+    plain_rate: float = 0.0
 
     def predict(self, point) -> float:
-        """Seconds a step of a fit point (label, extern s, generated s, mask bytes, saved bytes, ...)."""
-        factors = (self.extern_scale, self.scale, self.mask_rate, self.saved_rate)
-        return self.base + sum(term * f for term, f in zip(point[1:5], factors))
+        """Seconds a step of a fit point (label, extern s, generated s, mask bytes, saved bytes, plain backward,
+        measured s; a point without the plain term, as before it, counts it 0)."""
+        factors = (self.extern_scale, self.scale, self.mask_rate, self.saved_rate, self.plain_rate)
+        return self.base + sum(term * f for term, f in zip(point[1:-1], factors))
 
     @property
     def points(self) -> tuple:
         """(label, measured s, predicted s) of each sample fitted on."""
-        return tuple((p[0], p[5], self.predict(p)) for p in self.samples)
+        return tuple((p[0], p[-1], self.predict(p)) for p in self.samples)
 
     def costs(self, graph: Graph, costs: Costs) -> Costs:
         """`costs` with every generated op's time multiplied by `scale`, every extern op's by `extern_scale`."""
@@ -382,16 +429,18 @@ class Calibration:
     def to_dict(self) -> dict:
         return {"base_s": self.base, "scale": self.scale, "extern_scale": self.extern_scale,
                 "mask_s_per_byte": self.mask_rate, "saved_s_per_byte": self.saved_rate,
+                "plain_backward_s": self.plain_rate,
                 "peak_offset_bytes": self.peak_offset, "inline_recomputed": self.inline_recomputed,
                 "terms_fitted": list(self.terms),
                 "points": [list(p) for p in self.points]}
 
 
 def features(problem: CompiledProblem, chromosomes: list[Chromosome], inline_recomputed: bool | None = None
-             ) -> list[tuple[float, float, int, int]]:
+             ) -> list[tuple[float, float, int, int, float]]:
     """Each of `chromosomes` in the calibration's terms: what it adds to keep-all (standalone seconds of the
-    library calls it recomputes, of the generated ops it recomputes), the bytes of bool masks it keeps and the
-    bytes the forward saves for the backward, simulated with the recomputed values inductor inlines taking
+    library calls it recomputes, of the generated ops it recomputes), the bytes of bool masks it keeps, the
+    bytes the forward saves for the backward and whether its backward is laid out plainly
+    (`CompiledProblem.plain_backward`), simulated with the recomputed values inductor inlines taking
     memory or not as `inline_recomputed` says (by default as `problem` simulates them: a calibration is
     fitted on the terms of the simulation that predicts from it). `problem`'s calibration is not used
     otherwise."""
@@ -408,13 +457,15 @@ def features(problem: CompiledProblem, chromosomes: list[Chromosome], inline_rec
         runs = [p.simulate(c) for c in chromosomes]
         extra.append([r.step_time - base for r in runs])
         saved = [r.saved_bytes for r in runs]  # the same whatever the costs
-    return [(e, g, problem.kept_mask_bytes(c), s) for e, g, c, s in zip(*extra, chromosomes, saved)]
+    return [(e, g, problem.kept_mask_bytes(c), s, problem.plain_backward(c))
+            for e, g, c, s in zip(*extra, chromosomes, saved)]
 
 
-def fit(points: list[tuple[str, float, float, int, int, float]], floor: float = 0.0) -> Calibration:
+def fit(points: list[tuple], floor: float = 0.0) -> Calibration:
     """Fit `measured = base + extern_scale * extern + scale * generated + mask_rate * mask bytes + saved_rate *
-    saved bytes` on points (label, extern s, generated s, mask bytes, saved bytes, measured s) by non-negative
-    least squares (`fit_terms`), the base at least `floor` seconds (`library_seconds`). With more points than
+    saved bytes + plain_rate * plain backward` on points (label, extern s, generated s, mask bytes, saved bytes,
+    plain backward (1 or 0), measured s; points made before the plain term, without it, count it 0) by
+    non-negative least squares (`fit_terms`), the base at least `floor` seconds (`library_seconds`). With more points than
     the five factors, only some terms are fitted: the fewest whose fit predicts the points, each left out in turn,
     within `PARSIMONY` of the best worst error; the others keep their defaults (the standalone cost's 1, byte rates
     0). (Fitted on all four, separable's calibration on the AMD machine put keep-all's base at 1.2 to 9.2 ms and its
@@ -427,11 +478,12 @@ def fit(points: list[tuple[str, float, float, int, int, float]], floor: float = 
     than their standalone time; bounded so, each calibration point of four separable runs, left out, is predicted
     within 13.8 % (median) against 20.4 %, and the base of no other experiment's fit moves
     (results/compiled_model/base_floor.txt)."""
+    points = [_padded(p) for p in points]
     if len(points) <= len(TERMS) + 1:
         return fit_terms(points, TERMS, floor)
 
     def worst_left_out(terms) -> float:
-        return max(abs(fit_terms(points[:k] + points[k + 1:], terms, floor).predict(p) / p[5] - 1)
+        return max(abs(fit_terms(points[:k] + points[k + 1:], terms, floor).predict(p) / p[-1] - 1)
                    for k, p in enumerate(points))
 
     subsets = [t for n in range(len(TERMS) + 1) for t in itertools.combinations(TERMS, n)]
@@ -440,23 +492,28 @@ def fit(points: list[tuple[str, float, float, int, int, float]], floor: float = 
     return fit_terms(points, subsets[min(close, key=lambda k: (len(subsets[k]), scores[k]))], floor)
 
 
-def fit_terms(points: list[tuple[str, float, float, int, int, float]], terms=TERMS, floor: float = 0.0
-              ) -> Calibration:
+def fit_terms(points: list[tuple], terms=TERMS, floor: float = 0.0) -> Calibration:
     """`fit` of the named `terms` alone (the others at their defaults), each scaled to the points' range first, the
     base `floor` or more. A term that does not vary over the points cannot be told from the base: it keeps its
     default too."""
     from scipy.optimize import nnls
 
-    default = {1: 1.0, 2: 1.0, 3: 0.0, 4: 0.0}
+    points = [_padded(p) for p in points]
+    default = {1: 1.0, 2: 1.0, 3: 0.0, 4: 0.0, 5: 0.0}
     spread = {k: max(p[k] for p in points) - min(p[k] for p in points) for k in default}
     free = [k for k in default if TERMS[k - 1] in terms and spread[k] > 1e-9 * max(abs(p[k]) for p in points)]
     fixed = {k: f for k, f in default.items() if k not in free}
     rows = [[p[k] / spread[k] for k in free] + [1.0] for p in points]
-    ys = [p[5] - floor - sum(p[k] * f for k, f in fixed.items()) for p in points]
+    ys = [p[-1] - floor - sum(p[k] * f for k, f in fixed.items()) for p in points]
     solved, _ = nnls(np.array(rows), np.array(ys))
     factor = fixed | {k: float(x) / spread[k] for k, x in zip(free, solved)}
     return Calibration(floor + float(solved[-1]), factor[2], factor[1], factor[3], factor[4], tuple(points),
-                       terms=tuple(TERMS[k - 1] for k in free))
+                       terms=tuple(TERMS[k - 1] for k in free), plain_rate=factor[5])
+
+
+def _padded(point: tuple) -> tuple:
+    """`point` with a 0 for each term it lacks (made before the term was), its measured seconds last."""
+    return (point[0], *point[1:-1], *(0.0,) * (len(TERMS) + 2 - len(point)), point[-1])
 
 
 def library_seconds(graph: Graph, costs: Costs) -> float:

@@ -54,10 +54,10 @@ def main(runs: list[str]) -> None:
               f"{measured.get('keep-all', float('nan')) * 1e3:.2f} ms")
         for kind, bound in (("unbounded", 0.0), ("floor", floor)):
             fitted = step_model.fit(points, bound)
-            inside = [fitted.predict(p) / p[5] - 1 for p in points]
-            left_out = [step_model.fit(points[:k] + points[k + 1:], bound).predict(p) / p[5] - 1
+            inside = [fitted.predict(p) / p[-1] - 1 for p in points]
+            left_out = [step_model.fit(points[:k] + points[k + 1:], bound).predict(p) / p[-1] - 1
                         for k, p in enumerate(points)]
-            picked = [fitted.predict(p) / p[5] - 1 for p in held]
+            picked = [fitted.predict(p) / p[-1] - 1 for p in held]
             errors[kind] += [("left out", e) for e in left_out] + [("pick", e) for e in picked]
             print(f"  {kind:9s} base {fitted.base * 1e3:6.2f} ms, terms {', '.join(fitted.terms) or 'none'}; in sample "
                   f"worst {max(map(abs, inside)):.1%}; left out worst {max(map(abs, left_out)):.1%}, median "

@@ -22,8 +22,7 @@ RUNS = Path("results/compare_time")
 
 
 def predict(cal, point) -> float:
-    _, extern, generated, mask, saved, _ = point
-    return cal.base + cal.extern_scale * extern + cal.scale * generated + cal.mask_rate * mask + cal.saved_rate * saved
+    return cal.predict(point)
 
 
 def run_of(name: str) -> tuple:
@@ -46,8 +45,8 @@ def main() -> None:
         labels = [label for label in chosen if label in measured]
         points = step_model.samples(problem, [(label, chosen[label], measured[label]) for label in labels])
         full = step_model.fit(points)
-        loo = [predict(step_model.fit(points[:i] + points[i + 1:]), p) / p[5] - 1 for i, p in enumerate(points)]
-        worst = max(abs(predict(full, p) / p[5] - 1) for p in points)
+        loo = [predict(step_model.fit(points[:i] + points[i + 1:]), p) / p[-1] - 1 for i, p in enumerate(points)]
+        worst = max(abs(predict(full, p) / p[-1] - 1) for p in points)
         print(f"{name}: {len(points)} points, in-sample worst {worst:.1%}; each left out: " + ", ".join(f"{label} {e:+.1%}" for label, e in zip(labels, loo)))
         mixes = [i for i, label in enumerate(labels) if label.startswith("random")]
         for drop in range(1, len(mixes) + 1):

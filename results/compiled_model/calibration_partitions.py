@@ -35,9 +35,9 @@ for name in ("mixture", "cnn", "gpt", "window", "densenet"):
     kept = [p for p in calibration if not p[0].startswith("random")] + halves[:1] + torch_points
     fitted = step_model.fit(step_model.samples(problem, kept))
     seven = step_model.fit(step_model.samples(problem, calibration))
-    left = [predict(fitted, p) / p[5] - 1 for p in step_model.samples(problem, halves[1:])]
+    left = [predict(fitted, p) / p[-1] - 1 for p in step_model.samples(problem, halves[1:])]
     errors += [abs(e) for e in left]
-    on_torch = [predict(seven, p) / p[5] - 1 for p in step_model.samples(problem, torch_points)]
+    on_torch = [predict(seven, p) / p[-1] - 1 for p in step_model.samples(problem, torch_points)]
     print(f"{name}: {len(kept)} points (set, half 1, torch's 3) predict halves 2, 3: "
           + ", ".join(f"{e:+.1%}" for e in left) + f"; in-sample worst {fitted.worst_error():.1%}"
           + f" | the run's {len(calibration)}-point fit on torch 1 / 0.5 / 0.2: " + ", ".join(f"{e:+.1%}" for e in on_torch))

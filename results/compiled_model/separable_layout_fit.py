@@ -63,10 +63,10 @@ def main() -> None:
             graph, actions, provenance=provenance)), *inputs)
         plain = plain_layout_bytes(backward.code)
         no_conv = float(not any(actions.get(t) == "recompute" for t in convolutions))
-        rows.append((label, *p[1:5], plain, no_conv, p[5]))
+        rows.append((label, *p[1:5], plain, no_conv, p[-1]))
         print(f"  {label:20s} library calls {p[1] * 1e3:5.2f} ms, generated {p[2] * 1e3:5.2f} ms, masks "
               f"{p[3] / 1e6:5.2f} MB, saved {p[4] / 1e6:5.2f} MB, backward plain layout {plain / 1e6:5.1f} MB"
-              f"{', no convolution recomputed' if no_conv else ''}; measured {p[5] * 1e3:6.2f} ms", flush=True)
+              f"{', no convolution recomputed' if no_conv else ''}; measured {p[-1] * 1e3:6.2f} ms", flush=True)
     fitted, pick = rows[:-1], rows[-1]
     names = ("extern", "generated", "mask", "saved", "plain layout", "no convolution")
 

@@ -30,7 +30,7 @@ FITTED = ("cal keep-all", "cal masks recomputed", "cal recompute-generated", "ca
 
 
 def line(label: str, every, chosen, point) -> str:
-    m = point[5]
+    m = point[-1]
     return (f"  {label:24s} measured {m * 1e3:7.1f} ms   four terms {every.predict(point) / m - 1:+6.1%}   "
             f"chosen {chosen.predict(point) / m - 1:+6.1%}")
 
