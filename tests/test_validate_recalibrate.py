@@ -34,7 +34,7 @@ def test_recalibrating_fits_the_model_on_times_taken_here_and_prices_the_policy_
         problem = step_model.CompiledProblem(graph, measured_costs[-1], None, space, loss=exp.loss)
         encoding = problem.encoding
         chromosome = problem.canonical(encoding.read_back(policy.actions))
-        ((_, _, _, saved),) = step_model.features(problem, [chromosome])
+        ((_, _, _, saved, _),) = step_model.features(problem, [chromosome])
         return 0.020 + 3e-9 * saved
 
     timed = []
