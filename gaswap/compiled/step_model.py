@@ -15,8 +15,9 @@ and its costs into what the compiled step does, leaving the simulator as it is:
   and the other tensors it does not save. So a step costs a `base` (keep-all, no mask kept, nothing saved:
   measured, not summed from ops), plus the recomputed generated ops at `scale` times their standalone time
   (inductor fuses them into the backward's kernels), the recomputed library calls at `extern_scale` times
-  theirs, plus a price per byte of bool mask kept and one per byte saved for the backward (`Calibration`).
-  The five are fitted (the base no less than the step's library calls alone: `fit`) on seven compiled
+  theirs, plus a price per byte of bool mask kept and one per byte saved for the backward, plus a price where
+  the backward recomputes no convolution (laid out plainly: `Calibration`). The six are fitted (the base no less
+  than the step's library calls alone: `fit`) on seven compiled
   runs: keep-all, masks recomputed, recompute-generated,
   recompute-all and three random halves (in a compare, one random half and torch.compile's three partitions,
   compiled there anyway); every other policy is a prediction. (The model before priced the
@@ -466,7 +467,7 @@ def fit(points: list[tuple], floor: float = 0.0) -> Calibration:
     saved bytes + plain_rate * plain backward` on points (label, extern s, generated s, mask bytes, saved bytes,
     plain backward (1 or 0), measured s; points made before the plain term, without it, count it 0) by
     non-negative least squares (`fit_terms`), the base at least `floor` seconds (`library_seconds`). With more points than
-    the five factors, only some terms are fitted: the fewest whose fit predicts the points, each left out in turn,
+    the six factors, only some terms are fitted: the fewest whose fit predicts the points, each left out in turn,
     within `PARSIMONY` of the best worst error; the others keep their defaults (the standalone cost's 1, byte rates
     0). (Fitted on all four, separable's calibration on the AMD machine put keep-all's base at 1.2 to 9.2 ms and its
     pick 23 to 36 % under its measured time in four runs; with the terms chosen so, -8.3, -14.2 and -1.3 % in three,
