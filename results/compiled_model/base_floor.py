@@ -5,51 +5,25 @@ calibration's measured points): the calibration points' features on this machine
 (torch's three partitions read back, as the compare calibrated on them), both fits' base and terms, their worst
 error in sample, each point predicted by the fit on the others (worst, median), and the run's pick `p00` where it
 is the search's own (measured in the head to head, not fitted on). No timing: the runs' measured seconds refitted.
-Run from the repository root:
+base_floor.txt was made at 55fd258, before the fifth term (`plain_backward.py`); at later code both fits may take
+that term too. Run from the repository root:
     PYTHONPATH=. python results/compiled_model/base_floor.py <run> ... > results/compiled_model/base_floor.txt
 """
-import csv
 import statistics
 import sys
 from pathlib import Path
 
-import yaml
-
-from gaswap.base import config
-from gaswap.compiled import methods as compiled_methods
-from gaswap.compiled import partition, step_model
-from gaswap.run.measure import measure
+import stored_run
+from gaswap.compiled import step_model
 
 RUNS = Path("results/compare_time")
 
 
 def main(runs: list[str]) -> None:
-    traced = {}  # experiment -> (device, graph, torch's partitions)
+    traced = {}  # `stored_run.read`'s
     errors = {"unbounded": [], "floor": []}
     for run in runs:
-        name, folder = run.rsplit("_", 1)[0], RUNS / run
-        exp = config.load_experiment(f"experiments/compare_{name}_cpu.yaml")
-        if name not in traced:
-            device, model, inputs, _, graph = compiled_methods.setup(exp)
-            _, actions = partition.torch_partitions(model, *inputs, budgets=(1.0, 0.5, 0.2), optimizer=exp.optimizer,
-                                                    counted=exp.counts)
-            traced[name] = device, graph, {f"torch {b:g}": a for b, a in actions.items()}
-        device, graph, partitions = traced[name]
-        costs = measure(graph, device, folder / "costs", threads=exp.costs.threads)
-        policy = yaml.safe_load((folder / "p00.yaml").read_text())
-        calibration = policy["provenance"]["calibration"]
-        measured = {label: seconds for label, seconds, _ in calibration["points"]}
-        problem, chosen = step_model.calibration_set(graph, costs, exp.loss, partitions)
-        inline = calibration["inline_recomputed"]
-        points = step_model.samples(problem, [(label, c, measured[label]) for label, c in chosen.items()
-                                              if label in measured], inline)
-        rows = list(csv.DictReader((folder / "compare.csv").open()))
-        pick = next((r for r in rows if r["method"] == "gaswap" and r["knob"] == policy["provenance"]["budget"]
-                     and r["origin"] in ("", "search")), None)
-        held = [] if pick is None else step_model.samples(
-            problem, [("pick", problem.canonical(problem.encoding.read_back(policy["actions"])), float(pick["step_s"]))],
-            inline)
-        floor = step_model.library_seconds(graph, costs)
+        points, held, floor, measured = stored_run.read(RUNS / run, traced)
         print(f"{run}: library calls {floor * 1e3:.2f} ms standalone, keep-all measured "
               f"{measured.get('keep-all', float('nan')) * 1e3:.2f} ms")
         for kind, bound in (("unbounded", 0.0), ("floor", floor)):

@@ -8,52 +8,19 @@ point predicted by the fit on the others (worst, median), and the run's pick `p0
 No timing: the runs' measured seconds refitted. Run from the repository root:
     PYTHONPATH=. python results/compiled_model/plain_backward.py <folder> ... > results/compiled_model/plain_backward.txt
 """
-import csv
 import statistics
 import sys
 from pathlib import Path
 
-import yaml
-
-from gaswap.base import config
-from gaswap.compiled import methods as compiled_methods
-from gaswap.compiled import partition, step_model
-from gaswap.run.measure import measure
-
-
-def experiment_of(folder: Path) -> Path:
-    """The experiment file of a run folder `<name>` or `<name>_<commit>`: `<name>.yaml` beside it, else the shipped
-    `experiments/compare_<name>_cpu.yaml`."""
-    name = folder.name if (folder.parent / f"{folder.name}.yaml").exists() else folder.name.rsplit("_", 1)[0]
-    beside = folder.parent / f"{name}.yaml"
-    return beside if beside.exists() else Path(f"experiments/compare_{name}_cpu.yaml")
+import stored_run
+from gaswap.compiled import step_model
 
 
 def main(folders: list[str]) -> None:
     errors = {"with the term": [], "without": []}
+    traced = {}  # `stored_run.read`'s
     for folder in map(Path, folders):
-        path = experiment_of(folder)
-        sys.path.insert(0, str(path.parent))  # a factory beside its experiment file
-        exp = config.load_experiment(path)
-        device, model, inputs, _, graph = compiled_methods.setup(exp)
-        _, actions = partition.torch_partitions(model, *inputs, budgets=(1.0, 0.5, 0.2), optimizer=exp.optimizer,
-                                                counted=exp.counts)
-        costs = measure(graph, device, folder / "costs", threads=exp.costs.threads)
-        policy = yaml.safe_load((folder / "p00.yaml").read_text())
-        calibration = policy["provenance"]["calibration"]
-        measured = {label: seconds for label, seconds, _ in calibration["points"]}
-        problem, chosen = step_model.calibration_set(graph, costs, exp.loss,
-                                                     {f"torch {b:g}": a for b, a in actions.items()})
-        inline = calibration["inline_recomputed"]
-        points = step_model.samples(problem, [(label, c, measured[label]) for label, c in chosen.items()
-                                              if label in measured], inline)
-        rows = list(csv.DictReader((folder / "compare.csv").open()))
-        pick = next((r for r in rows if r["method"] == "gaswap" and r["knob"] == policy["provenance"]["budget"]
-                     and r["origin"] in ("", "search")), None)
-        held = [] if pick is None else step_model.samples(
-            problem, [("pick", problem.canonical(problem.encoding.read_back(policy["actions"])), float(pick["step_s"]))],
-            inline)
-        floor = step_model.library_seconds(graph, costs)
+        points, held, floor, _ = stored_run.read(folder, traced)
         print(f"{folder.name}: plain backward (1 = no convolution recomputed) "
               + ", ".join(f"{p[0]} {p[5]:g}" for p in points + held))
         for kind, strip in (("with the term", False), ("without", True)):
