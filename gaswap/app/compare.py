@@ -79,7 +79,7 @@ from gaswap.app.compare_screen import BELOW_TORCH_S, KEPT_NEAR_S, ProgramPeaks, 
 from gaswap.base import config
 from gaswap.base.config import format_size
 from gaswap.base.files import csv_text, write_atomic
-from gaswap.compiled import calibration_run, partition, pool, programs, step_model
+from gaswap.compiled import calibration_run, library_calls, partition, pool, programs, step_model
 from gaswap.compiled import methods as compiled_methods
 from gaswap.compiled.methods import Method
 from gaswap.plan import policy as policies
@@ -758,12 +758,12 @@ def _with_program_peak(policy: policies.Policy, program_peak: int | None, beyond
 
 
 def _program_peak(m: Method, output_bytes: int, loss: str, progress) -> int | None:
-    """The step peak above resident of the programs inductor generated for `m` (None: none recorded, or
-    programs `compiled_program` cannot read, said through `progress`)."""
+    """The step peak above resident of the programs inductor generated for `m`, their library calls' scratch
+    counted (None: none recorded, or programs `compiled_program` cannot read, said through `progress`)."""
     if not m.programs:
         return None
     try:
-        return programs.step_peak(m.programs, output_bytes, loss)
+        return programs.step_peak(m.programs, output_bytes, loss, library_calls.scratch)
     except programs.ProgramError as e:
         progress(f"  {m.name} {m.knob}: no program peak ({e})")
         return None

@@ -29,7 +29,7 @@ from torch._inductor.codecache import PyCodeCache
 from torch._inductor.graph import GraphLowering
 
 from gaswap.base.errors import GaswapError
-from gaswap.compiled import methods, partition
+from gaswap.compiled import library_calls, methods, partition
 from gaswap.compiled.programs import Program, ProgramError, Recorder, step_peak
 from gaswap.plan.policy import Policy
 
@@ -76,7 +76,8 @@ def programs_of(model, backend: Callable, *example_args) -> list[Program]:
 
 
 def policy_peak(model, policy: Policy, inputs, output_bytes: int, loss: str) -> int:
-    """The step peak above resident (`programs.step_peak`) of `model` compiled under `policy`."""
+    """The step peak above resident (`programs.step_peak`, its library calls' scratch measured:
+    `library_calls.scratch`) of `model` compiled under `policy`."""
     return policy_peak_and_partition(model, policy, inputs, output_bytes, loss)[0]
 
 
@@ -84,14 +85,15 @@ def policy_peak_and_partition(model, policy: Policy, inputs, output_bytes: int, 
     """`policy_peak`, and the key of the partition written (`PolicyPartitioner.key`: what the forward saves and
     offloads; None where inductor found the graphs in its caches and did not partition)."""
     backend = partition.backend(policy)
-    peak = step_peak(programs_of(model, backend, *inputs), output_bytes, loss)
+    peak = step_peak(programs_of(model, backend, *inputs), output_bytes, loss, library_calls.scratch)
     return peak, backend.partitioner.key()
 
 
 def torch_peak(model, budget: float, inputs, output_bytes: int, loss: str) -> int:
-    """The step peak above resident of `model` under torch.compile with its partitioner at
+    """The step peak above resident (as `policy_peak`) of `model` under torch.compile with its partitioner at
     `activation_memory_budget = budget`."""
-    return step_peak(programs_of(model, methods.torch_backend(budget), *inputs), output_bytes, loss)
+    return step_peak(programs_of(model, methods.torch_backend(budget), *inputs), output_bytes, loss,
+                     library_calls.scratch)
 
 
 def _write_unloaded(graph: GraphLowering) -> _Unloaded:

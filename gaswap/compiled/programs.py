@@ -16,8 +16,9 @@ batch) are resident before the step and not counted, as the meter (`gaswap.run.p
 The backward's other inputs are what the forward saved, in the order the forward returns them (aot_autograd
 passes the saved values last in the forward's outputs, first in the backward's inputs): several of them can
 be views of one buffer (slices of a matmul's output), which the backward holds once.
-Not counted: a library call's scratch memory (e.g. a convolution's), the optimizer's step (it runs after
-the backward has freed its buffers).
+A library call's scratch (what it holds while it runs beyond its outputs: a convolution's reorders, cuDNN's
+workspace) is not in the program's text; `step_peak` counts it where given it (`library_calls.scratch`
+measures it). Not counted: the optimizer's step (it runs after the backward has freed its buffers).
 """
 from __future__ import annotations
 
@@ -31,16 +32,25 @@ from gaswap.base.errors import GaswapError
 from gaswap.compiled.step_model import LOSS_TEMPORARIES
 
 RESIDENT_PREFIX = "primals_"  # aot_autograd's name for a forward input: a parameter, buffer or user input
+SCRATCH = "(a library call's scratch)"  # `Walk.at_peak`'s name for the scratch of the call at the peak
 _CALL = "def call(self, args)"
 _TUPLE = r"(\([^()]*\))"
-_INPUT = re.compile(rf"(\w+) = rand_strided\({_TUPLE}, {_TUPLE}, device='[\w:]+', dtype=torch\.(\w+)\)$")
+_INPUT = re.compile(rf"(\w+) = rand_strided\({_TUPLE}, {_TUPLE}, device='([\w:]+)', dtype=torch\.(\w+)\)$")
 _EMPTY = re.compile(rf"(\w+) = empty_strided\w*\({_TUPLE}, {_TUPLE}, torch\.(\w+)\)$")
 _ASSERT = re.compile(rf"assert_size_stride\((\w+), {_TUPLE}, {_TUPLE}")
 _REUSE = re.compile(r"(\w+) = .*; del (\w+)\s+# reuse$")
+_VIEW_REUSE = re.compile(rf"(\w+) = reinterpret_tensor\((\w+), {_TUPLE}, {_TUPLE}, \d+\); del \w+\s+# reuse$")
 _ITEM = re.compile(r"(\w+) = (\w+)\[\d+\]$")  # one output of a library call that returns several
 _ALIAS = re.compile(r"(\w+) = (reinterpret_tensor\(|\w+$)")
 _MADE = re.compile(r"(\w+) = [\w.]+\((.*)")  # a buffer a library call returns
 _DEL = re.compile(r"del ([\w, ]+)$")
+
+
+class Layout(NamedTuple):
+    """A buffer's or input's size, stride and dtype (`torch.<dtype>`'s name), as its program prints them."""
+    size: tuple
+    stride: tuple
+    dtype: str
 
 
 class Walk(NamedTuple):
@@ -61,12 +71,14 @@ class Program:
     """The source of one graph's generated program (inductor's wrapper, with its benchmark harness)."""
     code: str
 
-    def walk(self, storage: dict | None = None) -> Walk:
+    def walk(self, storage: dict | None = None, scratch: dict | None = None) -> Walk:
         """The program's memory other than its `primals_*` inputs: the other inputs from the start until
         deleted, each buffer from the line that allocates it (a library call's several outputs at the call)
         until its `del`, a reused buffer handing its bytes on. `storage`: {input: (storage, bytes)} of inputs
-        that are views of a storage they share (`saved_storage`), counted once and freed with the last."""
-        args, body, sizes, items, _ = self._parts
+        that are views of a storage they share (`saved_storage`), counted once and freed with the last.
+        `scratch`: {index of a line of `body`: bytes its library call holds, while it runs, beyond what it
+        returns} (`library_calls.scratch`), at its peak under the name `SCRATCH`."""
+        args, body, sizes, items = self._parts[:4]
         storage = storage or {}
         alive, views, shared = {}, {}, {}  # bytes of each buffer or input; the inputs alive on each storage
         view_of = {}  # input: the storage it is a view of
@@ -90,7 +102,8 @@ class Program:
             views[key].discard(name)
             return 0 if views[key] else shared.pop(key)
 
-        for line in body:
+        scratch = scratch or {}
+        for k, line in enumerate(body):
             if m := _REUSE.match(line):
                 if m.group(2) in view_of:  # a saved input handed on: its storage with it
                     views[view_of[m.group(2)]].add(m.group(1))
@@ -108,6 +121,8 @@ class Program:
                     held += alive[name]
             if held > peak:
                 peak, at_peak = held, alive | shared
+            if held + scratch.get(k, 0) > peak:  # a library call's scratch, beside its outputs (counted above)
+                peak, at_peak = held + scratch[k], alive | shared | {SCRATCH: scratch[k]}
         return Walk(peak, held, at_peak, alive | shared)
 
     def saved_storage(self, count: int) -> list[tuple[str, int]]:
@@ -130,23 +145,40 @@ class Program:
         return self._parts[0]
 
     @property
+    def body(self) -> list[str]:
+        """The lines of `call` between its inputs and its return, stripped: what runs, in order."""
+        return self._parts[1]
+
+    @property
+    def layouts(self) -> dict[str, Layout]:
+        """{name: Layout} of the inputs, the buffers allocated, the library calls' outputs and the views a reuse
+        hands a freed buffer on as."""
+        return self._parts[5]
+
+    @property
+    def device(self) -> str:
+        """The device the program runs on (its inputs'), as it prints it: "cpu", "cuda:0"."""
+        return self._parts[6]
+
+    @property
     def is_backward(self) -> bool:
         """Whether the graph is a backward (it takes the output's gradient, `tangents_*`)."""
         return any(name.startswith("tangents_") for name in self.arguments)
 
     @cached_property
-    def _parts(self) -> tuple[list[str], list[str], dict, dict, list[str]]:
+    def _parts(self) -> tuple[list[str], list[str], dict, dict, list[str], dict, str]:
         """(inputs, the lines of `call` between them and its return, {name: bytes}, {call: [its outputs]},
-        the values returned), parsed once."""
+        the values returned, {name: Layout}, the inputs' device), parsed once."""
         lines = [line.strip() for line in self.code.splitlines()]
         start = next((k for k, line in enumerate(lines) if line.startswith(_CALL)), None)
         if start is None or start + 1 >= len(lines):
             raise ProgramError("no `def call(self, args)` in the generated program")
         end = next((k for k in range(start, len(lines)) if lines[k].startswith("return")), len(lines))
         body = lines[start + 2:end]
-        sizes, items = _sizes(body, lines[end:])
+        layouts, views, items, device = _layouts(body, lines[end:])
         args = re.findall(r"\w+", lines[start + 1].split("=")[0])
-        return args, body, sizes, items, _returned(lines[end]) if end < len(lines) else []
+        sizes = {name: bytes_of(layout) for name, layout in layouts.items()}
+        return args, body, sizes, items, _returned(lines[end]) if end < len(lines) else [], layouts | views, device
 
 
 def _returned(line: str) -> list[str]:
@@ -167,38 +199,54 @@ def _returned(line: str) -> list[str]:
     return [v for v in values if v]
 
 
-def _sizes(body: list[str], harness: list[str]) -> tuple[dict, dict]:
-    """({name: bytes} of the inputs (from the benchmark harness's `rand_strided`), the buffers allocated
-    (`empty_strided_*`) and the library calls' outputs (their `assert_size_stride`, in the dtype of the
-    call's first tensor argument); {call: [its outputs]} of the calls that return several)."""
-    dtype, extent, items, made_by = {}, {}, {}, {}
+def _layouts(body: list[str], harness: list[str]) -> tuple[dict, dict, dict, str]:
+    """({name: Layout} of the inputs (from the benchmark harness's `rand_strided`), the buffers allocated
+    (`empty_strided_*`) and the library calls' outputs (their `assert_size_stride`, in the dtype of the call's
+    first tensor argument); {name: Layout} of the buffers a reuse hands a freed one on to as a new view; {call: [its
+    outputs]} of the calls that return several; the inputs' device)."""
+    shape, dtype, items, made_by, handed_on, device = {}, {}, {}, {}, {}, "cpu"
     for line in harness:
         if m := _INPUT.match(line):
-            extent[m.group(1)], dtype[m.group(1)] = _extent(m.group(2), m.group(3)), m.group(4)
+            shape[m.group(1)], device, dtype[m.group(1)] = (m.group(2), m.group(3)), m.group(4), m.group(5)
     for line in body:
         if m := _EMPTY.match(line):
-            extent[m.group(1)], dtype[m.group(1)] = _extent(m.group(2), m.group(3)), m.group(4)
+            shape[m.group(1)], dtype[m.group(1)] = (m.group(2), m.group(3)), m.group(4)
         elif m := _ITEM.match(line):
             items.setdefault(m.group(2), []).append(m.group(1))
             made_by[m.group(1)] = m.group(2)
         elif m := _ASSERT.match(line):
-            extent.setdefault(m.group(1), _extent(m.group(2), m.group(3)))
+            shape.setdefault(m.group(1), (m.group(2), m.group(3)))
+        elif m := _VIEW_REUSE.match(line):
+            handed_on[m.group(1)] = (m.group(3), m.group(4), m.group(2))
         elif (m := _MADE.match(line)) and not _REUSE.match(line) and not _ALIAS.match(line):
             argument = next((n for n in re.findall(r"\w+", m.group(2)) if n in dtype), None)
             dtype[m.group(1)] = dtype[argument] if argument else "float32"
     for name, parent in made_by.items():
         dtype.setdefault(name, dtype.get(parent, "float32"))
-    return {n: e * _itemsize(dtype.get(n, "float32")) for n, e in extent.items()}, items
+    layouts = {n: Layout(*_numbers(*s), dtype.get(n, "float32")) for n, s in shape.items()}
+    views = {n: Layout(*_numbers(size, stride), dtype.get(base, "float32"))
+             for n, (size, stride, base) in handed_on.items()}
+    return layouts, views, items, device
 
 
-def _extent(size: str, stride: str) -> int:
-    """Elements a tensor of printed `size` and `stride` spans."""
+def _numbers(size: str, stride: str) -> tuple[tuple, tuple]:
+    """The printed `size` and `stride` of a static shape, read."""
     try:
         sizes, strides = ast.literal_eval(size), ast.literal_eval(stride)
     except (ValueError, SyntaxError):  # a symbol: a dynamic shape
         raise ProgramError(f"a size that is not a number: {size} (a dynamic shape)") from None
     if not all(isinstance(n, int) for n in (*sizes, *strides)):
         raise ProgramError(f"a size that is not a number: {size}")
+    return tuple(sizes), tuple(strides)
+
+
+def bytes_of(layout: Layout) -> int:
+    """Bytes a tensor of `layout` spans."""
+    return _extent(layout.size, layout.stride) * _itemsize(layout.dtype)
+
+
+def _extent(sizes: tuple, strides: tuple) -> int:
+    """Elements a tensor of `sizes` and `strides` spans."""
     if 0 in sizes:
         return 0
     return 1 + sum((n - 1) * s for n, s in zip(sizes, strides))
@@ -213,18 +261,21 @@ def _itemsize(dtype: str) -> int:
     return kind.itemsize
 
 
-def step_peak(programs: list[Program], output_bytes: int, loss: str) -> int:
+def step_peak(programs: list[Program], output_bytes: int, loss: str, scratch=None) -> int:
     """The peak bytes above resident of a training step that runs `programs` (a forward, then a backward)
-    with an eager `loss` over a model output of `output_bytes` between them."""
+    with an eager `loss` over a model output of `output_bytes` between them; with `scratch` (a program ->
+    `Program.walk`'s scratch, e.g. `library_calls.scratch`), its library calls' scratch counted."""
     forward = [p for p in programs if not p.is_backward]
     backward = [p for p in programs if p.is_backward]
     if len(forward) != 1 or len(backward) != 1:
         raise ProgramError(f"expected one forward and one backward graph, got {len(forward)} and {len(backward)}"
                            " (a graph break or a recompilation)")
-    forward_peak, saved = forward[0].walk()[:2]
+    scratch = scratch or (lambda program: None)
+    forward_peak, saved = forward[0].walk(scratch=scratch(forward[0]))[:2]
     inputs = [name for name in backward[0].arguments if not name.startswith("tangents_")]
     storage = dict(zip(inputs, forward[0].saved_storage(len(inputs))))
-    return max(forward_peak, saved + (1 + LOSS_TEMPORARIES[loss]) * output_bytes, backward[0].walk(storage).peak)
+    return max(forward_peak, saved + (1 + LOSS_TEMPORARIES[loss]) * output_bytes,
+               backward[0].walk(storage, scratch(backward[0])).peak)
 
 
 class Recorder:

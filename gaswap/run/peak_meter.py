@@ -61,7 +61,7 @@ class PeakMeter:
                 return self
             self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                                     profile_memory=True)
-            with _quiet_stderr():  # the profiler prints two lines per start and stop
+            with quiet_stderr():  # the profiler prints two lines per start and stop
                 self._profiler.__enter__()
         return self
 
@@ -73,7 +73,7 @@ class PeakMeter:
         self.rss_peak = _status("VmHWM") - self._base
         if not self.allocator:
             return
-        with _quiet_stderr():
+        with quiet_stderr():
             self._profiler.__exit__(*exc)
         self.peak = allocated_peak(self._profiler)
 
@@ -90,7 +90,7 @@ def allocated_peak(profiler) -> int:
 
 
 @contextlib.contextmanager
-def _quiet_stderr():
+def quiet_stderr():
     """File descriptor 2 sent to /dev/null for the block (what C++ code prints too)."""
     sys.stderr.flush()
     saved = os.dup(2)
