@@ -21,6 +21,7 @@ from __future__ import annotations
 import ast
 import bisect
 import gc
+from functools import partial
 
 import torch
 from torch._inductor.select_algorithm import extern_kernels
@@ -40,9 +41,11 @@ def scratch(program: Program) -> dict[int, int]:
     """{index of a line of `program.body`: bytes its library call held at its peak beyond what it returns} for
     the calls that held any (`Program.walk`'s `scratch`)."""
     calls = {k: call for k, line in enumerate(program.body) if (call := _call(line, program.layouts)) is not None}
-    new = {signature: call for signature, call in calls.values() if signature not in _KNOWN}
+    device = torch.device(program.device)
+    new = {signature: partial(_materialized, *call, device) for signature, call in calls.values()
+           if signature not in _KNOWN}
     if new:
-        _KNOWN.update(_measure(list(new.items()), torch.device(program.device)))
+        _KNOWN.update(_measure(list(new.items()), device))
     return {k: _KNOWN[signature] for k, (signature, _) in calls.items() if _KNOWN.get(signature, 0) > 0}
 
 
@@ -125,6 +128,11 @@ def _made(description: tuple, device: torch.device):
     return value
 
 
+def _materialized(function, args: tuple, kwargs: tuple, device: torch.device) -> tuple:
+    """(function, arguments, keyword arguments) of a call `_call` described, its tensors made on `device`."""
+    return function, [_made(a, device) for a in args], {name: _made(a, device) for name, a in kwargs}
+
+
 def _returned_bytes(result, arguments: list) -> int:
     """Bytes of the storages of the tensors `result` holds that no argument holds (what the call allocated)."""
     held = {t.untyped_storage().data_ptr() for t in _tensors(arguments)}
@@ -142,22 +150,21 @@ def _tensors(values) -> list[torch.Tensor]:
     return out
 
 
-def _measure(calls: list[tuple[tuple, tuple]], device: torch.device) -> dict[tuple, int]:
-    """{signature: scratch bytes} of `calls` ((signature, (function, args, kwargs)) pairs), each called once on
-    `device`; 0 for a call that fails on the tensors made for it; none while a profiler runs (the calls would
-    count in its meter)."""
+def _measure(calls: list[tuple], device: torch.device) -> dict:
+    """{key: scratch bytes} of `calls` ((key, a function making (function, args, kwargs)) pairs), each called once
+    on `device`; 0 for a call that cannot be made or fails on the tensors made for it; none while a profiler runs
+    (the calls would count in its meter)."""
     if device.type == "cuda":
-        return {signature: _cuda_scratch(*call, device) for signature, call in calls}
+        return {key: _cuda_scratch(make, device) for key, make in calls}
     if torch.autograd._profiler_enabled():
         return {}
     returned = {}
     gc.collect()  # garbage freed inside a range would lower its count
     with quiet_stderr(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                                 profile_memory=True) as profile:
-        for k, (_, (function, args, kwargs)) in enumerate(calls):
-            arguments = [_made(a, device) for a in args]
-            keywords = {name: _made(a, device) for name, a in kwargs}
+        for k, (_, make) in enumerate(calls):
             try:
+                function, arguments, keywords = make()
                 with torch.profiler.record_function(f"{_RANGE}{k}"):
                     result = function(*arguments, **keywords)
             except Exception:  # a call that needs other values than random ones: no scratch known
@@ -165,8 +172,7 @@ def _measure(calls: list[tuple[tuple, tuple]], device: torch.device) -> dict[tup
             returned[k] = _returned_bytes(result, arguments + list(keywords.values()))
             del result, arguments, keywords
     peaks = _range_peaks(profile)
-    return {signature: max(0, peaks.get(k, 0) - returned[k]) if k in returned else 0
-            for k, (signature, _) in enumerate(calls)}
+    return {key: max(0, peaks.get(k, 0) - returned[k]) if k in returned else 0 for k, (key, _) in enumerate(calls)}
 
 
 def _range_peaks(profile) -> dict[int, int]:
@@ -187,14 +193,13 @@ def _range_peaks(profile) -> dict[int, int]:
     return peaks
 
 
-def _cuda_scratch(function, args, kwargs, device: torch.device) -> int:
-    """The scratch of one call on a GPU, by the caching allocator's peak (0 where it fails)."""
-    arguments = [_made(a, device) for a in args]
-    keywords = {name: _made(a, device) for name, a in kwargs}
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    start = torch.cuda.memory_allocated(device)
+def _cuda_scratch(make, device: torch.device) -> int:
+    """The scratch of one call on a GPU, by the caching allocator's peak (0 where it cannot be made or fails)."""
     try:
+        function, arguments, keywords = make()
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
         result = function(*arguments, **keywords)
     except Exception:  # a call that needs other values than random ones: no scratch known
         return 0
