@@ -80,6 +80,17 @@ class ProgramPeaks:
             futures = self.workers.program_peaks([self.policy_of(c) for c in new], self.output_bytes)
             self._ahead |= {c.actions: future for c, future in zip(new, futures)}
 
+    def in_batches(self, items: list, chromosome_of, deadline: float, clock=time.monotonic):
+        """[(item, `peak` of `chromosome_of(item)`)] of `items`, a batch at a time: as many as the workers write at
+        once, started together (`ahead`); the first batch always, a later one only while `clock()` has not passed
+        `deadline`."""
+        for i in range(0, len(items), self.at_once):
+            if i and clock() > deadline:
+                return
+            batch = items[i:i + self.at_once]
+            self.ahead([chromosome_of(item) for item in batch])
+            yield [(item, self.peak(chromosome_of(item))) for item in batch]
+
     def _written_ahead(self, chromosome) -> tuple | None:
         """What a worker answered for `chromosome` (`ahead`), None where it was not asked or failed."""
         return _answer(self._ahead.pop(chromosome.actions, None))
@@ -206,23 +217,20 @@ def kept_near(problem, start: Chromosome, budget: int, resident: int, peaks: Pro
             actions[k] = int(Action.KEEP)
         return problem.canonical(Chromosome(start.keys, tuple(actions)))
 
-    def fits(chromosome) -> bool:
-        peak = peaks.peak(chromosome)
+    def under(peak: int | None) -> bool:
         return peak is not None and resident + peak <= budget
+
+    def fits(chromosome) -> bool:
+        return under(peaks.peak(chromosome))
 
     base = problem.simulate(start).step_time
     recomputed = [k for k, a in enumerate(start.actions)
                   if a == Action.RECOMPUTE and Action.KEEP in problem.encoding.allowed[k]]
     gains = sorted(((base - problem.simulate(kept([k])).step_time, k) for k in recomputed), reverse=True)
     ranked = [k for gain, k in gains if gain > 0]
-    at_once = peaks.at_once
     alone, tried = [], 0
-    for i in range(0, len(ranked), at_once):
-        if i and clock() > deadline:
-            break
-        batch = ranked[i:i + at_once]
-        peaks.ahead([kept([k]) for k in batch])
-        alone += [k for k in batch if fits(kept([k]))]
+    for batch in peaks.in_batches(ranked, lambda k: kept([k]), deadline, clock):
+        alone += [k for k, peak in batch if under(peak)]
         tried += len(batch)
     if not alone:
         return Nearby(None, tried, 0, 0)
@@ -286,22 +294,16 @@ def descended(problem, start: Chromosome, budget: int, resident: int, peaks: Pro
     `problem`'s time."""
     current, began = problem.canonical(start), clock()
     reached = first = peaks.peak(current)
-    at_once = peaks.at_once
     steps = checked = 0
     failed = set()  # candidates whose flip was checked and did not lower the programs' peak
     while reached is not None and resident + reached > budget and clock() <= deadline:
         flips = _lower_flips(problem, current)
         flips = [f for f in flips if f[0] not in failed] + [f for f in flips if f[0] in failed]
         lowest = None
-        for i in range(0, min(len(flips), FLIP_BATCHES * at_once), at_once):
-            if i and clock() > deadline:
-                break
-            batch = flips[i:i + at_once]
-            peaks.ahead([c for _, c in batch])
+        for batch in peaks.in_batches(flips[:FLIP_BATCHES * peaks.at_once], lambda flip: flip[1], deadline, clock):
             checked += len(batch)
             lower = []
-            for k, c in batch:
-                peak = peaks.peak(c)
+            for (k, c), peak in batch:
                 if peak is not None and peak < reached:
                     lower.append((peak, k, c))  # candidates differ: chromosomes are never compared
                 else:
