@@ -13,9 +13,8 @@ import os
 import sys
 import time
 
-import yaml
-
 from gaswap.app import compare_screen
+import stored_run
 from gaswap.base import config
 from gaswap.base.config import format_size
 from gaswap.compiled import partition, step_model
@@ -42,10 +41,7 @@ def main(name: str, run: str) -> None:
     device, model, inputs, target, graph = cm.setup(exp)
     costs = measure(graph, device, f"{folder}/costs", threads=exp.costs.threads)
     space = config.load_search_space(partition.space_for(device))
-    c = yaml.safe_load(open(f"{folder}/p00.yaml"))["provenance"]["calibration"]
-    calibration = step_model.Calibration(c["base_s"], c["scale"], c["extern_scale"], c["mask_s_per_byte"],
-                                         c["saved_s_per_byte"], peak_offset=c["peak_offset_bytes"],
-                                         inline_recomputed=c["inline_recomputed"])
+    calibration = stored_run.calibration_of(f"{folder}/p00.yaml")
     problem = step_model.CompiledProblem(graph, costs, None, space, loss=exp.loss, calibration=calibration)
     resident = problem.fused.resident_bytes()
     torch_rows = [r for r in csv.DictReader(open(f"{folder}/compare.csv")) if r["method"] == "torch.compile"]

@@ -12,8 +12,7 @@ import os
 import sys
 import time
 
-import yaml
-
+import stored_run
 from gaswap.base import config
 from gaswap.compiled import calibration_run, dry_compile, partition, step_model
 from gaswap.compiled import methods as cm
@@ -30,10 +29,7 @@ def main(name: str, run: str, knob: float, ranked: int, timed: bool) -> None:
     space = config.load_search_space(partition.space_for(device))
     torch_actions = partition.torch_partitions(model, *inputs, budgets=(knob,), optimizer=exp.optimizer,
                                                counted=exp.counts)[1][knob]
-    c = yaml.safe_load(open(f"results/compare_time/{run}/p00.yaml"))["provenance"]["calibration"]
-    calibration = step_model.Calibration(c["base_s"], c["scale"], c["extern_scale"], c["mask_s_per_byte"],
-                                         c["saved_s_per_byte"], peak_offset=c["peak_offset_bytes"],
-                                         inline_recomputed=c["inline_recomputed"])
+    calibration = stored_run.calibration_of(f"results/compare_time/{run}/p00.yaml")
     provenance = {"optimizer": exp.optimizer, "counts": sorted(exp.counts)}
     problem = step_model.CompiledProblem(graph, costs, None, space, loss=exp.loss, calibration=calibration)
     checking = [0.0]  # CPU seconds in dry compiles

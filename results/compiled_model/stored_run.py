@@ -1,6 +1,7 @@
-"""A stored compare run's calibration read back for refitting, shared by the scripts of this folder that refit
-it (`base_floor.py`, `plain_backward.py`): a run folder holds its cost cache `costs/`, a compared policy `p00.yaml`
-(whose provenance holds the calibration's measured points) and `compare.csv`."""
+"""A stored compare run's calibration read back, shared by the scripts of this folder that refit it (`base_floor.py`,
+`plain_backward.py`) or price with it (`next_to_torch.py`, `below_torch.py`): a run folder holds its cost cache
+`costs/`, a compared policy `p00.yaml` (whose provenance holds the calibration and its measured points) and
+`compare.csv`."""
 import csv
 from pathlib import Path
 from typing import NamedTuple
@@ -11,6 +12,15 @@ from gaswap.base import config
 from gaswap.compiled import methods as compiled_methods
 from gaswap.compiled import partition, step_model
 from gaswap.run.measure import measure
+
+
+def calibration_of(policy_file: str | Path) -> step_model.Calibration:
+    """The calibration a compared policy was priced by, from its provenance (`Calibration.to_dict`; a run made
+    before the layout term has no `plain_backward_s`: 0)."""
+    c = yaml.safe_load(open(policy_file))["provenance"]["calibration"]
+    return step_model.Calibration(c["base_s"], c["scale"], c["extern_scale"], c["mask_s_per_byte"],
+                                  c["saved_s_per_byte"], peak_offset=c["peak_offset_bytes"],
+                                  inline_recomputed=c["inline_recomputed"], plain_rate=c.get("plain_backward_s", 0.0))
 
 
 class StoredRun(NamedTuple):
