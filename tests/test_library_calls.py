@@ -140,3 +140,23 @@ def test_a_compiled_step_that_recomputes_a_convolution_meters_its_programs_peak_
     counted = step_peak(dry, 32 * 10 * 4, "cross_entropy", library_calls.scratch)
     assert plain < 0.9 * meter.peak  # the programs alone miss the scratch
     assert abs(counted / meter.peak - 1) <= 0.01, (counted, meter.peak)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_a_calls_scratch_is_the_caching_allocators_peak_beyond_its_outputs():
+    program = Program(BACKWARD.replace("device='cpu'", "device='cuda:0'"))
+    library_calls._KNOWN.clear()
+    scratch = library_calls.scratch(program)
+    grad = torch.randn(8, 4, 4, 16, device="cuda").permute(0, 3, 1, 2)
+    x = torch.randn(8, 16, 4, 4, device="cuda").to(memory_format=torch.channels_last)
+    weight = torch.randn(16, 1, 7, 7, device="cuda")
+    call = (grad, x, weight, [16], (1, 1), (3, 3), (1, 1), False, (0, 0), 16, [True, True, True])
+    torch.ops.aten.convolution_backward.default(*call)  # cuDNN's handle and plans, made once
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    grads = torch.ops.aten.convolution_backward.default(*call)
+    torch.cuda.synchronize()
+    held = torch.cuda.max_memory_allocated() - start - sum(g.untyped_storage().nbytes() for g in grads)
+    assert scratch.get(CALL, 0) == held

@@ -10,7 +10,8 @@ output, and the policies that recompute one metered 33 to 56 % over their progra
 
 `scratch` calls each library call of a program once, with tensors of the sizes, strides and dtypes the program
 gives its arguments (random values) and its other arguments as printed, under the allocator's count (CPU: the
-profiler's memory events, one session for the calls of a program; CUDA: the caching allocator's peak), and takes
+profiler's memory events, one session for the calls of a program; CUDA: the caching allocator's peak, after a
+first call; cuDNN sizes its workspace by the memory free, so there it is the scratch with memory to spare), and takes
 what the call held at its peak beyond the outputs it returns. A call is replayed once per process: calls of the
 same function on the same layouts and arguments are remembered (`_KNOWN`). Nothing of the program is run or
 evaluated: its call lines are parsed (`ast`), their function looked up by name in `extern_kernels` and
@@ -194,9 +195,11 @@ def _range_peaks(profile) -> dict[int, int]:
 
 
 def _cuda_scratch(make, device: torch.device) -> int:
-    """The scratch of one call on a GPU, by the caching allocator's peak (0 where it cannot be made or fails)."""
+    """The scratch of one call on a GPU, by the caching allocator's peak (0 where it cannot be made or fails),
+    called once before (cuDNN's and cuBLAS's handles and workspaces, made once and kept, are no call's scratch)."""
     try:
         function, arguments, keywords = make()
+        function(*arguments, **keywords)
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         start = torch.cuda.memory_allocated(device)
