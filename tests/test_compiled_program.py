@@ -59,6 +59,16 @@ def test_a_library_calls_outputs_take_the_dtype_of_its_first_tensor_argument():
     assert walk.end == 64 + 8
 
 
+def test_layouts_name_inputs_buffers_outputs_and_what_a_reuse_hands_on():
+    layouts = Program(BACKWARD).layouts
+    assert layouts["saved"] == ((4, 8), (8, 1), "float16")  # the harness's input
+    assert layouts["buf0"] == ((4, 8), (8, 1), "float32")  # allocated
+    assert layouts["buf3"] == ((2, 2), (2, 1), "float32")  # a library call's output, in buf0's dtype
+    assert layouts["buf4"] == layouts["buf2"]  # handed on as it is
+    assert "buf5" not in layouts  # a view that allocates nothing and is no reuse
+    assert Program(BACKWARD).device == "cpu"
+
+
 def test_a_dynamic_shape_or_a_missing_program_is_refused():
     with pytest.raises(ProgramError, match="dynamic shape"):
         Program(BACKWARD.replace("empty_strided_cpu((4, 8)", "empty_strided_cpu((s0, 8)")).walk()

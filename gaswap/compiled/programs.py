@@ -40,6 +40,7 @@ _EMPTY = re.compile(rf"(\w+) = empty_strided\w*\({_TUPLE}, {_TUPLE}, torch\.(\w+
 _ASSERT = re.compile(rf"assert_size_stride\((\w+), {_TUPLE}, {_TUPLE}")
 _REUSE = re.compile(r"(\w+) = .*; del (\w+)\s+# reuse$")
 _VIEW_REUSE = re.compile(rf"(\w+) = reinterpret_tensor\((\w+), {_TUPLE}, {_TUPLE}, \d+\); del \w+\s+# reuse$")
+_PLAIN_REUSE = re.compile(r"(\w+) = (\w+); del \w+\s+# reuse$")
 _ITEM = re.compile(r"(\w+) = (\w+)\[\d+\]$")  # one output of a library call that returns several
 _ALIAS = re.compile(r"(\w+) = (reinterpret_tensor\(|\w+$)")
 _MADE = re.compile(r"(\w+) = [\w.]+\((.*)")  # a buffer a library call returns
@@ -202,8 +203,8 @@ def _returned(line: str) -> list[str]:
 def _layouts(body: list[str], harness: list[str]) -> tuple[dict, dict, dict, str]:
     """({name: Layout} of the inputs (from the benchmark harness's `rand_strided`), the buffers allocated
     (`empty_strided_*`) and the library calls' outputs (their `assert_size_stride`, in the dtype of the call's
-    first tensor argument); {name: Layout} of the buffers a reuse hands a freed one on to as a new view; {call: [its
-    outputs]} of the calls that return several; the inputs' device)."""
+    first tensor argument); {name: Layout} of the buffers a reuse hands a freed one on to (as it is, or as a view);
+    {call: [its outputs]} of the calls that return several; the inputs' device)."""
     shape, dtype, items, made_by, handed_on, device = {}, {}, {}, {}, {}, "cpu"
     for line in harness:
         if m := _INPUT.match(line):
@@ -217,15 +218,22 @@ def _layouts(body: list[str], harness: list[str]) -> tuple[dict, dict, dict, str
         elif m := _ASSERT.match(line):
             shape.setdefault(m.group(1), (m.group(2), m.group(3)))
         elif m := _VIEW_REUSE.match(line):
-            handed_on[m.group(1)] = (m.group(3), m.group(4), m.group(2))
+            handed_on[m.group(1)] = (m.group(2), m.group(3), m.group(4))
+        elif m := _PLAIN_REUSE.match(line):
+            handed_on[m.group(1)] = (m.group(2), None, None)
         elif (m := _MADE.match(line)) and not _REUSE.match(line) and not _ALIAS.match(line):
             argument = next((n for n in re.findall(r"\w+", m.group(2)) if n in dtype), None)
             dtype[m.group(1)] = dtype[argument] if argument else "float32"
     for name, parent in made_by.items():
         dtype.setdefault(name, dtype.get(parent, "float32"))
     layouts = {n: Layout(*_numbers(*s), dtype.get(n, "float32")) for n, s in shape.items()}
-    views = {n: Layout(*_numbers(size, stride), dtype.get(base, "float32"))
-             for n, (size, stride, base) in handed_on.items()}
+    views = {}  # in the order handed on: a reuse of a reuse finds its base's
+    for name, (base, size, stride) in handed_on.items():
+        known = layouts.get(base) or views.get(base)
+        if size is not None:
+            views[name] = Layout(*_numbers(size, stride), known.dtype if known else dtype.get(base, "float32"))
+        elif known is not None:
+            views[name] = known
     return layouts, views, items, device
 
 
