@@ -39,7 +39,7 @@ _INPUT = re.compile(rf"(\w+) = rand_strided\({_TUPLE}, {_TUPLE}, device='([\w:]+
 _EMPTY = re.compile(rf"(\w+) = empty_strided\w*\({_TUPLE}, {_TUPLE}, torch\.(\w+)\)$")
 _ASSERT = re.compile(rf"assert_size_stride\((\w+), {_TUPLE}, {_TUPLE}")
 _REUSE = re.compile(r"(\w+) = .*; del (\w+)\s+# reuse$")
-_VIEW_REUSE = re.compile(rf"(\w+) = reinterpret_tensor\((\w+), {_TUPLE}, {_TUPLE}, \d+\); del \w+\s+# reuse$")
+_VIEW = re.compile(rf"(\w+) = reinterpret_tensor\((\w+), {_TUPLE}, {_TUPLE}, \d+\)(; del \w+\s+# reuse)?$")
 _PLAIN_REUSE = re.compile(r"(\w+) = (\w+); del \w+\s+# reuse$")
 _ITEM = re.compile(r"(\w+) = (\w+)\[\d+\]$")  # one output of a library call that returns several
 _ALIAS = re.compile(r"(\w+) = (reinterpret_tensor\(|\w+$)")
@@ -152,8 +152,8 @@ class Program:
 
     @property
     def layouts(self) -> dict[str, Layout]:
-        """{name: Layout} of the inputs, the buffers allocated, the library calls' outputs and the views a reuse
-        hands a freed buffer on as."""
+        """{name: Layout} of the inputs, the buffers allocated, the library calls' outputs, the views named and
+        what a reuse hands a freed buffer on as."""
         return self._parts[5]
 
     @property
@@ -203,8 +203,9 @@ def _returned(line: str) -> list[str]:
 def _layouts(body: list[str], harness: list[str]) -> tuple[dict, dict, dict, str]:
     """({name: Layout} of the inputs (from the benchmark harness's `rand_strided`), the buffers allocated
     (`empty_strided_*`) and the library calls' outputs (their `assert_size_stride`, in the dtype of the call's
-    first tensor argument); {name: Layout} of the buffers a reuse hands a freed one on to (as it is, or as a view);
-    {call: [its outputs]} of the calls that return several; the inputs' device)."""
+    first tensor argument); {name: Layout} of the views named (`reinterpret_tensor`) and of the buffers a reuse hands
+    a freed one on to (as it is, or as a view); {call: [its outputs]} of the calls that return several; the inputs'
+    device)."""
     shape, dtype, items, made_by, handed_on, device = {}, {}, {}, {}, {}, "cpu"
     for line in harness:
         if m := _INPUT.match(line):
@@ -217,7 +218,7 @@ def _layouts(body: list[str], harness: list[str]) -> tuple[dict, dict, dict, str
             made_by[m.group(1)] = m.group(2)
         elif m := _ASSERT.match(line):
             shape.setdefault(m.group(1), (m.group(2), m.group(3)))
-        elif m := _VIEW_REUSE.match(line):
+        elif m := _VIEW.match(line):
             handed_on[m.group(1)] = (m.group(2), m.group(3), m.group(4))
         elif m := _PLAIN_REUSE.match(line):
             handed_on[m.group(1)] = (m.group(2), None, None)
