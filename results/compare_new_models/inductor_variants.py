@@ -2,10 +2,13 @@
 partition's programs' peak, library calls' scratch counted (`dry_compile.programs_of`, `library_calls.scratch`),
 under inductor's defaults, compare's `VARIANTS` and realize_reads 1 with no buffer reuse together; then torch's
 partitions at the budgets given compiled as torch.compile compiles them, and the first partition also as a gaswap
-policy under that last setting, each metered (allocator) and timed in CPU seconds, rounds rotated. Run from the
-repository root, one thread:
+policy under that last setting, each metered (allocator) and timed in CPU seconds, rounds rotated (`--peaks`: the
+programs' peaks alone). Run from the repository root, one thread:
     PYTHONPATH=. python results/compare_new_models/inductor_variants.py results/compare_new_models/convnext.yaml \
         0.2 0.5 > results/compare_new_models/inductor_variants.txt
+    for e in cnn separable unet normmix mixture window vit; do PYTHONPATH=. python \
+        results/compare_new_models/inductor_variants.py experiments/compare_${e}_cpu.yaml 0.2 0.5 --peaks; done \
+        > results/compare_new_models/inductor_variants_shipped.txt
 """
 import statistics
 import sys
@@ -20,7 +23,7 @@ TOGETHER = {"realize_reads": 1, "buffer_reuse": False}
 ROUNDS, STEPS = 6, 5
 
 
-def main(experiment: str, budgets: list[float]) -> None:
+def main(experiment: str, budgets: list[float], timed: bool = True) -> None:
     exp = config.load_experiment(experiment)
     device, model, inputs, target, graph = methods.setup(exp)
     output = graph.tensors[graph.loss].size
@@ -37,8 +40,10 @@ def main(experiment: str, budgets: list[float]) -> None:
             started = time.process_time()
             written = dry_compile.programs_of(model, partition.backend(policy(budget, settings)), *inputs)
             peak = programs.step_peak(written, output, exp.loss, library_calls.scratch)
-            print(f"torch {budget:g}'s partition, inductor {settings or 'defaults'}: programs {peak:,} B "
+            print(f"{exp.name}: torch {budget:g}'s partition, inductor {settings or 'defaults'}: programs {peak:,} B "
                   f"({time.process_time() - started:.1f} CPU s)", flush=True)
+    if not timed:
+        return
     runs = {}
     for budget in budgets:
         runs[f"torch.compile {budget:g}"] = lambda m, b=budget: methods.torch_compiled(m, b)
@@ -66,4 +71,4 @@ def main(experiment: str, budgets: list[float]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], [float(b) for b in sys.argv[2:]])
+    main(sys.argv[1], [float(b) for b in sys.argv[2:] if b != "--peaks"], "--peaks" not in sys.argv)
