@@ -202,7 +202,7 @@ def test_the_script_exits_2_without_deap_or_a_wheel_of_it(tmp_path):
 def test_only_the_files_with_cuda_tests_are_collected():
     """The lent GPU machine has no hypothesis: collecting every test file would stop pytest before any CUDA test."""
     files = gpu_check.cuda_test_files()
-    assert [f.name for f in files] == ["test_compiled.py", "test_runtime.py"]
+    assert [f.name for f in files] == ["test_compiled.py", "test_library_calls.py", "test_runtime.py"]
     assert all("hypothesis" not in f.read_text() for f in files)
 
 

@@ -27,6 +27,7 @@ from functools import partial
 import torch
 from torch._inductor.select_algorithm import extern_kernels
 
+from gaswap.base.errors import GaswapError
 from gaswap.compiled.programs import Layout, Program
 from gaswap.run.peak_meter import quiet_stderr
 
@@ -34,7 +35,7 @@ _KNOWN: dict[tuple, int] = {}  # a call's signature (`_signature`) -> its scratc
 _RANGE = "gaswap library call "  # the profiler ranges the calls run in
 
 
-class _Unreadable(Exception):
+class _Unreadable(GaswapError):
     """A call argument this module does not replay."""
 
 
