@@ -151,6 +151,40 @@ def test_a_budget_none_of_whose_candidates_fit_is_searched_again_under_the_progr
     assert asked == [("C", RESIDENT + 90)] and out == [("C", [found])] and made.unreached == {"C"}
 
 
+def test_the_budgets_searched_lower_are_searched_together_after_every_budget_is_checked(peaks, monkeypatch):
+    """With workers, the searches of a batch run at once (`compare._searches`): the lowered searches of all budgets
+    wait for every budget's check, then go together (on the GRU three ran one after another, about 20 s each)."""
+    from types import SimpleNamespace
+
+    from gaswap.app import compare
+    from gaswap.compiled import step_model
+
+    made, _, _ = peaks
+    batches = []
+
+    class Problem:  # stands for CompiledProblem
+        def __init__(self, graph, costs, budget, space, loss, calibration):
+            self.budget, self.canonical = budget - RESIDENT, (lambda c: c)
+
+    def search(problem, ga, seed, seeds):  # action 1 (programs 160) over both budgets; lower, action 2 (70)
+        front = [_evaluated(1, 1.0, 80)] if problem.budget >= 100 else [_evaluated(2, 1.5, min(60, problem.budget))]
+        return SimpleNamespace(best=front[0], front=front, fastest=front)
+
+    def searches(problems, exp, seeds, workers=None):
+        batches.append(sorted(p.budget for p in problems))
+        return [search(p, exp.ga, exp.seed, seeds) for p in problems]
+
+    monkeypatch.setattr(step_model, "CompiledProblem", Problem)
+    monkeypatch.setattr(compare, "_searches", searches)
+    exp = SimpleNamespace(loss="sum", ga=None, seed=0)
+    out = compare._search(exp, None, None, None, None, {}, [("A", RESIDENT + 150), ("B", RESIDENT + 120)], RESIDENT,
+                          lambda line: None, 3, made)
+    lowered = [int(b / (2 * (1 + compare.LOWERED_MARGIN))) for b in (120, 150)]
+    assert batches == [[120, 150], lowered]  # the first searches together, then both lowered together
+    assert [(label, [e.chromosome.actions for e in es]) for label, es in out] == [("A", [(2,)]), ("B", [(2,)])]
+    assert made.lowered == {"A": RESIDENT + lowered[1], "B": RESIDENT + lowered[0]}
+
+
 def test_a_policy_one_budgets_search_found_is_a_candidate_wherever_it_fits(monkeypatch):
     """Each budget's search is a GA of its own: one can stop short of a policy another found that fits it too (on
     separable, 39.5 ms predicted at 59.22 MB, where a 37.2 ms policy found at 62.35 MB fits)."""

@@ -297,7 +297,8 @@ def _search(exp, graph, costs, calibration, space, seeds, budgets, resident, pro
     (`ProgramPeaks.lowered`: the second round's model prices peaks as the first's did; on densenet the second
     round checked a candidate at the budget itself for 29 s, and lowered it again). `below(label, budget)`: where
     none fits even then, the policies found instead (`_below_torch`). `workers` (a `pool.CompilePool`): the
-    budgets' first searches run at once in its processes (`_searches`)."""
+    budgets' searches run at once in its processes (`_searches`), the first ones, then those searched lower (all
+    budgets checked first: on the GRU three lowered searches of about 20 s each ran one after another)."""
 
     size = max(finalists, 1) * (SCREENED if peaks is not None else 1)  # none timed: the model's choice
 
@@ -307,16 +308,6 @@ def _search(exp, graph, costs, calibration, space, seeds, budgets, resident, pro
     def said(label, result) -> None:
         progress(f"  gaswap search at {label}: " + ("nothing fits" if result.best is None else
                  f"{format_size(result.best.peak_bytes - resident)}, {result.best.step_time * 1e3:.2f} ms predicted"))
-
-    def searched_at(label, budget) -> tuple:
-        problem = problem_at(budget)
-        result = search(problem, exp.ga, exp.seed, seeds=seeds)
-        said(label, result)
-        return problem, result
-
-    def shortlist_at(label, budget) -> list[Evaluated]:
-        problem, result = searched_at(label, budget)
-        return _shortlist(result.front, result.fastest, problem.canonical, size)
 
     todo = []  # (label, budget, the budget searched under, how progress names it)
     for label, budget in budgets:
@@ -344,28 +335,42 @@ def _search(exp, graph, costs, calibration, space, seeds, budgets, resident, pro
             progress(f"  at {label}: a policy another budget's search found is faster in prediction "
                      f"({fitting[0].step_time * 1e3:.2f} ms)")
         searched.append((label, budget, _shortlist(fitting, (), problem.canonical, size)))
-    if peaks is not None:  # those each budget checks first (settled ones count), written at once with workers
-        first = []
-        for label, _, shortlist in searched:
-            first += [e.chromosome for e in shortlist[:finalists] if not (settled and settled(label, e))]
-        peaks.ahead(first)
-    out = []
+    if peaks is None:
+        return [(label, shortlist) for label, _, shortlist in searched if shortlist]
+    skip = {label: partial(settled, label) if settled else None for label, _, _ in searched}
+    _ahead(peaks, searched, finalists, settled)  # those each budget checks first, written at once with workers
+    screened = {}  # label -> (its shortlist whose programs fit, the least ratio of programs to model where none)
     for label, budget, shortlist in searched:
-        if peaks is not None and shortlist:
-            skip = partial(settled, label) if settled else None
-            shortlist, ratio = peaks.screen(label, budget, resident, shortlist, finalists, skip)
-            if ratio > 1:
-                lowered = resident + int((budget - resident) / (ratio * (1 + LOWERED_MARGIN)))
-                shortlist, _ = peaks.screen(label, budget, resident, shortlist_at(
-                    f"{label}, lowered to {format_size(lowered - resident)}", lowered), finalists, skip)
-                if shortlist:
-                    peaks.lowered[label] = lowered
-                else:
-                    peaks.unreached.add(label)  # the peaks are modelled alike in a second round: none would fit
-                    shortlist = below(label, budget) if below is not None else []
         if shortlist:
-            out.append((label, shortlist))
-    return out
+            screened[label] = peaks.screen(label, budget, resident, shortlist, finalists, skip[label])
+    # where none fits: each such budget searched once more, lowered by that ratio, the searches at once
+    ratios = {label: ratio for label, (_, ratio) in screened.items() if ratio > 1}
+    lower = [(label, budget, resident + int((budget - resident) / (ratios[label] * (1 + LOWERED_MARGIN))))
+             for label, budget, _ in searched if label in ratios]
+    problems = [problem_at(lowered) for *_, lowered in lower]
+    again = []
+    for (label, budget, lowered), problem, result in zip(lower, problems, _searches(problems, exp, seeds, workers)):
+        said(f"{label}, lowered to {format_size(lowered - resident)}", result)
+        again.append((label, budget, _shortlist(result.front, result.fastest, problem.canonical, size)))
+    _ahead(peaks, again, finalists, settled)
+    for (label, budget, shortlist), (_, _, lowered) in zip(again, lower):
+        fitting = peaks.screen(label, budget, resident, shortlist, finalists, skip[label])[0]
+        if fitting:
+            peaks.lowered[label] = lowered
+        else:
+            peaks.unreached.add(label)  # the peaks are modelled alike in a second round: none would fit
+            fitting = below(label, budget) if below is not None else []
+        screened[label] = (fitting, 1.0)
+    return [(label, screened[label][0]) for label, _, _ in searched if screened.get(label, ([], 1.0))[0]]
+
+
+def _ahead(peaks: ProgramPeaks, searched: list, finalists: int, settled=None) -> None:
+    """Start writing the programs of the candidates each budget of `searched` ((label, budget, shortlist)) checks
+    first (`settled` ones need none), all at once in the workers (`ProgramPeaks.ahead`)."""
+    first = [e.chromosome for label, _, shortlist in searched for e in shortlist[:finalists]
+             if not (settled and settled(label, e))]
+    if first:
+        peaks.ahead(first)
 
 
 def _searches(problems: list, exp, seeds, workers=None) -> list:
