@@ -71,6 +71,10 @@ def test_calls_of_other_namespaces_or_unreadable_arguments_are_left_out():
     assert library_calls._call(body[4], layouts) is None  # a comment naming aten ops
     assert library_calls._call(body[-3], layouts) is None  # torch.ops.gaswap
     assert library_calls._call(body[-2], layouts) is None  # an argument that is not a literal: `inf`
+    for odd in ("buf9 = extern_kernels.mm(reinterpret_tensor(convolution, (8, 16)), buf0)",  # too few arguments
+                "buf9 = extern_kernels.mm(reinterpret_tensor(convolution, (s0, 16), (16, 1), 0), buf0)",  # a symbol
+                "buf9 = extern_kernels.mm(convolution, buf0, alpha=1 +)"):  # not Python
+        assert library_calls._call(odd, layouts) is None, odd
     signature, (function, args, kwargs) = library_calls._call(body[CALL], layouts)
     assert function is torch.ops.aten.convolution_backward.default
     assert args[0] == ("tensor", ((8, 16, 4, 4), (256, 1, 64, 16), "float32"), 0)  # the view, in buf0's dtype

@@ -66,7 +66,7 @@ def _call(line: str, layouts: dict[str, Layout]) -> tuple[tuple, tuple] | None:
     try:
         args = tuple(_describe(a, layouts) for a in call.args)
         kwargs = tuple((k.arg, _describe(k.value, layouts)) for k in call.keywords)
-    except _Unreadable:
+    except (_Unreadable, ValueError, TypeError, SyntaxError):  # literal_eval's refusals of what is not a literal
         return None
     return (ast.unparse(call.func), args, kwargs), (function, args, kwargs)
 
@@ -96,9 +96,9 @@ def _describe(node: ast.expr, layouts: dict[str, Layout]) -> tuple:
     if isinstance(node, ast.Name) and node.id in layouts:
         return "tensor", layouts[node.id], 0
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "reinterpret_tensor":
-        base, size, stride, offset = node.args
-        if not isinstance(base, ast.Name) or base.id not in layouts:
+        if len(node.args) != 4 or not isinstance(node.args[0], ast.Name) or node.args[0].id not in layouts:
             raise _Unreadable(ast.unparse(node))
+        base, size, stride, offset = node.args
         layout = Layout(ast.literal_eval(size), ast.literal_eval(stride), layouts[base.id].dtype)
         return "tensor", layout, ast.literal_eval(offset)
     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch":
