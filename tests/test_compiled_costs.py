@@ -382,6 +382,24 @@ def test_the_base_is_never_under_the_steps_library_calls():
         [free.base, free.scale, free.mask_rate, free.saved_rate], rel=1e-9)
 
 
+def test_a_convolution_recomputed_where_the_backward_reads_nothing_it_makes_leaves_the_layout_plain():
+    """x -conv-> a -relu-> b, the backward reading b alone; `a` decidable (a library call's output). Recomputing `a`
+    with `b` kept puts no convolution in the backward (on a ConvNeXt-style net five of six convolution outputs so
+    recomputed left its layout as keep-all's: results/compare_new_models/backward_layout_probe.txt); recomputing `b`
+    from a recomputed `a` does."""
+    t = {"x": Tensor("x", MB, "input"), "w": Tensor("w", MB, "param"), "gw": Tensor("gw", MB, "grad", "wgrad")}
+    t |= {n: Tensor(n, MB, "activation", o)
+          for n, o in (("a", "conv"), ("b", "relu"), ("y", "sum"), ("g", "relu_bwd"))}
+    ops = (Op("conv", "aten.convolution.default", ("x", "w"), ("a",)), Op("relu", "aten.relu.default", ("a",), ("b",)),
+           Op("sum", "aten.sum.default", ("b",), ("y",)),
+           Op("relu_bwd", "aten.threshold_backward.default", ("b", "b"), ("g",), phase="bwd"),
+           Op("wgrad", "aten.mm.default", ("g", "x"), ("gw",), phase="bwd"))
+    g = Graph(ops, t, loss="y", decidable=frozenset({"a"}))
+    problem = cc.CompiledProblem(g, unit_costs(g), None, actions=(Action.KEEP, Action.RECOMPUTE))
+    assert {"a", "b"} <= set(problem.encoding.candidates)
+    assert [problem.plain_backward(_policy(problem, r)) for r in (set(), {"a"}, {"b"}, {"a", "b"})] == [1, 1, 1, 0]
+
+
 def test_library_seconds_sum_the_library_calls_alone():
     from gaswap.plan.graph import Graph, Op, Tensor
 

@@ -231,6 +231,7 @@ class CompiledProblem(Problem):
         self._action = [joint.get(t) for t in self.fused.candidates()]  # None: the output the loss reads, kept
         self._constant = constant_candidates(graph, self.encoding)  # always recomputed (`canonical`)
         self._convolutions = convolution_candidates(graph, self.encoding)  # `plain_backward`
+        self._read_back, self._sources = backward_reads(graph, self.encoding)  # `plain_backward`
         self._masks = [(k, size) for k, size in mask_bytes(graph, self.encoding.candidates)
                        if Action.RECOMPUTE in self.encoding.allowed[k]]  # (candidate, bytes): masks a policy may keep
         loss_time = {LOSS_OP: 0.0} if self._loss is not None else {}  # in the calibrated base
@@ -278,11 +279,21 @@ class CompiledProblem(Problem):
         return Chromosome(c.keys, tuple(actions))
 
     def plain_backward(self, c: Chromosome) -> float:
-        """1.0 where the forward holds convolutions and `c` recomputes none of them (inductor then lays the
-        backward out plainly, not channels-last: `Calibration`'s why), else 0.0."""
+        """1.0 where the forward holds convolutions and the backward of `c` runs none of them again (inductor then
+        lays it out plainly, not channels-last: `Calibration`'s why), else 0.0. The backward runs a recomputation
+        where it reads the value, or a value recomputed from it: on a ConvNeXt-style net five of six convolution
+        outputs recomputed alone (their readers' inputs kept) put no convolution in the backward, and its layout
+        was keep-all's (results/compare_new_models/backward_layout_probe.txt)."""
         if not self._convolutions:
             return 0.0
-        return float(not any(c.actions[k] == Action.RECOMPUTE for k in self._convolutions))
+        recomputed = {k for k, a in enumerate(c.actions) if a == Action.RECOMPUTE}
+        todo, run = [k for k in self._read_back if k in recomputed], set()
+        while todo:
+            k = todo.pop()
+            if k not in run:
+                run.add(k)
+                todo += [j for j in self._sources.get(k, ()) if j in recomputed]
+        return float(not any(k in run for k in self._convolutions))
 
     def kept_mask_bytes(self, c: Chromosome) -> int:
         """Bytes of the bool masks `c` keeps, of those it could recompute (the others are kept by every policy:
@@ -331,6 +342,32 @@ def convolution_candidates(graph: Graph, encoding) -> list[int]:
 
     return [k for k, (t, allowed) in enumerate(zip(encoding.candidates, encoding.allowed))
             if Action.RECOMPUTE in allowed and runs_convolution(t)]
+
+
+def backward_reads(graph: Graph, encoding) -> tuple[set[int], dict[int, set[int]]]:
+    """(indices in `encoding.candidates` of the candidates the backward reads: directly, or through activations no
+    candidate holds that are computed from them; {candidate: the nearest candidates it is computed from, through
+    activations no candidate holds}): a recomputed candidate runs in the backward where one of the first is
+    recomputed from it, or it is one (`CompiledProblem.plain_backward`)."""
+    index = {t: k for k, t in enumerate(encoding.candidates)}
+    nearest: dict[str, set[int]] = {}  # a tensor -> the candidates it is computed from, through non-candidates
+    sources, read = {}, set()
+
+    def through(t: str) -> set[int]:
+        if t in index:
+            return {index[t]}
+        return nearest.get(t, set()) if graph.tensors[t].kind == "activation" else set()
+
+    for op in graph.ops:  # in topological order
+        found = set().union(*(through(t) for t in op.inputs)) if op.inputs else set()
+        if op.phase == "bwd":
+            read |= found
+            continue
+        for t in op.outputs:
+            nearest[t] = found
+            if t in index:
+                sources[index[t]] = found
+    return read, sources
 
 
 # Comparisons: their results are bool masks (ReLU's `le`, dropout's `gt`).
