@@ -322,8 +322,8 @@ def constant_candidates(graph: Graph, encoding) -> list[int]:
 
 def convolution_candidates(graph: Graph, encoding) -> list[int]:
     """Indices (in `encoding.candidates`) of the candidates whose recomputation runs a forward convolution: made
-    by one, or computed from activations no candidate holds, one of which one makes (recomputed, such a
-    candidate puts a convolution in the backward: `CompiledProblem.plain_backward`)."""
+    by one, or computed from activations no candidate holds, one of which one makes (recomputed where the backward
+    runs it, such a candidate puts a convolution in the backward: `CompiledProblem.plain_backward`)."""
     producer = {op.name: op for op in graph.ops}
     candidates = set(encoding.candidates)
 
