@@ -26,6 +26,7 @@ from functools import partial
 
 import torch
 from torch._inductor.select_algorithm import extern_kernels
+from torch.utils._pytree import tree_leaves
 
 from gaswap.base.errors import GaswapError
 from gaswap.compiled.programs import Layout, Program
@@ -137,19 +138,10 @@ def _materialized(function, args: tuple, kwargs: tuple, device: torch.device) ->
 
 def _returned_bytes(result, arguments: list) -> int:
     """Bytes of the storages of the tensors `result` holds that no argument holds (what the call allocated)."""
-    held = {t.untyped_storage().data_ptr() for t in _tensors(arguments)}
-    made = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors([result])}
+    held = {t.untyped_storage().data_ptr() for t in tree_leaves(arguments) if isinstance(t, torch.Tensor)}
+    made = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in tree_leaves(result) if isinstance(t, torch.Tensor)}
     return sum(n for ptr, n in made.items() if ptr not in held)
-
-
-def _tensors(values) -> list[torch.Tensor]:
-    out = []
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            out.append(v)
-        elif isinstance(v, (list, tuple)):
-            out.extend(_tensors(v))
-    return out
 
 
 def _measure(calls: list[tuple], device: torch.device) -> dict:

@@ -286,6 +286,8 @@ class CompiledProblem(Problem):
         was keep-all's (results/compare_new_models/backward_layout_probe.txt)."""
         if not self._convolutions:
             return 0.0
+        if not any(c.actions[k] == Action.RECOMPUTE for k in self._convolutions):
+            return 1.0  # no convolution recomputed: none to run
         recomputed = {k for k, a in enumerate(c.actions) if a == Action.RECOMPUTE}
         todo, run = [k for k in self._read_back if k in recomputed], set()
         while todo:
@@ -516,7 +518,6 @@ def fit(points: list[tuple], floor: float = 0.0) -> Calibration:
     than their standalone time; bounded so, each calibration point of four separable runs, left out, is predicted
     within 13.8 % (median) against 20.4 %, and the base of no other experiment's fit moves
     (results/compiled_model/base_floor.txt)."""
-    points = [_padded(p) for p in points]
     if len(points) <= len(TERMS) + 1:
         return fit_terms(points, TERMS, floor)
 
